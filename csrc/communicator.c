@@ -1,0 +1,458 @@
+/* pyccl.Communicator: one NCCL communicator (one rank on one device).
+ *
+ * Created by Communicator(world_size, unique_id, rank, device=None), by
+ * init_rank (torch's spelling) or, for comms=None, as a clique over the
+ * devices of one process (ncclCommInitAll) cached per ordered device tuple.
+ * destroy() frees it at once, garbage collection frees it otherwise, and at
+ * interpreter exit nothing is freed: the CUDA runtime may already be going
+ * away, and a leak there is harmless while a crash is not. */
+#include "pyccl.h"
+
+#include <string.h>
+
+int
+pyccl_is_comm(pyccl_state *st, PyObject *obj)
+{
+    return PyObject_TypeCheck(obj, (PyTypeObject *)st->CommunicatorType);
+}
+
+int
+pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
+{
+    (void)st;
+    if (c->comm == NULL) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: the communicator (rank %d of %d) has been destroyed",
+                     op, c->rank, c->size);
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *
+pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size, int device)
+{
+    PyTypeObject *tp = (PyTypeObject *)st->CommunicatorType;
+    pyccl_comm *c = (pyccl_comm *)tp->tp_alloc(tp, 0);
+    if (c == NULL) {
+        return NULL;
+    }
+    c->comm = comm;
+    c->rank = rank;
+    c->size = size;
+    c->device = device;
+    return (PyObject *)c;
+}
+
+/* Destroy with the GIL released: ncclCommDestroy waits for the
+ * communicator's outstanding work. */
+static ncclResult_t
+destroy_comm(pyccl_state *st, pyccl_comm *c)
+{
+    ncclComm_t comm = c->comm;
+    ncclResult_t r = ncclSuccess;
+    c->comm = NULL;
+    if (comm == NULL || st->exiting || !st->api.loaded) {
+        return r;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    r = st->api.ncclCommDestroy(comm);
+    Py_END_ALLOW_THREADS
+    return r;
+}
+
+static int
+read_unique_id(const char *op, PyObject *uid, ncclUniqueId *out)
+{
+    Py_buffer view;
+    if (!PyObject_CheckBuffer(uid) || PyUnicode_Check(uid)) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: unique_id must be bytes (from unique_id()), got %.200s",
+                     op, Py_TYPE(uid)->tp_name);
+        return -1;
+    }
+    if (PyObject_GetBuffer(uid, &view, PyBUF_SIMPLE) < 0) {
+        return -1;
+    }
+    if (view.len != NCCL_UNIQUE_ID_BYTES) {
+        /* torch's text (without torch's SystemError on Python >= 3.10) */
+        PyErr_Format(PyExc_RuntimeError,
+                     "invalid unique_id (expected %d bytes, got %zd)",
+                     NCCL_UNIQUE_ID_BYTES, view.len);
+        PyBuffer_Release(&view);
+        return -1;
+    }
+    memcpy(out->internal, view.buf, NCCL_UNIQUE_ID_BYTES);
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+static int
+read_int(const char *op, const char *what, PyObject *obj, int *out)
+{
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be an int, got %.200s", op,
+                     what, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow;
+    long v = PyLong_AsLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow || v < INT32_MIN || v > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: %s=%S is out of range", op, what,
+                     obj);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+/* Shared by Communicator() and _nccl_init_rank(). */
+static PyObject *
+comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
+          PyObject *uid_obj, PyObject *rank_obj, PyObject *device_obj)
+{
+    int nranks, rank, device = -1, ndev = 0, prev = -1;
+    ncclUniqueId uid;
+    if (read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
+        read_unique_id(op, uid_obj, &uid) < 0 ||
+        read_int(op, "rank", rank_obj, &rank) < 0) {
+        return NULL;
+    }
+    if (device_obj != NULL && device_obj != Py_None &&
+        read_int(op, "device", device_obj, &device) < 0) {
+        return NULL;
+    }
+    if (nranks < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: world_size must be >= 1, got %d",
+                     op, nranks);
+        return NULL;
+    }
+    if (rank < 0 || rank >= nranks) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: rank %d is out of range for world_size %d "
+                     "(ranks are 0..%d)",
+                     op, rank, nranks, nranks - 1);
+        return NULL;
+    }
+    if (pyccl_load(st, op) < 0) {
+        return NULL;
+    }
+    const pyccl_api *a = &st->api;
+    cudaError_t ce = a->cudaGetDeviceCount(&ndev);
+    if (ce != cudaSuccess || ndev == 0) {
+        a->cudaGetLastError(); /* clear the sticky-free error */
+        PyErr_Format(st->CudaError,
+                     "%s: no CUDA GPU is available (cudaGetDeviceCount: %s)",
+                     op, ce != cudaSuccess ? a->cudaGetErrorString(ce)
+                                           : "0 devices");
+        return NULL;
+    }
+    if ((ce = a->cudaGetDevice(&prev)) != cudaSuccess) {
+        pyccl_raise_cuda(st, op, "cudaGetDevice", ce);
+        return NULL;
+    }
+    if (device < 0) {
+        if (device_obj != NULL && device_obj != Py_None) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: device must be >= 0, got %d", op, device);
+            return NULL;
+        }
+        device = prev;
+    }
+    if (device >= ndev) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: device %d does not exist (this process sees %d GPUs)",
+                     op, device, ndev);
+        return NULL;
+    }
+    ncclComm_t comm = NULL;
+    ncclResult_t r;
+    char last[512] = "";
+    Py_BEGIN_ALLOW_THREADS
+    ce = a->cudaSetDevice(device);
+    if (ce == cudaSuccess) {
+        r = a->ncclCommInitRank(&comm, nranks, uid, rank);
+        if (r != ncclSuccess && a->ncclGetLastError) {
+            strncpy(last, a->ncclGetLastError(NULL), sizeof last - 1);
+        }
+        a->cudaSetDevice(prev);
+    }
+    else {
+        r = ncclSuccess;
+    }
+    Py_END_ALLOW_THREADS
+    if (ce != cudaSuccess) {
+        pyccl_raise_cuda(st, op, "cudaSetDevice", ce);
+        return NULL;
+    }
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, r, last);
+        return NULL;
+    }
+    PyObject *c = pyccl_comm_new(st, comm, rank, nranks, device);
+    if (c == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        a->ncclCommDestroy(comm);
+        Py_END_ALLOW_THREADS
+    }
+    return c;
+}
+
+PyObject *
+pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
+                PyObject *rank)
+{
+    return comm_init(st, "init_rank", nranks, uid, rank, NULL);
+}
+
+static PyObject *
+comm_tp_new(PyTypeObject *tp, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"world_size", "unique_id", "rank", "device", NULL};
+    PyObject *n, *uid, *rank, *device = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O:Communicator",
+                                     kwlist, &n, &uid, &rank, &device)) {
+        return NULL;
+    }
+    pyccl_state *st = pyccl_state_of_type(tp);
+    if (st == NULL) {
+        return NULL;
+    }
+    return comm_init(st, "Communicator", n, uid, rank, device);
+}
+
+static void
+comm_dealloc(PyObject *self)
+{
+    pyccl_comm *c = (pyccl_comm *)self;
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    if (c->weakreflist != NULL) {
+        PyObject_ClearWeakRefs(self);
+    }
+    pyccl_state *st = PyType_GetModuleState(tp);
+    if (st != NULL && c->comm != NULL && !Py_IsFinalizing()) {
+        /* A failure here has nobody to report to; the memory is gone either
+         * way once the process ends. */
+        (void)destroy_comm(st, c);
+    }
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static int
+comm_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static PyObject *
+comm_destroy(PyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    pyccl_comm *c = (pyccl_comm *)self;
+    pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
+    if (st == NULL) {
+        return NULL;
+    }
+    ncclResult_t r = destroy_comm(st, c);
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, "destroy", r, NULL);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+comm_enter(PyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return Py_NewRef(self);
+}
+
+static PyObject *
+comm_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)args;
+    (void)nargs;
+    return comm_destroy(self, NULL);
+}
+
+static PyObject *
+comm_repr(PyObject *self)
+{
+    pyccl_comm *c = (pyccl_comm *)self;
+    return PyUnicode_FromFormat("<pyccl.Communicator rank=%d size=%d "
+                                "device=cuda:%d%s>",
+                                c->rank, c->size, c->device,
+                                c->comm ? "" : " destroyed");
+}
+
+static PyObject *
+comm_get_rank(PyObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(((pyccl_comm *)self)->rank);
+}
+
+static PyObject *
+comm_get_size(PyObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(((pyccl_comm *)self)->size);
+}
+
+static PyObject *
+comm_get_device(PyObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(((pyccl_comm *)self)->device);
+}
+
+static PyObject *
+comm_get_destroyed(PyObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(((pyccl_comm *)self)->comm == NULL);
+}
+
+static PyMethodDef comm_methods[] = {
+    {"destroy", comm_destroy, METH_NOARGS,
+     "destroy()\n--\n\nFree the NCCL communicator now (idempotent). Using it "
+     "afterwards raises RuntimeError."},
+    {"__enter__", comm_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))comm_exit, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef comm_getset[] = {
+    {"rank", comm_get_rank, NULL, "This communicator's rank.", NULL},
+    {"size", comm_get_size, NULL, "Number of ranks.", NULL},
+    {"device", comm_get_device, NULL, "CUDA device index.", NULL},
+    {"destroyed", comm_get_destroyed, NULL, "True after destroy().", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef comm_members[] = {
+    {"__weaklistoffset__", Py_T_PYSSIZET, offsetof(pyccl_comm, weakreflist),
+     Py_READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot comm_slots[] = {
+    {Py_tp_new, comm_tp_new},
+    {Py_tp_dealloc, comm_dealloc},
+    {Py_tp_traverse, comm_traverse},
+    {Py_tp_repr, comm_repr},
+    {Py_tp_methods, comm_methods},
+    {Py_tp_getset, comm_getset},
+    {Py_tp_members, comm_members},
+    {Py_tp_doc,
+     "Communicator(world_size, unique_id, rank, device=None)\n--\n\n"
+     "One rank of an NCCL communicator on one CUDA device (the current one "
+     "when device is None). Every rank passes the same unique_id."},
+    {0, NULL},
+};
+
+PyType_Spec pyccl_comm_spec = {
+    .name = "pyccl.Communicator",
+    .basicsize = sizeof(pyccl_comm),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = comm_slots,
+};
+
+/* ---- the comms=None clique cache ---- */
+
+static PyObject *
+clique_key(const int *devices, Py_ssize_t n)
+{
+    PyObject *key = PyTuple_New(n);
+    if (key == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyLong_FromLong(devices[i]);
+        if (d == NULL) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(key, i, d);
+    }
+    return key;
+}
+
+PyObject *
+pyccl_clique(pyccl_state *st, const char *op, const int *devices,
+             Py_ssize_t n)
+{
+    PyObject *key = clique_key(devices, n);
+    PyObject *found = NULL, *tuple = NULL;
+    ncclComm_t *comms = NULL;
+    if (key == NULL) {
+        return NULL;
+    }
+    if (PyDict_GetItemRef(st->cliques, key, &found) != 0) {
+        goto done; /* found, or an error */
+    }
+    /* Another thread may be creating the same clique: one creator at a
+     * time, and look again once the lock is held. */
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(st->clique_lock, WAIT_LOCK);
+    Py_END_ALLOW_THREADS
+    if (PyDict_GetItemRef(st->cliques, key, &found) != 0) {
+        goto unlock;
+    }
+    if (pyccl_load(st, op) < 0) {
+        goto unlock;
+    }
+    comms = PyMem_RawCalloc((size_t)n, sizeof(ncclComm_t));
+    if (comms == NULL) {
+        PyErr_NoMemory();
+        goto unlock;
+    }
+    ncclResult_t r;
+    char last[512] = "";
+    const pyccl_api *a = &st->api;
+    Py_BEGIN_ALLOW_THREADS
+    r = a->ncclCommInitAll(comms, (int)n, devices);
+    if (r != ncclSuccess && a->ncclGetLastError) {
+        strncpy(last, a->ncclGetLastError(NULL), sizeof last - 1);
+    }
+    Py_END_ALLOW_THREADS
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, r, last);
+        goto unlock;
+    }
+    tuple = PyTuple_New(n);
+    if (tuple == NULL) {
+        goto unlock;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = pyccl_comm_new(st, comms[i], (int)i, (int)n, devices[i]);
+        if (c == NULL) {
+            goto unlock;
+        }
+        comms[i] = NULL; /* owned by c now */
+        PyTuple_SET_ITEM(tuple, i, c);
+    }
+    if (PyDict_SetItem(st->cliques, key, tuple) == 0) {
+        found = Py_NewRef(tuple);
+    }
+unlock:
+    PyThread_release_lock(st->clique_lock);
+done:
+    if (comms != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (comms[i] != NULL) {
+                st->api.ncclCommDestroy(comms[i]);
+            }
+        }
+        PyMem_RawFree(comms);
+    }
+    Py_XDECREF(tuple);
+    Py_DECREF(key);
+    /* The dict keeps the tuple alive; hand back a borrowed reference. */
+    if (found != NULL) {
+        Py_DECREF(found);
+    }
+    return found;
+}

@@ -1,0 +1,88 @@
+/* Enqueueing validated NCCL work.
+ *
+ * The bindings (python_nccl.c, the Communicator methods) turn Python
+ * arguments into pyccl_task rows; this file is the one place that calls the
+ * NCCL collectives.  Several rows go into one ncclGroupStart/End, as NCCL
+ * requires when one thread drives several devices; the GIL is released for
+ * exactly that region, and NCCL's own error text is copied out before the GIL
+ * is taken back.  An error inside the group still ends the group, so NCCL's
+ * group state stays balanced and the process stays usable. */
+#include "pyccl.h"
+
+#include <string.h>
+
+static ncclResult_t
+enqueue_one(const pyccl_api *a, pyccl_coll coll, const pyccl_task *t,
+            int redop)
+{
+    ncclDataType_t type = (ncclDataType_t)t->type;
+    ncclRedOp_t op = (ncclRedOp_t)redop;
+    switch (coll) {
+    case PYCCL_ALL_REDUCE:
+        return a->ncclAllReduce(t->send, t->recv, t->count, type, op, t->comm,
+                                t->stream);
+    case PYCCL_REDUCE:
+        return a->ncclReduce(t->send, t->recv, t->count, type, op, t->peer,
+                             t->comm, t->stream);
+    case PYCCL_BROADCAST:
+        return a->ncclBroadcast(t->send, t->recv, t->count, type, t->peer,
+                                t->comm, t->stream);
+    case PYCCL_ALL_GATHER:
+        return a->ncclAllGather(t->send, t->recv, t->count, type, t->comm,
+                                t->stream);
+    case PYCCL_REDUCE_SCATTER:
+        return a->ncclReduceScatter(t->send, t->recv, t->count, type, op,
+                                    t->comm, t->stream);
+    case PYCCL_SEND:
+        return a->ncclSend(t->send, t->count, type, t->peer, t->comm,
+                           t->stream);
+    case PYCCL_RECV:
+        return a->ncclRecv(t->recv, t->count, type, t->peer, t->comm,
+                           t->stream);
+    }
+    return ncclInvalidArgument;
+}
+
+int
+pyccl_enqueue(pyccl_state *st, const char *op, pyccl_coll coll,
+              const pyccl_task *tasks, Py_ssize_t n, int redop)
+{
+    const pyccl_api *a = &st->api;
+    ncclResult_t r = ncclSuccess, r2;
+    char last[512] = "";
+    Py_BEGIN_ALLOW_THREADS
+    if (n == 1) {
+        r = enqueue_one(a, coll, &tasks[0], redop);
+        if (r != ncclSuccess && a->ncclGetLastError) {
+            strncpy(last, a->ncclGetLastError(tasks[0].comm), sizeof last - 1);
+        }
+    }
+    else {
+        ncclComm_t failed = NULL;
+        r = a->ncclGroupStart();
+        if (r == ncclSuccess) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                r = enqueue_one(a, coll, &tasks[i], redop);
+                if (r != ncclSuccess) {
+                    failed = tasks[i].comm;
+                    break;
+                }
+            }
+            /* Always close the group, even after a failed enqueue. */
+            r2 = a->ncclGroupEnd();
+            if (r == ncclSuccess) {
+                r = r2;
+                failed = tasks[0].comm;
+            }
+        }
+        if (r != ncclSuccess && a->ncclGetLastError) {
+            strncpy(last, a->ncclGetLastError(failed), sizeof last - 1);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, r, last);
+        return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,159 @@
+/* Finding NCCL and the CUDA runtime at first GPU use.
+ *
+ * pyccl links neither: importing pyccl._C must work on a machine with no GPU,
+ * driver or NCCL, and a process must hold exactly one NCCL (the one torch
+ * loaded, so pyccl.nccl.version() == torch.cuda.nccl.version() and
+ * communicators are interchangeable with torch's library state).  So the
+ * libraries already in the process are taken first (RTLD_NOLOAD); only when
+ * torch did not load them are the candidate paths from pyccl/_libs.py tried. */
+#include "pyccl.h"
+
+#include <dlfcn.h>
+#include <string.h>
+
+static const char *const nccl_sonames[] = {"libnccl.so.2", "libnccl.so", NULL};
+static const char *const cudart_sonames[] = {
+    "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", NULL};
+
+/* dlopen the first library found: loaded sonames, then the candidate paths,
+ * then the sonames through the loader's search path.  Errors accumulate in
+ * `tried` (a list of str) for the message. */
+static void *
+open_first(const char *const *sonames, PyObject *candidates, PyObject *tried)
+{
+    void *h;
+    for (const char *const *s = sonames; *s; s++) {
+        h = dlopen(*s, RTLD_NOW | RTLD_NOLOAD);
+        if (h) {
+            return h;
+        }
+    }
+    if (candidates) {
+        Py_ssize_t n = PyList_GET_SIZE(candidates);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const char *path = PyUnicode_AsUTF8(PyList_GET_ITEM(candidates, i));
+            if (path == NULL) {
+                return NULL;
+            }
+            /* RTLD_GLOBAL: a later torch import must find this same copy. */
+            h = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+            if (h) {
+                return h;
+            }
+            PyObject *msg = PyUnicode_FromString(dlerror());
+            if (msg == NULL || PyList_Append(tried, msg) < 0) {
+                Py_XDECREF(msg);
+                return NULL;
+            }
+            Py_DECREF(msg);
+        }
+    }
+    for (const char *const *s = sonames; *s; s++) {
+        h = dlopen(*s, RTLD_NOW | RTLD_GLOBAL);
+        if (h) {
+            return h;
+        }
+        PyObject *msg = PyUnicode_FromString(dlerror());
+        if (msg == NULL || PyList_Append(tried, msg) < 0) {
+            Py_XDECREF(msg);
+            return NULL;
+        }
+        Py_DECREF(msg);
+    }
+    return NULL;
+}
+
+static int
+raise_not_found(const char *op, const char *what, const char *hint,
+                PyObject *tried)
+{
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *sep = PyUnicode_FromString("; ");
+    PyObject *joined = sep ? PyUnicode_Join(sep, tried) : NULL;
+    Py_XDECREF(sep);
+    if (joined == NULL) {
+        return -1;
+    }
+    PyErr_Format(PyExc_RuntimeError, "%s: cannot load %s (%s). Tried: %U",
+                 op, what, hint, joined);
+    Py_DECREF(joined);
+    return -1;
+}
+
+int
+pyccl_load(pyccl_state *st, const char *op)
+{
+    pyccl_api *a = &st->api;
+    if (a->loaded) {
+        return 0;
+    }
+    PyObject *tried = PyList_New(0);
+    if (tried == NULL) {
+        return -1;
+    }
+    void *nccl = open_first(nccl_sonames, st->nccl_candidates, tried);
+    if (nccl == NULL) {
+        raise_not_found(op, "NCCL",
+                        "install nvidia-nccl-cu13 or set PYCCL_NCCL_LIBRARY",
+                        tried);
+        goto error;
+    }
+    void *cudart = open_first(cudart_sonames, st->cudart_candidates, tried);
+    if (cudart == NULL) {
+        raise_not_found(op, "the CUDA runtime",
+                        "install torch with CUDA, nvidia-cuda-runtime, or set "
+                        "PYCCL_CUDART_LIBRARY",
+                        tried);
+        goto error;
+    }
+    /* Resolve into a local table and publish it whole, so a failure leaves
+     * st->api untouched and the next call tries again. */
+    pyccl_api t;
+    memset(&t, 0, sizeof t);
+#define PYCCL_RESOLVE(name, handle, required)                                 \
+    *(void **)(&t.name) = dlsym(handle, #name);                               \
+    if (required && t.name == NULL) {                                         \
+        PyErr_Format(PyExc_RuntimeError,                                      \
+                     "%s: the loaded library lacks %s (too old for pyccl)",   \
+                     op, #name);                                              \
+        goto error;                                                           \
+    }
+#define PYCCL_NCCL_REQ(name) PYCCL_RESOLVE(name, nccl, 1)
+#define PYCCL_NCCL_OPT(name) PYCCL_RESOLVE(name, nccl, 0)
+#define PYCCL_CUDART_REQ(name) PYCCL_RESOLVE(name, cudart, 1)
+    PYCCL_NCCL_REQUIRED(PYCCL_NCCL_REQ)
+    PYCCL_NCCL_OPTIONAL(PYCCL_NCCL_OPT)
+    PYCCL_CUDART_REQUIRED(PYCCL_CUDART_REQ)
+#undef PYCCL_NCCL_REQ
+#undef PYCCL_NCCL_OPT
+#undef PYCCL_CUDART_REQ
+#undef PYCCL_RESOLVE
+    int version = 0;
+    ncclResult_t r = t.ncclGetVersion(&version);
+    if (r != ncclSuccess) {
+        PyErr_Format(PyExc_RuntimeError, "%s: ncclGetVersion failed (%d)", op,
+                     (int)r);
+        goto error;
+    }
+    t.nccl_version = version;
+    t.nccl_handle = nccl;
+    t.cudart_handle = cudart;
+    t.loaded = 1;
+    *a = t;
+    Py_DECREF(tried);
+    return 0;
+error:
+    Py_DECREF(tried);
+    return -1;
+}
+
+int
+pyccl_nccl_version(pyccl_state *st, const char *op)
+{
+    if (pyccl_load(st, op) < 0) {
+        return -1;
+    }
+    return st->api.nccl_version;
+}

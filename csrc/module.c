@@ -1,0 +1,264 @@
+/* pyccl._C: PEP 489 module definition.  The exec slot builds the module state
+ * (exception types, the Communicator heap type, interned names, constants);
+ * the bindings live in python_nccl.c.  Importing needs no GPU, driver, NCCL or
+ * torch: those are looked up on first use. */
+#include "pyccl.h"
+
+extern PyMethodDef pyccl_nccl_methods[];
+
+pyccl_state *
+pyccl_state_of_type(PyTypeObject *tp)
+{
+    pyccl_state *st = PyType_GetModuleState(tp);
+    if (st != NULL && pyccl_torch_init(st) < 0) {
+        return NULL;
+    }
+    return st;
+}
+
+/* _set_library_candidates(nccl_paths, cudart_paths): where to look for the
+ * libraries when torch has not loaded them (pyccl/_libs.py computes these). */
+static PyObject *
+set_library_candidates(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    pyccl_state *st = PyModule_GetState(m);
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "_set_library_candidates(nccl_paths: list[str], "
+                        "cudart_paths: list[str])");
+        return NULL;
+    }
+    for (int k = 0; k < 2; k++) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[k]); i++) {
+            if (!PyUnicode_Check(PyList_GET_ITEM(args[k], i))) {
+                PyErr_SetString(PyExc_TypeError,
+                                "_set_library_candidates: paths must be str");
+                return NULL;
+            }
+        }
+    }
+    Py_XSETREF(st->nccl_candidates, PyList_GetSlice(args[0], 0, PY_SSIZE_T_MAX));
+    Py_XSETREF(st->cudart_candidates,
+               PyList_GetSlice(args[1], 0, PY_SSIZE_T_MAX));
+    if (st->nccl_candidates == NULL || st->cudart_candidates == NULL) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* Registered with atexit: from here on communicators are leaked, not
+ * destroyed (see communicator.c). */
+static PyObject *
+at_exit(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    pyccl_state *st = PyModule_GetState(m);
+    st->exiting = 1;
+    Py_RETURN_NONE;
+}
+
+/* _library_paths() -> (nccl, cudart): the files actually in use. */
+static PyObject *
+library_paths(PyObject *m, PyObject *Py_UNUSED(ignored));
+
+static PyMethodDef module_methods[] = {
+    {"_set_library_candidates",
+     (PyCFunction)(void (*)(void))set_library_candidates, METH_FASTCALL, NULL},
+    {"_at_exit", at_exit, METH_NOARGS, NULL},
+    {"_library_paths", library_paths, METH_NOARGS,
+     "(nccl_path, cudart_path) of the loaded libraries."},
+    {NULL, NULL, 0, NULL},
+};
+
+#include <dlfcn.h>
+#include <link.h>
+
+static PyObject *
+handle_path(void *h)
+{
+    struct link_map *lm = NULL;
+    if (h == NULL || dlinfo(h, RTLD_DI_LINKMAP, &lm) != 0 || lm == NULL) {
+        Py_RETURN_NONE;
+    }
+    return PyUnicode_DecodeFSDefault(lm->l_name);
+}
+
+static PyObject *
+library_paths(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    pyccl_state *st = PyModule_GetState(m);
+    if (pyccl_load(st, "library_paths") < 0) {
+        return NULL;
+    }
+    PyObject *a = handle_path(st->api.nccl_handle);
+    PyObject *b = a ? handle_path(st->api.cudart_handle) : NULL;
+    PyObject *r = b ? PyTuple_Pack(2, a, b) : NULL;
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    return r;
+}
+
+static int
+module_exec(PyObject *m)
+{
+    pyccl_state *st = PyModule_GetState(m);
+    st->NcclError = PyErr_NewExceptionWithDoc(
+        "pyccl.NcclError",
+        "An NCCL call failed. Attributes: code (ncclResult_t), error_string "
+        "(ncclGetErrorString) and last_error (ncclGetLastError).",
+        PyExc_RuntimeError, NULL);
+    if (st->NcclError == NULL || PyModule_AddObjectRef(m, "NcclError", st->NcclError) < 0) {
+        return -1;
+    }
+    st->CudaError = PyErr_NewExceptionWithDoc(
+        "pyccl.CudaError",
+        "A CUDA runtime call failed (or no GPU is available). Attributes: "
+        "code and error_string.",
+        PyExc_RuntimeError, NULL);
+    if (st->CudaError == NULL || PyModule_AddObjectRef(m, "CudaError", st->CudaError) < 0) {
+        return -1;
+    }
+    st->CommunicatorType = PyType_FromModuleAndSpec(m, &pyccl_comm_spec, NULL);
+    if (st->CommunicatorType == NULL ||
+        PyModule_AddObjectRef(m, "Communicator", st->CommunicatorType) < 0) {
+        return -1;
+    }
+    st->cliques = PyDict_New();
+    st->nccl_candidates = PyList_New(0);
+    st->cudart_candidates = PyList_New(0);
+    if (st->cliques == NULL || st->nccl_candidates == NULL ||
+        st->cudart_candidates == NULL) {
+        return -1;
+    }
+    st->clique_lock = PyThread_allocate_lock();
+    if (st->clique_lock == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+#define INTERN(field, text)                                                   \
+    if ((st->field = PyUnicode_InternFromString(text)) == NULL) {             \
+        return -1;                                                            \
+    }
+    INTERN(s_is_cuda, "is_cuda")
+    INTERN(s_layout, "layout")
+    INTERN(s_dtype, "dtype")
+    INTERN(s_is_contiguous, "is_contiguous")
+    INTERN(s_numel, "numel")
+    INTERN(s_get_device, "get_device")
+    INTERN(s_data_ptr, "data_ptr")
+    INTERN(s_cuda_stream, "cuda_stream")
+    INTERN(s_device_index, "device_index")
+    INTERN(s_itemsize, "itemsize")
+#undef INTERN
+    if (PyModule_AddIntConstant(m, "SUM", ncclSum) < 0 ||
+        PyModule_AddIntConstant(m, "PROD", ncclProd) < 0 ||
+        PyModule_AddIntConstant(m, "MAX", ncclMax) < 0 ||
+        PyModule_AddIntConstant(m, "MIN", ncclMin) < 0 ||
+        PyModule_AddIntConstant(m, "AVG", ncclAvg) < 0 ||
+        PyModule_AddIntConstant(m, "NCCL_UNIQUE_ID_BYTES", NCCL_UNIQUE_ID_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "NCCL_BUILD_VERSION", NCCL_VERSION_CODE) < 0) {
+        return -1;
+    }
+    if (PyModule_AddFunctions(m, pyccl_nccl_methods) < 0) {
+        return -1;
+    }
+    /* Leak, never destroy, communicators once the interpreter is exiting. */
+    PyObject *atexit = PyImport_ImportModule("atexit");
+    if (atexit == NULL) {
+        return -1;
+    }
+    PyObject *hook = PyObject_GetAttrString(m, "_at_exit");
+    PyObject *r = hook ? PyObject_CallMethod(atexit, "register", "O", hook) : NULL;
+    Py_XDECREF(hook);
+    Py_DECREF(atexit);
+    if (r == NULL) {
+        return -1;
+    }
+    Py_DECREF(r);
+    return 0;
+}
+
+static int
+module_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    pyccl_state *st = PyModule_GetState(m);
+    if (st == NULL) {
+        return 0;
+    }
+    Py_VISIT(st->NcclError);
+    Py_VISIT(st->CudaError);
+    Py_VISIT(st->CommunicatorType);
+    Py_VISIT(st->cliques);
+    Py_VISIT(st->Tensor);
+    Py_VISIT(st->Stream);
+    return 0;
+}
+
+static int
+module_clear(PyObject *m)
+{
+    pyccl_state *st = PyModule_GetState(m);
+    if (st == NULL) {
+        return 0;
+    }
+    /* Cleared only at interpreter teardown: mark exiting first so the
+     * clique's communicators are leaked, not destroyed. */
+    st->exiting = 1;
+    Py_CLEAR(st->cliques);
+    Py_CLEAR(st->NcclError);
+    Py_CLEAR(st->CudaError);
+    Py_CLEAR(st->CommunicatorType);
+    Py_CLEAR(st->nccl_candidates);
+    Py_CLEAR(st->cudart_candidates);
+    Py_CLEAR(st->Tensor);
+    Py_CLEAR(st->Stream);
+    Py_CLEAR(st->strided);
+    Py_CLEAR(st->current_raw_stream);
+    for (int i = 0; i < PYCCL_NDTYPES; i++) {
+        Py_CLEAR(st->dtypes[i]);
+    }
+    Py_CLEAR(st->s_is_cuda);
+    Py_CLEAR(st->s_layout);
+    Py_CLEAR(st->s_dtype);
+    Py_CLEAR(st->s_is_contiguous);
+    Py_CLEAR(st->s_numel);
+    Py_CLEAR(st->s_get_device);
+    Py_CLEAR(st->s_data_ptr);
+    Py_CLEAR(st->s_cuda_stream);
+    Py_CLEAR(st->s_device_index);
+    Py_CLEAR(st->s_itemsize);
+    return 0;
+}
+
+static void
+module_free(void *m)
+{
+    pyccl_state *st = PyModule_GetState((PyObject *)m);
+    module_clear((PyObject *)m);
+    if (st != NULL && st->clique_lock != NULL) {
+        PyThread_free_lock(st->clique_lock);
+        st->clique_lock = NULL;
+    }
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "pyccl._C",
+    .m_doc = "NCCL collectives for PyTorch tensors, in C (no libtorch link).",
+    .m_size = sizeof(pyccl_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC
+PyInit__C(void)
+{
+    return PyModuleDef_Init(&module_def);
+}

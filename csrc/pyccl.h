@@ -1,0 +1,195 @@
+/* Shared declarations of pyccl._C: the module state, the loaded NCCL/CUDA
+ * function table, tensor descriptors and the enqueue entry point.  Every
+ * file under csrc/ includes this and nothing else of the project's. */
+#ifndef PYCCL_H
+#define PYCCL_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+
+/* Python 3.9-3.12 spellings of calls this code uses in their 3.13 form. */
+#if PY_VERSION_HEX < 0x030D0000
+#define Py_IsFinalizing() _Py_IsFinalizing()
+static inline int
+PyDict_GetItemRef(PyObject *d, PyObject *k, PyObject **out)
+{
+    *out = PyDict_GetItemWithError(d, k);
+    if (*out != NULL) {
+        Py_INCREF(*out);
+        return 1;
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+#endif
+#if PY_VERSION_HEX < 0x030C0000
+#define Py_T_PYSSIZET T_PYSSIZET
+#define Py_READONLY READONLY
+#endif
+
+/* Types and enum values only: no NCCL or CUDA symbol is linked.  The
+ * functions are reached through pyccl_api, filled by dlopen/dlsym from the
+ * libraries torch already loaded (see loader.c). */
+#include <nccl.h>
+
+/* NCCL calls pyccl resolves; a missing one means the library is too old. */
+#define PYCCL_NCCL_REQUIRED(X)                                              \
+    X(ncclGetVersion) X(ncclGetUniqueId) X(ncclCommInitRank)                \
+    X(ncclCommInitAll) X(ncclCommDestroy) X(ncclCommAbort) X(ncclCommCount) \
+    X(ncclCommCuDevice) X(ncclCommUserRank) X(ncclGetErrorString)           \
+    X(ncclGroupStart) X(ncclGroupEnd) X(ncclAllReduce) X(ncclReduce)        \
+    X(ncclBroadcast) X(ncclAllGather) X(ncclReduceScatter) X(ncclSend)      \
+    X(ncclRecv)
+/* Newer calls: NULL when the loaded NCCL predates them; checked at use. */
+#define PYCCL_NCCL_OPTIONAL(X)                                              \
+    X(ncclGetLastError) X(ncclCommGetAsyncError) X(ncclCommSplit)           \
+    X(ncclRedOpCreatePreMulSum) X(ncclRedOpDestroy)                         \
+    X(ncclCommInitRankConfig) X(ncclCommFinalize)
+#define PYCCL_CUDART_REQUIRED(X)                                            \
+    X(cudaGetDevice) X(cudaSetDevice) X(cudaGetDeviceCount)                 \
+    X(cudaGetErrorString) X(cudaGetLastError) X(cudaStreamSynchronize)      \
+    X(cudaDeviceSynchronize)
+
+#define PYCCL_DECLARE_FN(name) __typeof__(name) *name;
+typedef struct {
+    int loaded;
+    int nccl_version;          /* ncclGetVersion() of the loaded library */
+    void *nccl_handle;
+    void *cudart_handle;
+    PYCCL_NCCL_REQUIRED(PYCCL_DECLARE_FN)
+    PYCCL_NCCL_OPTIONAL(PYCCL_DECLARE_FN)
+    PYCCL_CUDART_REQUIRED(PYCCL_DECLARE_FN)
+} pyccl_api;
+#undef PYCCL_DECLARE_FN
+
+/* One row per torch dtype pyccl knows.  nccl < 0: NCCL has no such type
+ * (the bytes can still be moved by broadcast/all_gather). */
+typedef struct {
+    const char *attr;        /* torch.<attr> */
+    const char *scalar_name; /* c10 ScalarType name, as torch's errors print it */
+    int nccl;                /* ncclDataType_t or -1 */
+    int itemsize;
+    int min_nccl_version;    /* loaded NCCL must be at least this to use .nccl */
+} pyccl_dtype_info;
+
+#define PYCCL_NDTYPES 21
+extern const pyccl_dtype_info pyccl_dtype_table[PYCCL_NDTYPES];
+
+typedef struct {
+    /* exception types */
+    PyObject *NcclError;
+    PyObject *CudaError;
+    /* heap types */
+    PyObject *CommunicatorType;
+    /* NCCL/CUDA entry points, filled on first GPU use */
+    pyccl_api api;
+    PyObject *nccl_candidates;   /* list of str: where to look for libnccl */
+    PyObject *cudart_candidates; /* list of str: where to look for libcudart */
+    /* torch objects, looked up on first use (import pyccl._C needs no torch) */
+    int torch_ready;
+    PyObject *Tensor;            /* torch.Tensor */
+    PyObject *Stream;            /* torch.cuda.Stream */
+    PyObject *strided;           /* torch.strided */
+    PyObject *current_raw_stream;/* torch._C._cuda_getCurrentRawStream or NULL */
+    PyObject *dtypes[PYCCL_NDTYPES]; /* torch.<attr> for each table row, or NULL */
+    /* interned attribute names read off tensors and streams */
+    PyObject *s_is_cuda, *s_layout, *s_dtype, *s_is_contiguous, *s_numel,
+             *s_get_device, *s_data_ptr, *s_cuda_stream, *s_device_index,
+             *s_itemsize;
+    /* comms=None: one clique of communicators per ordered device tuple */
+    PyObject *cliques;           /* dict: tuple of ints -> tuple of Communicator */
+    PyThread_type_lock clique_lock;
+    int exiting;                 /* set at interpreter exit: leak, never destroy */
+} pyccl_state;
+
+/* ---- module.c ---- */
+pyccl_state *pyccl_state_of_type(PyTypeObject *tp);
+
+/* ---- loader.c ---- */
+/* Resolve NCCL and the CUDA runtime (torch's copies when loaded); -1 with an
+ * exception naming `op` when they cannot be found. */
+int pyccl_load(pyccl_state *st, const char *op);
+/* The NCCL version code of the loaded library, loading it if needed. */
+int pyccl_nccl_version(pyccl_state *st, const char *op);
+
+/* ---- errors.c ---- */
+/* Raise NcclError for `res`; `last` is ncclGetLastError text or NULL. */
+void pyccl_raise_nccl(pyccl_state *st, const char *op, ncclResult_t res,
+                      const char *last);
+void pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
+                      cudaError_t err);
+
+/* ---- tensor.c ---- */
+int pyccl_torch_init(pyccl_state *st);
+typedef struct {
+    PyObject *obj;     /* borrowed */
+    char *ptr;
+    int64_t numel;
+    int device;
+    int dtype;         /* row of pyccl_dtype_table, or -1 */
+    PyObject *dtype_obj; /* borrowed from the table or the tensor's own */
+    int itemsize;
+} pyccl_tensor;
+int pyccl_is_tensor(pyccl_state *st, PyObject *obj);
+/* The torch-order checks of one tensor: cuda dense, dtype == *ref_dtype
+ * (set it when NULL), contiguous.  Fills t.  RuntimeError with torch's texts. */
+int pyccl_check_tensor(pyccl_state *st, PyObject *obj, PyObject **ref_dtype,
+                       pyccl_tensor *t);
+/* NCCL type to reduce t with, or -1 with RuntimeError (op names the call). */
+int pyccl_reduce_type(pyccl_state *st, const char *op, const pyccl_tensor *t);
+/* NCCL type and count that move t's bytes unchanged. */
+void pyccl_move_type(pyccl_state *st, const pyccl_tensor *t, int *type,
+                     size_t *count, size_t numel);
+/* The stream to enqueue on: `stream` (a torch.cuda.Stream or None) checked
+ * against `device`; None means torch's current stream of that device. */
+int pyccl_stream(pyccl_state *st, const char *op, const char *what,
+                 PyObject *stream, int device, cudaStream_t *out);
+PyObject *pyccl_dtype_str(PyObject *dtype_obj);
+
+/* ---- communicator.c ---- */
+typedef struct {
+    PyObject_HEAD
+    ncclComm_t comm;     /* NULL once destroyed */
+    int rank;
+    int size;
+    int device;
+    PyObject *weakreflist;
+} pyccl_comm;
+extern PyType_Spec pyccl_comm_spec;
+int pyccl_is_comm(pyccl_state *st, PyObject *obj);
+/* Borrowed tuple of n communicators over `devices`, created once. */
+PyObject *pyccl_clique(pyccl_state *st, const char *op, const int *devices,
+                       Py_ssize_t n);
+PyObject *pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size,
+                         int device);
+/* -1 with RuntimeError when c was destroyed. */
+int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
+
+/* ---- enqueue.c ---- */
+typedef enum {
+    PYCCL_ALL_REDUCE,
+    PYCCL_REDUCE,
+    PYCCL_BROADCAST,
+    PYCCL_ALL_GATHER,
+    PYCCL_REDUCE_SCATTER,
+    PYCCL_SEND,
+    PYCCL_RECV,
+} pyccl_coll;
+
+typedef struct {
+    const void *send;
+    void *recv;
+    size_t count;        /* NCCL's count argument for this collective */
+    int type;            /* ncclDataType_t */
+    int peer;            /* root or peer rank */
+    ncclComm_t comm;
+    cudaStream_t stream;
+} pyccl_task;
+
+/* Enqueue the tasks as one NCCL group (no group for a single task), GIL
+ * released around exactly the NCCL calls; -1 with NcclError on failure. */
+int pyccl_enqueue(pyccl_state *st, const char *op, pyccl_coll coll,
+                  const pyccl_task *tasks, Py_ssize_t n, int redop);
+
+#endif /* PYCCL_H */

@@ -1,0 +1,522 @@
+/* The _nccl_* bindings behind pyccl.nccl, with torch._C's names and argument
+ * order: parse -> validate (torch's checks and texts, in torch's order) ->
+ * enqueue (enqueue.c).  Unlike torch: root is honoured by broadcast, sizes of
+ * all_gather/reduce_scatter scale by the communicator's rank count, fp8 is
+ * reduced natively, bool is never reduced as bytes, and NCCL errors raise
+ * NcclError instead of terminating the process. */
+#include "pyccl.h"
+
+#include <string.h>
+
+PyObject *pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
+                          PyObject *rank);
+
+static pyccl_state *
+get_state(PyObject *module)
+{
+    pyccl_state *st = PyModule_GetState(module);
+    if (st != NULL && pyccl_torch_init(st) < 0) {
+        return NULL;
+    }
+    return st;
+}
+
+static int
+check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)",
+                     name, want, nargs);
+        return -1;
+    }
+    return 0;
+}
+
+/* A collection of tensors (any iterable but a tensor), as a fast sequence. */
+static PyObject *
+tensor_seq(pyccl_state *st, PyObject *obj, const char *op, const char *what)
+{
+    PyObject *seq;
+    if (pyccl_is_tensor(st, obj) ||
+        (seq = PySequence_Fast(obj, "")) == NULL) {
+        PyErr_Clear();
+        if (strcmp(what, "inputs") == 0) {
+            PyErr_SetString(PyExc_TypeError,
+                            "Inputs should be a collection of tensors");
+        }
+        else {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: %s should be a collection of tensors, got %.200s",
+                         op, what, Py_TYPE(obj)->tp_name);
+        }
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!pyccl_is_tensor(st, item)) {
+            PyErr_Format(PyExc_TypeError, "expected Tensor at %zd (got %.200s)",
+                         i, Py_TYPE(item)->tp_name);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    return seq;
+}
+
+/* None, or a sequence of exactly n items. */
+static PyObject *
+optional_seq(PyObject *obj, Py_ssize_t n, const char *op, const char *what,
+             const char *count_msg)
+{
+    if (obj == Py_None) {
+        return Py_NewRef(Py_None);
+    }
+    PyObject *seq = PySequence_Fast(obj, "");
+    if (seq == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "%s: %s must be a sequence or None, got %.200s", op, what,
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_SetString(PyExc_RuntimeError, count_msg);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    return seq;
+}
+
+static int
+parse_int(const char *op, const char *what, PyObject *obj, int *out)
+{
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be an int, got %.200s", op,
+                     what, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow || v < INT32_MIN || v > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: %s=%S is out of range", op, what,
+                     obj);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+/* What a call looks like once its arguments are parsed. */
+typedef struct {
+    pyccl_coll coll;
+    const char *op;
+    int reduces;        /* reduction collective: needs a reducible dtype */
+    int out_mult_is_n;  /* all_gather: output = input x N */
+    int in_mult_is_n;   /* reduce_scatter: input = output x N */
+} coll_desc;
+
+static PyObject *
+collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
+           PyObject *outputs_obj, PyObject *root_obj, PyObject *redop_obj,
+           PyObject *streams_obj, PyObject *comms_obj)
+{
+    const char *op = d->op;
+    pyccl_state *st = get_state(module);
+    if (st == NULL) {
+        return NULL;
+    }
+    PyObject *inputs = NULL, *outputs = NULL, *streams = NULL, *comms = NULL;
+    PyObject *ref_dtype = NULL;
+    void *block = NULL;
+    PyObject *result = NULL;
+    int redop = 0, root = 0;
+
+    inputs = tensor_seq(st, inputs_obj, op, "inputs");
+    if (inputs == NULL) {
+        goto error;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(inputs);
+    int single_output = d->coll == PYCCL_REDUCE;
+    if (!single_output && outputs_obj != NULL && outputs_obj != Py_None) {
+        outputs = tensor_seq(st, outputs_obj, op, "outputs");
+        if (outputs == NULL) {
+            goto error;
+        }
+    }
+    else if (single_output && outputs_obj != Py_None &&
+             !pyccl_is_tensor(st, outputs_obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: output must be a Tensor or None, "
+                     "got %.200s", op, Py_TYPE(outputs_obj)->tp_name);
+        goto error;
+    }
+    streams = optional_seq(streams_obj, n, op, "streams",
+                           "number of streams is not equal to number of inputs");
+    if (streams == NULL) {
+        goto error;
+    }
+    comms = optional_seq(comms_obj, n, op, "comms",
+                         "number of communicators is not equal to number of inputs");
+    if (comms == NULL) {
+        goto error;
+    }
+    int have_comms = comms != Py_None;
+    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+        PyObject *c = PySequence_Fast_GET_ITEM(comms, i);
+        if (!pyccl_is_comm(st, c)) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: comms[%zd] must be a pyccl Communicator (from "
+                         "init_rank), got %.200s",
+                         op, i, Py_TYPE(c)->tp_name);
+            goto error;
+        }
+        if (pyccl_comm_alive(st, op, (pyccl_comm *)c) < 0) {
+            goto error;
+        }
+    }
+    if (n == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "input sequence can't be empty");
+        goto error;
+    }
+    if (outputs != NULL && PySequence_Fast_GET_SIZE(outputs) != n) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "inputs and outputs sequences have to be of the same "
+                     "length, but got input of length %zd and output of "
+                     "length %zd",
+                     n, PySequence_Fast_GET_SIZE(outputs));
+        goto error;
+    }
+    if (redop_obj != NULL) {
+        if (parse_int(op, "op", redop_obj, &redop) < 0) {
+            goto error;
+        }
+        /* With user communicators, values past AVG may be ops the user made
+         * on them (premul_sum); NCCL checks those. */
+        if (redop < 0 || (!have_comms && redop > ncclAvg)) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: op=%d is not a reduction op (SUM=0, PROD=1, "
+                         "MAX=2, MIN=3, AVG=4)",
+                         op, redop);
+            goto error;
+        }
+    }
+    int nranks = have_comms
+                     ? ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, 0))->size
+                     : (int)n;
+    if (root_obj != NULL) {
+        if (parse_int(op, "root", root_obj, &root) < 0) {
+            goto error;
+        }
+        if (root < 0 || root >= nranks) {
+            PyErr_SetString(PyExc_RuntimeError, "invalid root");
+            goto error;
+        }
+    }
+
+    /* Per-index state in one block: input and output descriptors, devices,
+     * tasks. */
+    size_t sz = (size_t)n * (2 * sizeof(pyccl_tensor) + sizeof(int) +
+                             sizeof(pyccl_task));
+    block = PyMem_Calloc(1, sz);
+    if (block == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    pyccl_tensor *tin = block;
+    pyccl_tensor *tout = tin + n;
+    pyccl_task *tasks = (pyccl_task *)(tout + n);
+    int *devices = (int *)(tasks + n);
+
+    /* The local index that is the root of a reduce (-1: none here). */
+    Py_ssize_t root_idx = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *in = PySequence_Fast_GET_ITEM(inputs, i);
+        if (pyccl_check_tensor(st, in, &ref_dtype, &tin[i]) < 0) {
+            goto error;
+        }
+        if (tin[i].numel != tin[0].numel) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "all inputs must have the same number of elements");
+            goto error;
+        }
+        int rank_i = have_comms
+                         ? ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->rank
+                         : (int)i;
+        int size_i = have_comms
+                         ? ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->size
+                         : (int)n;
+        if (root_obj != NULL && rank_i == root) {
+            root_idx = i;
+        }
+        if (outputs != NULL) {
+            PyObject *out = PySequence_Fast_GET_ITEM(outputs, i);
+            if (pyccl_check_tensor(st, out, &ref_dtype, &tout[i]) < 0) {
+                goto error;
+            }
+            if (tout[i].device != tin[i].device) {
+                PyErr_SetString(PyExc_RuntimeError,
+                                "input and output must be on the same device");
+                goto error;
+            }
+            /* torch's rule, output * out_mult == input * in_mult, with N the
+             * communicator's rank count (torch uses len(inputs)). */
+            int64_t lhs = tout[i].numel * (d->in_mult_is_n ? size_i : 1);
+            int64_t rhs = tin[0].numel * (d->out_mult_is_n ? size_i : 1);
+            if (lhs != rhs) {
+                PyErr_SetString(PyExc_RuntimeError,
+                                "output must be of size input_size * "
+                                "size_multiplier");
+                goto error;
+            }
+        }
+        else {
+            tout[i] = tin[i]; /* in place */
+        }
+        for (Py_ssize_t j = 0; j < i; j++) {
+            if (devices[j] == tin[i].device) {
+                PyErr_SetString(PyExc_RuntimeError,
+                                "inputs must be on unique devices");
+                goto error;
+            }
+        }
+        devices[i] = tin[i].device;
+        if (have_comms) {
+            pyccl_comm *c = (pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i);
+            if (c->device != tin[i].device) {
+                PyErr_Format(PyExc_RuntimeError,
+                             "%s: inputs[%zd] is on cuda:%d but comms[%zd] "
+                             "(rank %d) is on cuda:%d",
+                             op, i, tin[i].device, i, c->rank, c->device);
+                goto error;
+            }
+        }
+    }
+    if (single_output) {
+        /* reduce: one output, written on the root only; None = in place. */
+        if (outputs_obj != Py_None) {
+            pyccl_tensor o;
+            if (pyccl_check_tensor(st, outputs_obj, &ref_dtype, &o) < 0) {
+                goto error;
+            }
+            if (root_idx >= 0) {
+                if (o.device != tin[root_idx].device) {
+                    PyErr_SetString(PyExc_RuntimeError,
+                                    "input and output must be on the same "
+                                    "device");
+                    goto error;
+                }
+                if (o.numel != tin[0].numel) {
+                    PyErr_SetString(PyExc_RuntimeError,
+                                    "output must be of size input_size * "
+                                    "size_multiplier");
+                    goto error;
+                }
+                tout[root_idx] = o;
+            }
+        }
+    }
+
+    if (pyccl_load(st, op) < 0) {
+        goto error;
+    }
+    int type;
+    size_t count;
+    if (d->reduces) {
+        type = pyccl_reduce_type(st, op, &tin[0]);
+        if (type < 0) {
+            goto error;
+        }
+        count = (size_t)(d->in_mult_is_n ? tout[0].numel : tin[0].numel);
+    }
+    else {
+        pyccl_move_type(st, &tin[0], &type, &count, (size_t)tin[0].numel);
+    }
+    PyObject *clique = NULL;
+    if (!have_comms) {
+        clique = pyccl_clique(st, op, devices, n);
+        if (clique == NULL) {
+            goto error;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *s = streams == Py_None ? Py_None
+                                         : PySequence_Fast_GET_ITEM(streams, i);
+        char what[32];
+        PyOS_snprintf(what, sizeof what, "streams[%zd]", i);
+        if (pyccl_stream(st, op, what, s, tin[i].device, &tasks[i].stream) < 0) {
+            goto error;
+        }
+        pyccl_comm *c = (pyccl_comm *)(have_comms
+                                           ? PySequence_Fast_GET_ITEM(comms, i)
+                                           : PyTuple_GET_ITEM(clique, i));
+        tasks[i].comm = c->comm;
+        tasks[i].send = tin[i].ptr;
+        tasks[i].recv = tout[i].ptr;
+        tasks[i].count = count;
+        tasks[i].type = type;
+        tasks[i].peer = root;
+    }
+    /* Every rank sees the same count, so every rank skips alike. */
+    if (count > 0 && pyccl_enqueue(st, op, d->coll, tasks, n, redop) < 0) {
+        goto error;
+    }
+    result = Py_NewRef(Py_None);
+error:
+    PyMem_Free(block);
+    Py_XDECREF(inputs);
+    Py_XDECREF(outputs);
+    Py_XDECREF(streams);
+    Py_XDECREF(comms);
+    return result;
+}
+
+static const coll_desc ALL_REDUCE = {PYCCL_ALL_REDUCE, "all_reduce", 1, 0, 0};
+static const coll_desc REDUCE = {PYCCL_REDUCE, "reduce", 1, 0, 0};
+static const coll_desc BROADCAST = {PYCCL_BROADCAST, "broadcast", 0, 0, 0};
+static const coll_desc ALL_GATHER = {PYCCL_ALL_GATHER, "all_gather", 0, 1, 0};
+static const coll_desc REDUCE_SCATTER = {PYCCL_REDUCE_SCATTER, "reduce_scatter",
+                                         1, 0, 1};
+
+/* _nccl_all_reduce(inputs, outputs, op, streams, comms) */
+static PyObject *
+nccl_all_reduce(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("_nccl_all_reduce", nargs, 5) < 0) {
+        return NULL;
+    }
+    return collective(m, &ALL_REDUCE, args[0], args[1], NULL, args[2],
+                      args[3], args[4]);
+}
+
+/* _nccl_reduce(inputs, output, root, op, streams, comms) */
+static PyObject *
+nccl_reduce(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("_nccl_reduce", nargs, 6) < 0) {
+        return NULL;
+    }
+    return collective(m, &REDUCE, args[0], args[1], args[2], args[3], args[4],
+                      args[5]);
+}
+
+/* _nccl_broadcast(inputs, root, streams, comms) */
+static PyObject *
+nccl_broadcast(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("_nccl_broadcast", nargs, 4) < 0) {
+        return NULL;
+    }
+    return collective(m, &BROADCAST, args[0], NULL, args[1], NULL, args[2],
+                      args[3]);
+}
+
+/* _nccl_all_gather(inputs, outputs, streams, comms) */
+static PyObject *
+nccl_all_gather(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("_nccl_all_gather", nargs, 4) < 0) {
+        return NULL;
+    }
+    if (args[1] == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "all_gather: outputs is required");
+        return NULL;
+    }
+    return collective(m, &ALL_GATHER, args[0], args[1], NULL, NULL, args[2],
+                      args[3]);
+}
+
+/* _nccl_reduce_scatter(inputs, outputs, op, streams, comms) */
+static PyObject *
+nccl_reduce_scatter(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("_nccl_reduce_scatter", nargs, 5) < 0) {
+        return NULL;
+    }
+    if (args[1] == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "reduce_scatter: outputs is required");
+        return NULL;
+    }
+    return collective(m, &REDUCE_SCATTER, args[0], args[1], NULL, args[2],
+                      args[3], args[4]);
+}
+
+static PyObject *
+nccl_version(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    pyccl_state *st = PyModule_GetState(m);
+    int v = pyccl_nccl_version(st, "version");
+    return v < 0 ? NULL : PyLong_FromLong(v);
+}
+
+static PyObject *
+nccl_version_suffix(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    pyccl_state *st = PyModule_GetState(m);
+    int v = pyccl_nccl_version(st, "version");
+    if (v < 0) {
+        return NULL;
+    }
+    /* NCCL reports its suffix only at compile time: trust it only when the
+     * loaded library is the version pyccl was built against. */
+    return PyBytes_FromString(v == NCCL_VERSION_CODE ? NCCL_SUFFIX : "");
+}
+
+static PyObject *
+nccl_unique_id(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    pyccl_state *st = PyModule_GetState(m);
+    if (pyccl_load(st, "unique_id") < 0) {
+        return NULL;
+    }
+    ncclUniqueId id;
+    ncclResult_t r;
+    char last[512] = "";
+    const pyccl_api *a = &st->api;
+    Py_BEGIN_ALLOW_THREADS
+    r = a->ncclGetUniqueId(&id);
+    if (r != ncclSuccess && a->ncclGetLastError) {
+        strncpy(last, a->ncclGetLastError(NULL), sizeof last - 1);
+    }
+    Py_END_ALLOW_THREADS
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, "unique_id", r, last);
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize(id.internal, NCCL_UNIQUE_ID_BYTES);
+}
+
+/* _nccl_init_rank(nranks, unique_id, rank) */
+static PyObject *
+nccl_init_rank(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("_nccl_init_rank", nargs, 3) < 0) {
+        return NULL;
+    }
+    pyccl_state *st = PyModule_GetState(m);
+    return pyccl_init_rank(st, args[0], args[1], args[2]);
+}
+
+PyMethodDef pyccl_nccl_methods[] = {
+    {"_nccl_version", nccl_version, METH_NOARGS,
+     "NCCL version code of the loaded library (e.g. 22809)."},
+    {"_nccl_version_suffix", nccl_version_suffix, METH_NOARGS,
+     "NCCL version suffix as bytes."},
+    {"_nccl_unique_id", nccl_unique_id, METH_NOARGS,
+     "A fresh ncclUniqueId as 128 bytes."},
+    {"_nccl_init_rank", (PyCFunction)(void (*)(void))nccl_init_rank,
+     METH_FASTCALL, "_nccl_init_rank(nranks, unique_id, rank) -> Communicator"},
+    {"_nccl_all_reduce", (PyCFunction)(void (*)(void))nccl_all_reduce,
+     METH_FASTCALL, "_nccl_all_reduce(inputs, outputs, op, streams, comms)"},
+    {"_nccl_reduce", (PyCFunction)(void (*)(void))nccl_reduce, METH_FASTCALL,
+     "_nccl_reduce(inputs, output, root, op, streams, comms)"},
+    {"_nccl_broadcast", (PyCFunction)(void (*)(void))nccl_broadcast,
+     METH_FASTCALL, "_nccl_broadcast(inputs, root, streams, comms)"},
+    {"_nccl_all_gather", (PyCFunction)(void (*)(void))nccl_all_gather,
+     METH_FASTCALL, "_nccl_all_gather(inputs, outputs, streams, comms)"},
+    {"_nccl_reduce_scatter", (PyCFunction)(void (*)(void))nccl_reduce_scatter,
+     METH_FASTCALL, "_nccl_reduce_scatter(inputs, outputs, op, streams, comms)"},
+    {NULL, NULL, 0, NULL},
+};

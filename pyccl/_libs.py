@@ -1,0 +1,41 @@
+"""Where pyccl looks for NCCL and the CUDA runtime when torch has not loaded them.
+
+The C side first takes the copies already in the process (torch's), so these
+paths matter only for a CPU-only torch or a script that uses pyccl before
+torch has touched CUDA.  Order: explicit override, pip's nvidia wheels,
+NCCL_HOME / CUDA_HOME, then the loader's own search path (tried by the C side).
+"""
+import importlib.util
+import os
+
+
+def _nvidia_dirs():
+    spec = importlib.util.find_spec("nvidia")
+    return list(spec.submodule_search_locations) if spec else []
+
+
+def _existing(paths):
+    return [p for p in paths if p and os.path.isfile(p)]
+
+
+def nccl_candidates():
+    paths = [os.environ.get("PYCCL_NCCL_LIBRARY")]
+    paths += [os.path.join(d, "nccl", "lib", "libnccl.so.2") for d in _nvidia_dirs()]
+    for var in ("NCCL_HOME", "NCCL_ROOT"):
+        root = os.environ.get(var)
+        if root:
+            paths.append(os.path.join(root, "lib", "libnccl.so.2"))
+    return _existing(paths)
+
+
+def cudart_candidates():
+    paths = [os.environ.get("PYCCL_CUDART_LIBRARY")]
+    for d in _nvidia_dirs():
+        paths.append(os.path.join(d, "cu13", "lib", "libcudart.so.13"))
+        paths.append(os.path.join(d, "cuda_runtime", "lib", "libcudart.so.12"))
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(var)
+        if root:
+            paths += [os.path.join(root, "lib64", n) for n in ("libcudart.so.13", "libcudart.so.12", "libcudart.so")]
+    paths += [os.path.join("/usr/local/cuda/lib64", n) for n in ("libcudart.so.13", "libcudart.so.12")]
+    return _existing(paths)

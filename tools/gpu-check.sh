@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call: build pyccl, run the GPU test tier and a short benchmark.
+# Usage (device tool): bash tools/gpu-check.sh [pytest args...]
+# Writes env.txt, build.log, pytest.log, bench.txt under $OUT (or ./gpu-out).
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+
+{
+  date -u
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+  nvidia-smi topo -m
+  $PY -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version())'
+  $PY -m pip list 2>/dev/null | grep -i -E "^(torch|nvidia-nccl|setuptools|pytest|cupy|mpi4py) "
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+start=$(date +%s%N)
+if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+  tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+echo "build_ext --inplace: $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$OUT/build.log"
+# The offline pip path of the README must work too.
+if $PY -m pip wheel --no-build-isolation --no-deps -q -w /tmp/pyccl-wheel . >> "$OUT/build.log" 2>&1; then
+  echo "pip wheel --no-build-isolation: ok ($(ls /tmp/pyccl-wheel))" | tee -a "$OUT/build.log"
+else
+  echo "pip wheel --no-build-isolation: FAILED" | tee -a "$OUT/build.log"
+fi
+
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+set -o pipefail
+timeout 420 $PY -m pytest tests -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest.log" | tail -40
+rc=$?
+timeout 120 $PY tools/quick_bench.py 2>&1 | tee "$OUT/bench.txt"
+exit $rc
