@@ -24,17 +24,19 @@ def _has(d, headers):
     return all(os.path.isfile(os.path.join(d, h)) for h in headers)
 
 
-def _find_include(headers, env_vars, wheel_globs, system):
-    """First folder holding all `headers`: env roots, system, then pip wheels."""
+def _find_include(headers, env_vars, wheel_globs, system, wheels_first):
+    """First folder holding all `headers`: env roots, then pip wheels and the
+    system folders in the order asked for."""
     candidates = []
     for var in env_vars:
         root = os.environ.get(var)
         if root:
             candidates.append(os.path.join(root, "include"))
-    candidates += system
+    wheels = []
     for base in _nvidia_dirs():
         for pattern in wheel_globs:
-            candidates += sorted(glob.glob(os.path.join(base, pattern)), reverse=True)
+            wheels += sorted(glob.glob(os.path.join(base, pattern)), reverse=True)
+    candidates += wheels + system if wheels_first else system + wheels
     for d in candidates:
         if _has(d, headers):
             return d
@@ -44,8 +46,10 @@ def _find_include(headers, env_vars, wheel_globs, system):
     )
 
 
+# NCCL: the wheel torch loads its libnccl from comes before a system copy.
 nccl_inc = _find_include(
-    ["nccl.h"], ["NCCL_HOME", "NCCL_ROOT"], ["nccl/include"], ["/usr/include", "/usr/local/include"]
+    ["nccl.h"], ["NCCL_HOME", "NCCL_ROOT"], ["nccl/include"], ["/usr/include", "/usr/local/include"],
+    wheels_first=True,
 )
 cuda_inc = _find_include(
     # nccl.h includes cuda_runtime.h, which needs crt/ (nvidia-cuda-crt in pip's CUDA 13 wheels)
@@ -53,6 +57,7 @@ cuda_inc = _find_include(
     ["CUDA_HOME", "CUDA_PATH"],
     ["cu13/include", "cuda_runtime/include", "cu12/include"],
     ["/usr/local/cuda/include"],
+    wheels_first=False,
 )
 
 ext = Extension(

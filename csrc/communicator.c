@@ -50,13 +50,23 @@ static ncclResult_t
 destroy_comm(pyccl_state *st, pyccl_comm *c)
 {
     ncclComm_t comm = c->comm;
+    void *scratch = c->scratch;
     ncclResult_t r = ncclSuccess;
     c->comm = NULL;
+    c->scratch = NULL;
     if (comm == NULL || st->exiting || !st->api.loaded) {
         return r;
     }
+    const pyccl_api *a = &st->api;
     Py_BEGIN_ALLOW_THREADS
-    r = st->api.ncclCommDestroy(comm);
+    r = a->ncclCommDestroy(comm);
+    if (scratch != NULL) {
+        int prev = -1;
+        a->cudaGetDevice(&prev);
+        a->cudaSetDevice(c->device);
+        a->cudaFree(scratch);
+        a->cudaSetDevice(prev);
+    }
     Py_END_ALLOW_THREADS
     return r;
 }
@@ -309,12 +319,22 @@ comm_get_device(PyObject *self, void *Py_UNUSED(closure))
 }
 
 static PyObject *
+comm_get_handle(PyObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromVoidPtr(((pyccl_comm *)self)->comm);
+}
+
+static PyObject *
 comm_get_destroyed(PyObject *self, void *Py_UNUSED(closure))
 {
     return PyBool_FromLong(((pyccl_comm *)self)->comm == NULL);
 }
 
+#define PYCCL_OP_ENTRY(name)                                                  \
+    {#name, (PyCFunction)(void (*)(void))pyccl_comm_##name,                   \
+     METH_FASTCALL | METH_KEYWORDS, NULL},
 static PyMethodDef comm_methods[] = {
+    PYCCL_COMM_OPS(PYCCL_OP_ENTRY)
     {"destroy", comm_destroy, METH_NOARGS,
      "destroy()\n--\n\nFree the NCCL communicator now (idempotent). Using it "
      "afterwards raises RuntimeError."},
@@ -328,6 +348,8 @@ static PyGetSetDef comm_getset[] = {
     {"size", comm_get_size, NULL, "Number of ranks.", NULL},
     {"device", comm_get_device, NULL, "CUDA device index.", NULL},
     {"destroyed", comm_get_destroyed, NULL, "True after destroy().", NULL},
+    {"handle", comm_get_handle, NULL,
+     "The ncclComm_t as an int (0 once destroyed), for other NCCL users.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -455,4 +477,119 @@ done:
         Py_DECREF(found);
     }
     return found;
+}
+
+/* Several ranks of one job in this process, one per local device, created in
+ * one NCCL group (NCCL requires that when one thread inits several ranks). */
+PyObject *
+pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
+                 PyObject *ranks_obj, PyObject *devices_obj)
+{
+    const char *op = "init_ranks";
+    int nranks, ndev = 0, prev = -1;
+    ncclUniqueId uid;
+    PyObject *ranks = NULL, *devices = NULL, *list = NULL;
+    int *rk = NULL, *dv = NULL;
+    ncclComm_t *comms = NULL;
+    if (read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
+        read_unique_id(op, uid_obj, &uid) < 0) {
+        return NULL;
+    }
+    ranks = PySequence_Fast(ranks_obj, "init_ranks: ranks must be a sequence of ints");
+    devices = PySequence_Fast(devices_obj, "init_ranks: devices must be a sequence of ints");
+    if (ranks == NULL || devices == NULL) {
+        goto done;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ranks);
+    if (n == 0 || n != PySequence_Fast_GET_SIZE(devices)) {
+        PyErr_Format(PyExc_ValueError,
+                     "init_ranks: ranks and devices must be non-empty and of "
+                     "one length, got %zd and %zd",
+                     n, PySequence_Fast_GET_SIZE(devices));
+        goto done;
+    }
+    rk = PyMem_Calloc((size_t)n, sizeof(int));
+    dv = PyMem_Calloc((size_t)n, sizeof(int));
+    comms = PyMem_RawCalloc((size_t)n, sizeof(ncclComm_t));
+    if (rk == NULL || dv == NULL || comms == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (pyccl_load(st, op) < 0) {
+        goto done;
+    }
+    const pyccl_api *a = &st->api;
+    cudaError_t ce = a->cudaGetDeviceCount(&ndev);
+    if (ce != cudaSuccess || ndev == 0) {
+        a->cudaGetLastError();
+        PyErr_Format(st->CudaError, "%s: no CUDA GPU is available", op);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (read_int(op, "ranks[i]", PySequence_Fast_GET_ITEM(ranks, i), &rk[i]) < 0 ||
+            read_int(op, "devices[i]", PySequence_Fast_GET_ITEM(devices, i), &dv[i]) < 0) {
+            goto done;
+        }
+        if (rk[i] < 0 || rk[i] >= nranks) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: ranks[%zd]=%d is out of range for world_size %d",
+                         op, i, rk[i], nranks);
+            goto done;
+        }
+        if (dv[i] < 0 || dv[i] >= ndev) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: devices[%zd]=%d does not exist (this process "
+                         "sees %d GPUs)", op, i, dv[i], ndev);
+            goto done;
+        }
+    }
+    ncclResult_t r = ncclSuccess, r2;
+    char last[512] = "";
+    Py_BEGIN_ALLOW_THREADS
+    a->cudaGetDevice(&prev);
+    r = a->ncclGroupStart();
+    for (Py_ssize_t i = 0; r == ncclSuccess && i < n; i++) {
+        a->cudaSetDevice(dv[i]);
+        r = a->ncclCommInitRank(&comms[i], nranks, uid, rk[i]);
+    }
+    r2 = a->ncclGroupEnd();
+    if (r == ncclSuccess) {
+        r = r2;
+    }
+    if (r != ncclSuccess && a->ncclGetLastError) {
+        strncpy(last, a->ncclGetLastError(NULL), sizeof last - 1);
+    }
+    a->cudaSetDevice(prev);
+    Py_END_ALLOW_THREADS
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, r, last);
+        goto done;
+    }
+    list = PyList_New(n);
+    if (list == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = pyccl_comm_new(st, comms[i], rk[i], nranks, dv[i]);
+        if (c == NULL) {
+            Py_CLEAR(list);
+            goto done;
+        }
+        comms[i] = NULL;
+        PyList_SET_ITEM(list, i, c);
+    }
+done:
+    if (comms != NULL) {
+        for (Py_ssize_t i = 0; list == NULL && i < PySequence_Fast_GET_SIZE(ranks); i++) {
+            if (comms[i] != NULL) {
+                st->api.ncclCommDestroy(comms[i]);
+            }
+        }
+        PyMem_RawFree(comms);
+    }
+    PyMem_Free(rk);
+    PyMem_Free(dv);
+    Py_XDECREF(ranks);
+    Py_XDECREF(devices);
+    return list;
 }

@@ -12,12 +12,11 @@
 #include <string.h>
 
 static ncclResult_t
-enqueue_one(const pyccl_api *a, pyccl_coll coll, const pyccl_task *t,
-            int redop)
+enqueue_one(const pyccl_api *a, const pyccl_task *t, int redop)
 {
     ncclDataType_t type = (ncclDataType_t)t->type;
     ncclRedOp_t op = (ncclRedOp_t)redop;
-    switch (coll) {
+    switch (t->coll) {
     case PYCCL_ALL_REDUCE:
         return a->ncclAllReduce(t->send, t->recv, t->count, type, op, t->comm,
                                 t->stream);
@@ -44,15 +43,19 @@ enqueue_one(const pyccl_api *a, pyccl_coll coll, const pyccl_task *t,
 }
 
 int
-pyccl_enqueue(pyccl_state *st, const char *op, pyccl_coll coll,
-              const pyccl_task *tasks, Py_ssize_t n, int redop)
+pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
+              Py_ssize_t n, int redop, PyThread_type_lock serialize)
 {
     const pyccl_api *a = &st->api;
     ncclResult_t r = ncclSuccess, r2;
     char last[512] = "";
     Py_BEGIN_ALLOW_THREADS
+    /* Taken without the GIL: a holder may be waiting for the GIL. */
+    if (serialize != NULL) {
+        PyThread_acquire_lock(serialize, WAIT_LOCK);
+    }
     if (n == 1) {
-        r = enqueue_one(a, coll, &tasks[0], redop);
+        r = enqueue_one(a, &tasks[0], redop);
         if (r != ncclSuccess && a->ncclGetLastError) {
             strncpy(last, a->ncclGetLastError(tasks[0].comm), sizeof last - 1);
         }
@@ -62,7 +65,7 @@ pyccl_enqueue(pyccl_state *st, const char *op, pyccl_coll coll,
         r = a->ncclGroupStart();
         if (r == ncclSuccess) {
             for (Py_ssize_t i = 0; i < n; i++) {
-                r = enqueue_one(a, coll, &tasks[i], redop);
+                r = enqueue_one(a, &tasks[i], redop);
                 if (r != ncclSuccess) {
                     failed = tasks[i].comm;
                     break;
@@ -78,6 +81,9 @@ pyccl_enqueue(pyccl_state *st, const char *op, pyccl_coll coll,
         if (r != ncclSuccess && a->ncclGetLastError) {
             strncpy(last, a->ncclGetLastError(failed), sizeof last - 1);
         }
+    }
+    if (serialize != NULL) {
+        PyThread_release_lock(serialize);
     }
     Py_END_ALLOW_THREADS
     if (r != ncclSuccess) {

@@ -130,7 +130,8 @@ module_exec(PyObject *m)
         return -1;
     }
     st->clique_lock = PyThread_allocate_lock();
-    if (st->clique_lock == NULL) {
+    st->clique_call_lock = PyThread_allocate_lock();
+    if (st->clique_lock == NULL || st->clique_call_lock == NULL) {
         PyErr_NoMemory();
         return -1;
     }
@@ -148,6 +149,12 @@ module_exec(PyObject *m)
     INTERN(s_cuda_stream, "cuda_stream")
     INTERN(s_device_index, "device_index")
     INTERN(s_itemsize, "itemsize")
+    INTERN(s_cai, "__cuda_array_interface__")
+    INTERN(s_shape, "shape")
+    INTERN(s_typestr, "typestr")
+    INTERN(s_data, "data")
+    INTERN(s_strides, "strides")
+    INTERN(s_premul, "premul_scalar")
 #undef INTERN
     if (PyModule_AddIntConstant(m, "SUM", ncclSum) < 0 ||
         PyModule_AddIntConstant(m, "PROD", ncclProd) < 0 ||
@@ -226,6 +233,12 @@ module_clear(PyObject *m)
     Py_CLEAR(st->s_cuda_stream);
     Py_CLEAR(st->s_device_index);
     Py_CLEAR(st->s_itemsize);
+    Py_CLEAR(st->s_cai);
+    Py_CLEAR(st->s_shape);
+    Py_CLEAR(st->s_typestr);
+    Py_CLEAR(st->s_data);
+    Py_CLEAR(st->s_strides);
+    Py_CLEAR(st->s_premul);
     return 0;
 }
 
@@ -237,6 +250,10 @@ module_free(void *m)
     if (st != NULL && st->clique_lock != NULL) {
         PyThread_free_lock(st->clique_lock);
         st->clique_lock = NULL;
+    }
+    if (st != NULL && st->clique_call_lock != NULL) {
+        PyThread_free_lock(st->clique_call_lock);
+        st->clique_call_lock = NULL;
     }
 }
 

@@ -23,6 +23,9 @@ PyDict_GetItemRef(PyObject *d, PyObject *k, PyObject **out)
     return PyErr_Occurred() ? -1 : 0;
 }
 #endif
+#if PY_VERSION_HEX < 0x030D0000
+#define PyObject_GetOptionalAttr(o, n, r) _PyObject_LookupAttr((o), (n), (r))
+#endif
 #if PY_VERSION_HEX < 0x030C0000
 #define Py_T_PYSSIZET T_PYSSIZET
 #define Py_READONLY READONLY
@@ -49,7 +52,8 @@ PyDict_GetItemRef(PyObject *d, PyObject *k, PyObject **out)
 #define PYCCL_CUDART_REQUIRED(X)                                            \
     X(cudaGetDevice) X(cudaSetDevice) X(cudaGetDeviceCount)                 \
     X(cudaGetErrorString) X(cudaGetLastError) X(cudaStreamSynchronize)      \
-    X(cudaDeviceSynchronize)
+    X(cudaDeviceSynchronize) X(cudaPointerGetAttributes) X(cudaMalloc)      \
+    X(cudaFree)
 
 #define PYCCL_DECLARE_FN(name) __typeof__(name) *name;
 typedef struct {
@@ -96,10 +100,12 @@ typedef struct {
     /* interned attribute names read off tensors and streams */
     PyObject *s_is_cuda, *s_layout, *s_dtype, *s_is_contiguous, *s_numel,
              *s_get_device, *s_data_ptr, *s_cuda_stream, *s_device_index,
-             *s_itemsize;
+             *s_itemsize, *s_cai, *s_shape, *s_typestr, *s_data, *s_strides,
+             *s_premul;
     /* comms=None: one clique of communicators per ordered device tuple */
     PyObject *cliques;           /* dict: tuple of ints -> tuple of Communicator */
-    PyThread_type_lock clique_lock;
+    PyThread_type_lock clique_lock;      /* held while creating a clique */
+    PyThread_type_lock clique_call_lock; /* held while enqueueing on any clique */
     int exiting;                 /* set at interpreter exit: leak, never destroy */
 } pyccl_state;
 
@@ -137,6 +143,11 @@ int pyccl_is_tensor(pyccl_state *st, PyObject *obj);
 int pyccl_check_tensor(pyccl_state *st, PyObject *obj, PyObject **ref_dtype,
                        pyccl_tensor *t);
 /* NCCL type to reduce t with, or -1 with RuntimeError (op names the call). */
+/* The Communicator API's reader: a CUDA torch.Tensor or an object with
+ * __cuda_array_interface__ (CuPy, Numba, JAX), dense and contiguous, with the
+ * Communicator API's messages ("<op>: <what> ..."). */
+int pyccl_read_array(pyccl_state *st, const char *op, const char *what,
+                     PyObject *obj, pyccl_tensor *t);
 int pyccl_reduce_type(pyccl_state *st, const char *op, const pyccl_tensor *t);
 /* NCCL type and count that move t's bytes unchanged. */
 void pyccl_move_type(pyccl_state *st, const pyccl_tensor *t, int *type,
@@ -154,6 +165,7 @@ typedef struct {
     int rank;
     int size;
     int device;
+    void *scratch;       /* barrier()'s device word, allocated on first use */
     PyObject *weakreflist;
 } pyccl_comm;
 extern PyType_Spec pyccl_comm_spec;
@@ -163,8 +175,23 @@ PyObject *pyccl_clique(pyccl_state *st, const char *op, const int *devices,
                        Py_ssize_t n);
 PyObject *pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size,
                          int device);
+PyObject *pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
+                          PyObject *rank);
+PyObject *pyccl_init_ranks(pyccl_state *st, PyObject *nranks, PyObject *uid,
+                           PyObject *ranks, PyObject *devices);
 /* -1 with RuntimeError when c was destroyed. */
 int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
+
+/* ---- comm_ops.c: Communicator methods (METH_FASTCALL | METH_KEYWORDS) ---- */
+#define PYCCL_COMM_OPS(X)                                                     \
+    X(all_reduce) X(broadcast) X(reduce) X(all_gather) X(reduce_scatter)      \
+    X(send) X(recv) X(all_to_all) X(all_to_all_single) X(gather) X(scatter)   \
+    X(barrier) X(split)
+#define PYCCL_DECLARE_OP(name)                                                \
+    PyObject *pyccl_comm_##name(PyObject *self, PyObject *const *args,        \
+                                Py_ssize_t nargs, PyObject *kwnames);
+PYCCL_COMM_OPS(PYCCL_DECLARE_OP)
+#undef PYCCL_DECLARE_OP
 
 /* ---- enqueue.c ---- */
 typedef enum {
@@ -178,6 +205,7 @@ typedef enum {
 } pyccl_coll;
 
 typedef struct {
+    pyccl_coll coll;
     const void *send;
     void *recv;
     size_t count;        /* NCCL's count argument for this collective */
@@ -188,8 +216,10 @@ typedef struct {
 } pyccl_task;
 
 /* Enqueue the tasks as one NCCL group (no group for a single task), GIL
- * released around exactly the NCCL calls; -1 with NcclError on failure. */
-int pyccl_enqueue(pyccl_state *st, const char *op, pyccl_coll coll,
-                  const pyccl_task *tasks, Py_ssize_t n, int redop);
+ * released around exactly the NCCL calls; -1 with NcclError on failure.
+ * `serialize`, when not NULL, is held around the group: communicators shared
+ * between threads must see their groups in one order on every rank. */
+int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
+                  Py_ssize_t n, int redop, PyThread_type_lock serialize);
 
 #endif /* PYCCL_H */

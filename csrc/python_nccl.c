@@ -8,9 +8,6 @@
 
 #include <string.h>
 
-PyObject *pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
-                          PyObject *rank);
-
 static pyccl_state *
 get_state(PyObject *module)
 {
@@ -334,13 +331,6 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
     else {
         pyccl_move_type(st, &tin[0], &type, &count, (size_t)tin[0].numel);
     }
-    PyObject *clique = NULL;
-    if (!have_comms) {
-        clique = pyccl_clique(st, op, devices, n);
-        if (clique == NULL) {
-            goto error;
-        }
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *s = streams == Py_None ? Py_None
                                          : PySequence_Fast_GET_ITEM(streams, i);
@@ -349,9 +339,19 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
         if (pyccl_stream(st, op, what, s, tin[i].device, &tasks[i].stream) < 0) {
             goto error;
         }
+    }
+    PyObject *clique = NULL;
+    if (!have_comms) {
+        clique = pyccl_clique(st, op, devices, n);
+        if (clique == NULL) {
+            goto error;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
         pyccl_comm *c = (pyccl_comm *)(have_comms
                                            ? PySequence_Fast_GET_ITEM(comms, i)
                                            : PyTuple_GET_ITEM(clique, i));
+        tasks[i].coll = d->coll;
         tasks[i].comm = c->comm;
         tasks[i].send = tin[i].ptr;
         tasks[i].recv = tout[i].ptr;
@@ -360,7 +360,11 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
         tasks[i].peer = root;
     }
     /* Every rank sees the same count, so every rank skips alike. */
-    if (count > 0 && pyccl_enqueue(st, op, d->coll, tasks, n, redop) < 0) {
+    /* Two threads on one clique would interleave their groups differently
+     * on each device and deadlock: clique calls are serialized. */
+    if (count > 0 &&
+        pyccl_enqueue(st, op, tasks, n, redop,
+                      have_comms ? NULL : st->clique_call_lock) < 0) {
         goto error;
     }
     result = Py_NewRef(Py_None);
@@ -499,7 +503,61 @@ nccl_init_rank(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     return pyccl_init_rank(st, args[0], args[1], args[2]);
 }
 
+/* _nccl_init_ranks(world_size, unique_id, ranks, devices) -> [Communicator] */
+static PyObject *
+nccl_init_ranks(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("_nccl_init_ranks", nargs, 4) < 0) {
+        return NULL;
+    }
+    pyccl_state *st = PyModule_GetState(m);
+    return pyccl_init_ranks(st, args[0], args[1], args[2], args[3]);
+}
+
+/* _nccl_group_start() / _nccl_group_end(): pyccl.group()'s two halves. */
+static PyObject *
+nccl_group(PyObject *m, int start)
+{
+    pyccl_state *st = PyModule_GetState(m);
+    const char *op = start ? "group" : "group end";
+    if (pyccl_load(st, op) < 0) {
+        return NULL;
+    }
+    ncclResult_t r;
+    char last[512] = "";
+    const pyccl_api *a = &st->api;
+    /* the end of a group launches its work, and may block on peers */
+    Py_BEGIN_ALLOW_THREADS
+    r = start ? a->ncclGroupStart() : a->ncclGroupEnd();
+    if (r != ncclSuccess && a->ncclGetLastError) {
+        strncpy(last, a->ncclGetLastError(NULL), sizeof last - 1);
+    }
+    Py_END_ALLOW_THREADS
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, r, last);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+nccl_group_start(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    return nccl_group(m, 1);
+}
+
+static PyObject *
+nccl_group_end(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    return nccl_group(m, 0);
+}
+
 PyMethodDef pyccl_nccl_methods[] = {
+    {"_nccl_init_ranks", (PyCFunction)(void (*)(void))nccl_init_ranks,
+     METH_FASTCALL,
+     "_nccl_init_ranks(world_size, unique_id, ranks, devices) -> [Communicator]"},
+    {"_nccl_group_start", nccl_group_start, METH_NOARGS, "ncclGroupStart()"},
+    {"_nccl_group_end", nccl_group_end, METH_NOARGS, "ncclGroupEnd()"},
     {"_nccl_version", nccl_version, METH_NOARGS,
      "NCCL version code of the loaded library (e.g. 22809)."},
     {"_nccl_version_suffix", nccl_version_suffix, METH_NOARGS,

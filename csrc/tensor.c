@@ -130,6 +130,9 @@ read_bool(PyObject *obj, PyObject *name, int method)
     return r;
 }
 
+static int fill_tensor(pyccl_state *st, PyObject *obj, PyObject *dtype,
+                       pyccl_tensor *t);
+
 int
 pyccl_check_tensor(pyccl_state *st, PyObject *obj, PyObject **ref_dtype,
                    pyccl_tensor *t)
@@ -172,6 +175,13 @@ pyccl_check_tensor(pyccl_state *st, PyObject *obj, PyObject **ref_dtype,
                         "all inputs and outputs have to be contiguous");
         return -1;
     }
+    return fill_tensor(st, obj, dtype, t);
+}
+
+/* Read numel, device and data pointer, and place the dtype in the table. */
+static int
+fill_tensor(pyccl_state *st, PyObject *obj, PyObject *dtype, pyccl_tensor *t)
+{
     int64_t numel, device, ptr;
     if (read_i64(obj, st->s_numel, 1, &numel) < 0 ||
         read_i64(obj, st->s_get_device, 1, &device) < 0 ||
@@ -310,4 +320,192 @@ pyccl_stream(pyccl_state *st, const char *op, const char *what,
     }
     *out = (cudaStream_t)(intptr_t)raw;
     return 0;
+}
+
+/* ---- the Communicator API's reader ---- */
+
+/* __cuda_array_interface__ typestr -> table row (little-endian only). */
+static int
+typestr_row(const char *ts)
+{
+    static const struct {
+        const char *ts;
+        const char *attr;
+    } map[] = {
+        {"<f2", "float16"}, {"<f4", "float32"}, {"<f8", "float64"},
+        {"|i1", "int8"},    {"|u1", "uint8"},   {"<i4", "int32"},
+        {"<i8", "int64"},   {"<u4", "uint32"},  {"<u8", "uint64"},
+        {"|b1", "bool"},    {"<i2", "int16"},   {"<u2", "uint16"},
+        {"<c8", "complex64"}, {"<c16", "complex128"},
+        {"|i1", "int8"},
+    };
+    const char *alt = ts;
+    char buf[8];
+    /* '=' is native order, which is little-endian on every CUDA host. */
+    if (ts[0] == '=' && strlen(ts) < sizeof buf) {
+        buf[0] = '<';
+        strcpy(buf + 1, ts + 1);
+        alt = buf;
+    }
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++) {
+        if (strcmp(map[i].ts, alt) == 0 ||
+            (alt[0] == '<' && map[i].ts[0] == '|' && strcmp(map[i].ts + 1, alt + 1) == 0)) {
+            for (int r = 0; r < PYCCL_NDTYPES; r++) {
+                if (strcmp(pyccl_dtype_table[r].attr, map[i].attr) == 0) {
+                    return r;
+                }
+            }
+        }
+    }
+    return -1;
+}
+
+static int
+read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
+         PyObject *cai, pyccl_tensor *t)
+{
+    PyObject *shape, *typestr, *data, *strides;
+    if (!PyDict_Check(cai) ||
+        (shape = PyDict_GetItemWithError(cai, st->s_shape)) == NULL ||
+        (typestr = PyDict_GetItemWithError(cai, st->s_typestr)) == NULL ||
+        (data = PyDict_GetItemWithError(cai, st->s_data)) == NULL ||
+        !PyTuple_Check(shape) || !PyUnicode_Check(typestr) ||
+        !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: %s has a malformed __cuda_array_interface__",
+                         op, what);
+        }
+        return -1;
+    }
+    const char *ts = PyUnicode_AsUTF8(typestr);
+    if (ts == NULL) {
+        return -1;
+    }
+    int row = typestr_row(ts);
+    if (row < 0) {
+        PyErr_Format(PyExc_TypeError, "%s: %s has element type '%s', which "
+                     "pyccl cannot map to a torch dtype", op, what, ts);
+        return -1;
+    }
+    int64_t numel = 1;
+    Py_ssize_t nd = PyTuple_GET_SIZE(shape);
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        if (d == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        numel *= d;
+    }
+    int itemsize = pyccl_dtype_table[row].itemsize;
+    strides = PyDict_GetItemWithError(cai, st->s_strides);
+    if (strides == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    if (strides != NULL && strides != Py_None && numel > 1) {
+        /* C-contiguous means each stride is the product of later dims. */
+        int64_t expect = itemsize;
+        for (Py_ssize_t i = nd - 1; i >= 0; i--) {
+            long long dim = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+            long long s = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, i));
+            if (PyErr_Occurred()) {
+                return -1;
+            }
+            if (dim != 1 && s != expect) {
+                PyErr_Format(PyExc_ValueError, "%s: %s must be contiguous",
+                             op, what);
+                return -1;
+            }
+            expect *= dim;
+        }
+    }
+    unsigned long long ptr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(data, 0));
+    if (ptr == (unsigned long long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    int device = -1;
+    if (ptr != 0) {
+        if (pyccl_load(st, op) < 0) {
+            return -1;
+        }
+        struct cudaPointerAttributes attr;
+        cudaError_t e = st->api.cudaPointerGetAttributes(&attr, (void *)(uintptr_t)ptr);
+        if (e != cudaSuccess || attr.type != cudaMemoryTypeDevice) {
+            st->api.cudaGetLastError();
+            PyErr_Format(PyExc_ValueError,
+                         "%s: %s must be in CUDA device memory", op, what);
+            return -1;
+        }
+        device = attr.device;
+    }
+    t->obj = obj;
+    t->ptr = (char *)(uintptr_t)ptr;
+    t->numel = numel;
+    t->device = device;
+    t->dtype = row;
+    t->dtype_obj = st->dtypes[row];
+    t->itemsize = itemsize;
+    return 0;
+}
+
+int
+pyccl_read_array(pyccl_state *st, const char *op, const char *what,
+                 PyObject *obj, pyccl_tensor *t)
+{
+    if (!pyccl_is_tensor(st, obj)) {
+        PyObject *cai;
+        if (PyObject_GetOptionalAttr(obj, st->s_cai, &cai) < 0) {
+            return -1;
+        }
+        if (cai == NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: %s must be a torch.Tensor or an array with "
+                         "__cuda_array_interface__, got %.200s",
+                         op, what, Py_TYPE(obj)->tp_name);
+            return -1;
+        }
+        int rc = read_cai(st, op, what, obj, cai, t);
+        Py_DECREF(cai);
+        return rc;
+    }
+    int is_cuda = read_bool(obj, st->s_is_cuda, 0);
+    if (is_cuda < 0) {
+        return -1;
+    }
+    if (!is_cuda) {
+        PyObject *dev = PyObject_GetAttrString(obj, "device");
+        if (dev != NULL) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: %s must be a CUDA tensor, got one on %S", op,
+                         what, dev);
+            Py_DECREF(dev);
+        }
+        return -1;
+    }
+    PyObject *layout = PyObject_GetAttr(obj, st->s_layout);
+    if (layout == NULL) {
+        return -1;
+    }
+    if (layout != st->strided) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s must be a dense (strided) tensor, got layout %S",
+                     op, what, layout);
+        Py_DECREF(layout);
+        return -1;
+    }
+    Py_DECREF(layout);
+    int contiguous = read_bool(obj, st->s_is_contiguous, 1);
+    if (contiguous < 0) {
+        return -1;
+    }
+    if (!contiguous) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be contiguous", op, what);
+        return -1;
+    }
+    PyObject *dtype = PyObject_GetAttr(obj, st->s_dtype);
+    if (dtype == NULL) {
+        return -1;
+    }
+    Py_DECREF(dtype); /* dtype objects are immortal singletons of torch */
+    return fill_tensor(st, obj, dtype, t);
 }

@@ -1,9 +1,16 @@
 """pyccl: NCCL collectives for PyTorch tensors from a small C extension.
 
-`from pyccl import nccl` is a drop-in for `torch.cuda.nccl`; `pyccl.Communicator`
-is one rank of an NCCL communicator for multi-process programs.  Importing
-needs no GPU: GPU work raises pyccl.CudaError when none is there.
+- `pyccl.Communicator`: one rank of an NCCL communicator, with the collectives
+  as methods (all_reduce, broadcast, reduce, all_gather, reduce_scatter, send,
+  recv, all_to_all, all_to_all_single, gather, scatter, barrier, split).
+- `from pyccl import nccl`: a drop-in for `torch.cuda.nccl`.
+- Bootstrap: unique_id() + Communicator(...), init_from_env() (torchrun),
+  init_from_mpi(), init_ranks() for several GPUs per process.
+
+Importing needs no GPU: GPU work raises pyccl.CudaError when none is there.
 """
+import contextlib
+
 # torch first: it loads the libnccl and libcudart that pyccl must share
 # (one NCCL per process), which the C side then finds already in memory.
 import torch  # noqa: F401
@@ -24,6 +31,7 @@ from ._C import (  # noqa: E402
     NcclError,
 )
 from . import nccl  # noqa: E402
+from .launch import init_from_env, init_from_mpi, init_ranks  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -38,7 +46,35 @@ def init_rank(world_size: int, unique_id: bytes, rank: int, device=None) -> Comm
     return Communicator(world_size, unique_id, rank, device)
 
 
+class premul_sum:
+    """Reduction op: multiply each rank's input by `scalar`, then sum (ncclRedOpCreatePreMulSum)."""
+
+    __slots__ = ("premul_scalar",)
+
+    def __init__(self, scalar):
+        self.premul_scalar = float(scalar)
+
+    def __repr__(self):
+        return f"pyccl.premul_sum({self.premul_scalar!r})"
+
+
+@contextlib.contextmanager
+def group():
+    """Batch the calls inside into one NCCL group (ncclGroupStart/End).
+
+    The group is ended even when the body raises.  Needed for send/recv pairs
+    that must progress together and for driving several communicators from
+    one thread.
+    """
+    _C._nccl_group_start()
+    try:
+        yield
+    finally:
+        _C._nccl_group_end()
+
+
 __all__ = [
     "AVG", "MAX", "MIN", "PROD", "SUM", "NCCL_UNIQUE_ID_BYTES",
-    "Communicator", "CudaError", "NcclError", "init_rank", "nccl", "unique_id",
+    "Communicator", "CudaError", "NcclError", "group", "init_from_env", "init_from_mpi",
+    "init_rank", "init_ranks", "nccl", "premul_sum", "unique_id",
 ]

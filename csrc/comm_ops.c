@@ -1,0 +1,1056 @@
+/* The collective methods of pyccl.Communicator (the per-rank API).
+ *
+ * Each method: parse (fast call, keywords by name) -> read the arrays (a CUDA
+ * torch.Tensor, or __cuda_array_interface__) -> check them against this
+ * communicator (device, dtype, sizes, ranks) -> pyccl_task rows ->
+ * pyccl_enqueue.  Collectives with per-peer buffers (list outputs,
+ * all_to_all, gather, scatter) become one NCCL group of broadcast/reduce or
+ * send/recv rows, so they stay zero-copy. */
+#include "pyccl.h"
+
+#include <string.h>
+
+/* ---------------- argument parsing ---------------- */
+
+/* names[0..npos) may be positional, the rest keyword-only; the first nreq
+ * are required.  out[i] is a borrowed reference or NULL. */
+static int
+parse_args(const char *op, PyObject *const *args, Py_ssize_t nargs,
+           PyObject *kwnames, const char *const *names, int nnames, int npos,
+           int nreq, PyObject **out)
+{
+    memset(out, 0, sizeof(PyObject *) * (size_t)nnames);
+    if (nargs > npos) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s() takes at most %d positional arguments (%zd given)",
+                     op, npos, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        out[i] = args[i];
+    }
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+        int j = 0;
+        while (j < nnames && PyUnicode_CompareWithASCIIString(key, names[j]) != 0) {
+            j++;
+        }
+        if (j == nnames) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s() got an unexpected keyword argument '%U'", op, key);
+            return -1;
+        }
+        if (out[j] != NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s() got multiple values for argument '%s'", op,
+                         names[j]);
+            return -1;
+        }
+        out[j] = args[nargs + k];
+    }
+    for (int j = 0; j < nreq; j++) {
+        if (out[j] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'",
+                         op, names[j]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* ---------------- shared checks ---------------- */
+
+typedef struct {
+    pyccl_state *st;
+    pyccl_comm *c;
+    const char *op;
+} call_ctx;
+
+static int
+ctx_init(call_ctx *x, PyObject *self, const char *op)
+{
+    x->op = op;
+    x->c = (pyccl_comm *)self;
+    x->st = pyccl_state_of_type(Py_TYPE(self));
+    if (x->st == NULL || pyccl_comm_alive(x->st, op, x->c) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+/* Read an array that must live on this communicator's device. */
+static int
+read_on_comm(call_ctx *x, const char *what, PyObject *obj, pyccl_tensor *t)
+{
+    if (pyccl_read_array(x->st, x->op, what, obj, t) < 0) {
+        return -1;
+    }
+    if (t->device < 0) { /* empty CUDA-array-interface array: no pointer */
+        t->device = x->c->device;
+    }
+    if (t->device != x->c->device) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s is on cuda:%d but the communicator (rank %d) is "
+                     "on cuda:%d",
+                     x->op, what, t->device, x->c->rank, x->c->device);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+same_dtype(call_ctx *x, const char *what, const pyccl_tensor *t,
+           const char *ref_what, const pyccl_tensor *ref)
+{
+    if (t->dtype_obj != ref->dtype_obj) {
+        PyErr_Format(PyExc_TypeError, "%s: %s has dtype %S but %s has %S",
+                     x->op, what, t->dtype_obj, ref_what, ref->dtype_obj);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+numel_is(call_ctx *x, const char *what, const pyccl_tensor *t, int64_t want,
+         const char *why)
+{
+    if (t->numel != want) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s has %lld elements, expected %lld (%s)", x->op,
+                     what, (long long)t->numel, (long long)want, why);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+read_rank(call_ctx *x, const char *what, PyObject *obj, int *out)
+{
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be an int, got %.200s",
+                     x->op, what, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow;
+    long v = PyLong_AsLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow || v < 0 || v >= x->c->size) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s=%S is out of range for a communicator of size %d "
+                     "(ranks are 0..%d)",
+                     x->op, what, obj, x->c->size, x->c->size - 1);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int
+get_stream(call_ctx *x, PyObject *stream, cudaStream_t *out)
+{
+    return pyccl_stream(x->st, x->op, "stream", stream, x->c->device, out);
+}
+
+/* IEEE half and bfloat16 from float, round to nearest even. */
+static uint16_t
+float_to_half(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t mag = x & 0x7fffffffu;
+    if (mag >= 0x7f800000u) { /* inf or nan */
+        return (uint16_t)(sign | 0x7c00u | (mag > 0x7f800000u ? 0x200u : 0));
+    }
+    if (mag >= 0x477ff000u) { /* rounds past the largest half */
+        return (uint16_t)(sign | 0x7c00u);
+    }
+    if (mag < 0x38800000u) { /* subnormal half or zero */
+        float a;
+        memcpy(&a, &mag, 4);
+        /* 2^-24 is the subnormal step: adding 0.5 (2^-1) aligns the bits */
+        a += 0.5f;
+        uint32_t r;
+        memcpy(&r, &a, 4);
+        return (uint16_t)(sign | (r - 0x3f000000u));
+    }
+    uint32_t odd = (mag >> 13) & 1u;
+    mag += 0xc8000fffu + odd; /* rebias exponent (-112 << 23) and round */
+    return (uint16_t)(sign | (mag >> 13));
+}
+
+static uint16_t
+float_to_bf16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return (uint16_t)((x >> 16) | 0x40u); /* quiet nan */
+    }
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+/* An op argument: an int (SUM..AVG, or an op NCCL knows on this comm), or a
+ * pyccl.premul_sum(scalar), made into an NCCL op for this comm and dtype.
+ * *made is set when the caller must ncclRedOpDestroy it after enqueueing. */
+static int
+read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
+        int *redop, int *made)
+{
+    *made = 0;
+    if (obj == NULL) {
+        *redop = ncclSum;
+        return 0;
+    }
+    if (PyLong_Check(obj) && !PyBool_Check(obj)) {
+        long v = PyLong_AsLong(obj);
+        if (v == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (v < 0 || v > ncclAvg) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: op=%ld is not a reduction op (SUM=0, PROD=1, "
+                         "MAX=2, MIN=3, AVG=4, or pyccl.premul_sum(x))",
+                         x->op, v);
+            return -1;
+        }
+        *redop = (int)v;
+        return 0;
+    }
+    PyObject *scalar;
+    if (PyObject_GetOptionalAttr(obj, x->st->s_premul, &scalar) < 0) {
+        return -1;
+    }
+    if (scalar == NULL) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: op must be pyccl.SUM/PROD/MAX/MIN/AVG or "
+                     "pyccl.premul_sum(x), got %.200s",
+                     x->op, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    double v = PyFloat_AsDouble(scalar);
+    Py_DECREF(scalar);
+    if (v == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    union {
+        double f64;
+        float f32;
+        uint16_t u16;
+        int8_t i8;
+        uint8_t u8;
+        int32_t i32;
+        uint32_t u32;
+        int64_t i64;
+        uint64_t u64;
+    } buf;
+    switch (type) {
+    case ncclFloat64: buf.f64 = v; break;
+    case ncclFloat32: buf.f32 = (float)v; break;
+    case ncclFloat16: buf.u16 = float_to_half((float)v); break;
+    case ncclBfloat16: buf.u16 = float_to_bf16((float)v); break;
+    case ncclInt8: buf.i8 = (int8_t)v; break;
+    case ncclUint8: buf.u8 = (uint8_t)v; break;
+    case ncclInt32: buf.i32 = (int32_t)v; break;
+    case ncclUint32: buf.u32 = (uint32_t)v; break;
+    case ncclInt64: buf.i64 = (int64_t)v; break;
+    case ncclUint64: buf.u64 = (uint64_t)v; break;
+    default:
+        PyErr_Format(PyExc_TypeError, "%s: premul_sum does not support %S",
+                     x->op, t->dtype_obj);
+        return -1;
+    }
+    if (x->st->api.ncclRedOpCreatePreMulSum == NULL) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: premul_sum needs NCCL >= 2.11", x->op);
+        return -1;
+    }
+    ncclRedOp_t op;
+    ncclResult_t r = x->st->api.ncclRedOpCreatePreMulSum(
+        &op, &buf, (ncclDataType_t)type, ncclScalarHostImmediate, x->c->comm);
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(x->st, x->op, r,
+                         x->st->api.ncclGetLastError
+                             ? x->st->api.ncclGetLastError(x->c->comm)
+                             : NULL);
+        return -1;
+    }
+    *redop = (int)op;
+    *made = 1;
+    return 0;
+}
+
+static PyObject *
+finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop, int made)
+{
+    int rc = 0;
+    if (n > 0) {
+        rc = pyccl_enqueue(x->st, x->op, tasks, n, redop, NULL);
+    }
+    if (made) {
+        /* NCCL allows destroying the op once the call that used it returned */
+        x->st->api.ncclRedOpDestroy((ncclRedOp_t)redop, x->c->comm);
+    }
+    if (rc < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static void
+task(pyccl_task *t, pyccl_coll coll, const void *send, void *recv,
+     size_t count, int type, int peer, call_ctx *x, cudaStream_t s)
+{
+    t->coll = coll;
+    t->send = send;
+    t->recv = recv;
+    t->count = count;
+    t->type = type;
+    t->peer = peer;
+    t->comm = x->c->comm;
+    t->stream = s;
+}
+
+/* A list/tuple of exactly `size` arrays like `ref` (same dtype, `numel`
+ * elements each), or NULL-with-no-error when obj is not a list/tuple. */
+static pyccl_tensor *
+read_list(call_ctx *x, const char *what, PyObject *obj,
+          const pyccl_tensor *ref, const char *ref_what, int64_t numel)
+{
+    if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+    if (n != x->c->size) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s has %zd tensors, expected %d (one per rank)",
+                     x->op, what, n, x->c->size);
+        return NULL;
+    }
+    pyccl_tensor *ts = PyMem_Calloc((size_t)n, sizeof(pyccl_tensor));
+    if (ts == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char name[64];
+        PyOS_snprintf(name, sizeof name, "%s[%zd]", what, i);
+        PyObject *item = PySequence_Fast_GET_ITEM(obj, i);
+        if (read_on_comm(x, name, item, &ts[i]) < 0 ||
+            same_dtype(x, name, &ts[i], ref_what, ref) < 0 ||
+            numel_is(x, name, &ts[i], numel, "one chunk per rank") < 0) {
+            PyMem_Free(ts);
+            return NULL;
+        }
+    }
+    return ts;
+}
+
+/* ---------------- the methods ---------------- */
+
+/* all_reduce(tensor, op=SUM, *, out=None, stream=None) */
+PyObject *
+pyccl_comm_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                      PyObject *kwnames)
+{
+    static const char *const names[] = {"tensor", "op", "out", "stream"};
+    PyObject *a[4];
+    call_ctx x;
+    pyccl_tensor t, o;
+    cudaStream_t s;
+    int type, redop, made;
+    if (parse_args("all_reduce", args, nargs, kwnames, names, 4, 2, 1, a) < 0 ||
+        ctx_init(&x, self, "all_reduce") < 0 ||
+        read_on_comm(&x, "tensor", a[0], &t) < 0) {
+        return NULL;
+    }
+    o = t;
+    if (a[2] != NULL && a[2] != Py_None &&
+        (read_on_comm(&x, "out", a[2], &o) < 0 ||
+         same_dtype(&x, "out", &o, "tensor", &t) < 0 ||
+         numel_is(&x, "out", &o, t.numel, "same as tensor") < 0)) {
+        return NULL;
+    }
+    if ((type = pyccl_reduce_type(x.st, x.op, &t)) < 0 ||
+        get_stream(&x, a[3], &s) < 0 ||
+        read_op(&x, a[1], &t, type, &redop, &made) < 0) {
+        return NULL;
+    }
+    pyccl_task tk;
+    task(&tk, PYCCL_ALL_REDUCE, t.ptr, o.ptr, (size_t)t.numel, type, 0, &x, s);
+    return finish(&x, &tk, t.numel > 0, redop, made);
+}
+
+/* broadcast(tensor, root, *, out=None, stream=None) and
+ * reduce(tensor, root, op=SUM, *, out=None, stream=None) */
+static PyObject *
+rooted(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+       PyObject *kwnames, int is_reduce)
+{
+    static const char *const bnames[] = {"tensor", "root", "out", "stream"};
+    static const char *const rnames[] = {"tensor", "root", "op", "out", "stream"};
+    const char *op = is_reduce ? "reduce" : "broadcast";
+    PyObject *a[5];
+    PyObject *outobj, *streamobj, *opobj = NULL;
+    call_ctx x;
+    pyccl_tensor t, o;
+    cudaStream_t s;
+    int root, type, redop = 0, made = 0;
+    size_t count;
+    if (is_reduce) {
+        if (parse_args(op, args, nargs, kwnames, rnames, 5, 3, 2, a) < 0) {
+            return NULL;
+        }
+        opobj = a[2];
+        outobj = a[3];
+        streamobj = a[4];
+    }
+    else {
+        if (parse_args(op, args, nargs, kwnames, bnames, 4, 2, 2, a) < 0) {
+            return NULL;
+        }
+        outobj = a[2];
+        streamobj = a[3];
+    }
+    if (ctx_init(&x, self, op) < 0 || read_on_comm(&x, "tensor", a[0], &t) < 0 ||
+        read_rank(&x, "root", a[1], &root) < 0) {
+        return NULL;
+    }
+    o = t;
+    if (outobj != NULL && outobj != Py_None &&
+        (read_on_comm(&x, "out", outobj, &o) < 0 ||
+         same_dtype(&x, "out", &o, "tensor", &t) < 0 ||
+         numel_is(&x, "out", &o, t.numel, "same as tensor") < 0)) {
+        return NULL;
+    }
+    if (is_reduce) {
+        if ((type = pyccl_reduce_type(x.st, op, &t)) < 0) {
+            return NULL;
+        }
+        count = (size_t)t.numel;
+    }
+    else {
+        pyccl_move_type(x.st, &t, &type, &count, (size_t)t.numel);
+    }
+    if (get_stream(&x, streamobj, &s) < 0 ||
+        (is_reduce && read_op(&x, opobj, &t, type, &redop, &made) < 0)) {
+        return NULL;
+    }
+    pyccl_task tk;
+    task(&tk, is_reduce ? PYCCL_REDUCE : PYCCL_BROADCAST, t.ptr, o.ptr, count,
+         type, root, &x, s);
+    return finish(&x, &tk, count > 0, redop, made);
+}
+
+PyObject *
+pyccl_comm_broadcast(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                     PyObject *kwnames)
+{
+    return rooted(self, args, nargs, kwnames, 0);
+}
+
+PyObject *
+pyccl_comm_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                  PyObject *kwnames)
+{
+    return rooted(self, args, nargs, kwnames, 1);
+}
+
+/* all_gather(input, output, *, stream=None): output is one array of size x
+ * input elements, or a list of size arrays (a group of broadcasts). */
+PyObject *
+pyccl_comm_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                      PyObject *kwnames)
+{
+    static const char *const names[] = {"input", "output", "stream"};
+    PyObject *a[3], *res = NULL;
+    call_ctx x;
+    pyccl_tensor in, out, *list = NULL;
+    pyccl_task *tasks = NULL;
+    cudaStream_t s;
+    int type;
+    size_t count;
+    if (parse_args("all_gather", args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
+        ctx_init(&x, self, "all_gather") < 0 ||
+        read_on_comm(&x, "input", a[0], &in) < 0 ||
+        get_stream(&x, a[2], &s) < 0) {
+        return NULL;
+    }
+    pyccl_move_type(x.st, &in, &type, &count, (size_t)in.numel);
+    list = read_list(&x, "output", a[1], &in, "input", in.numel);
+    if (list == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (list == NULL) {
+        if (read_on_comm(&x, "output", a[1], &out) < 0 ||
+            same_dtype(&x, "output", &out, "input", &in) < 0 ||
+            numel_is(&x, "output", &out, in.numel * x.c->size,
+                     "input size x world size") < 0) {
+            return NULL;
+        }
+        pyccl_task tk;
+        task(&tk, PYCCL_ALL_GATHER, in.ptr, out.ptr, count, type, 0, &x, s);
+        return finish(&x, &tk, count > 0, 0, 0);
+    }
+    tasks = PyMem_Calloc((size_t)x.c->size, sizeof(pyccl_task));
+    if (tasks == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int r = 0; r < x.c->size; r++) {
+        task(&tasks[r], PYCCL_BROADCAST, in.ptr, list[r].ptr, count, type, r,
+             &x, s);
+    }
+    res = finish(&x, tasks, count > 0 ? x.c->size : 0, 0, 0);
+done:
+    PyMem_Free(tasks);
+    PyMem_Free(list);
+    return res;
+}
+
+/* reduce_scatter(input, output, op=SUM, *, stream=None): input is one array
+ * of size x output elements, or a list of size arrays (a group of reduces). */
+PyObject *
+pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames)
+{
+    static const char *const names[] = {"input", "output", "op", "stream"};
+    PyObject *a[4], *res = NULL;
+    call_ctx x;
+    pyccl_tensor in, out, *list = NULL;
+    pyccl_task *tasks = NULL;
+    cudaStream_t s;
+    int type, redop, made = 0;
+    if (parse_args("reduce_scatter", args, nargs, kwnames, names, 4, 3, 2, a) < 0 ||
+        ctx_init(&x, self, "reduce_scatter") < 0 ||
+        read_on_comm(&x, "output", a[1], &out) < 0 ||
+        get_stream(&x, a[3], &s) < 0) {
+        return NULL;
+    }
+    list = read_list(&x, "input", a[0], &out, "output", out.numel);
+    if (list == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (list == NULL &&
+        (read_on_comm(&x, "input", a[0], &in) < 0 ||
+         same_dtype(&x, "output", &out, "input", &in) < 0 ||
+         numel_is(&x, "input", &in, out.numel * x.c->size,
+                  "output size x world size") < 0)) {
+        return NULL;
+    }
+    if ((type = pyccl_reduce_type(x.st, x.op, &out)) < 0 ||
+        read_op(&x, a[2], &out, type, &redop, &made) < 0) {
+        return NULL;
+    }
+    size_t count = (size_t)out.numel;
+    if (list == NULL) {
+        pyccl_task tk;
+        task(&tk, PYCCL_REDUCE_SCATTER, in.ptr, out.ptr, count, type, 0, &x, s);
+        return finish(&x, &tk, count > 0, redop, made);
+    }
+    tasks = PyMem_Calloc((size_t)x.c->size, sizeof(pyccl_task));
+    if (tasks == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int r = 0; r < x.c->size; r++) {
+        task(&tasks[r], PYCCL_REDUCE, list[r].ptr, out.ptr, count, type, r, &x,
+             s);
+    }
+    res = finish(&x, tasks, count > 0 ? x.c->size : 0, redop, made);
+    made = 0;
+done:
+    if (made) {
+        x.st->api.ncclRedOpDestroy((ncclRedOp_t)redop, x.c->comm);
+    }
+    PyMem_Free(tasks);
+    PyMem_Free(list);
+    return res;
+}
+
+/* send(tensor, peer, *, stream=None) / recv(tensor, peer, *, stream=None) */
+static PyObject *
+p2p(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+    pyccl_coll coll)
+{
+    static const char *const names[] = {"tensor", "peer", "stream"};
+    const char *op = coll == PYCCL_SEND ? "send" : "recv";
+    PyObject *a[3];
+    call_ctx x;
+    pyccl_tensor t;
+    cudaStream_t s;
+    int peer, type;
+    size_t count;
+    if (parse_args(op, args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
+        ctx_init(&x, self, op) < 0 || read_on_comm(&x, "tensor", a[0], &t) < 0 ||
+        read_rank(&x, "peer", a[1], &peer) < 0 || get_stream(&x, a[2], &s) < 0) {
+        return NULL;
+    }
+    pyccl_move_type(x.st, &t, &type, &count, (size_t)t.numel);
+    pyccl_task tk;
+    task(&tk, coll, t.ptr, t.ptr, count, type, peer, &x, s);
+    return finish(&x, &tk, count > 0, 0, 0);
+}
+
+PyObject *
+pyccl_comm_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                PyObject *kwnames)
+{
+    return p2p(self, args, nargs, kwnames, PYCCL_SEND);
+}
+
+PyObject *
+pyccl_comm_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                PyObject *kwnames)
+{
+    return p2p(self, args, nargs, kwnames, PYCCL_RECV);
+}
+
+/* Per-peer chunks of one side of all_to_all/gather/scatter: either a list of
+ * size arrays of `chunk` elements, or one array of size x chunk. */
+typedef struct {
+    pyccl_tensor whole;
+    pyccl_tensor *list;
+} chunks;
+
+static int
+read_chunks(call_ctx *x, const char *what, PyObject *obj,
+            const pyccl_tensor *ref, const char *ref_what, int64_t chunk,
+            chunks *out)
+{
+    out->list = read_list(x, what, obj, ref, ref_what, chunk);
+    if (out->list != NULL) {
+        return 0;
+    }
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    if (read_on_comm(x, what, obj, &out->whole) < 0 ||
+        same_dtype(x, what, &out->whole, ref_what, ref) < 0 ||
+        numel_is(x, what, &out->whole, chunk * x->c->size,
+                 "one chunk per rank") < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+static char *
+chunk_ptr(const chunks *c, int r, size_t chunk_bytes)
+{
+    return c->list ? c->list[r].ptr : c->whole.ptr + (size_t)r * chunk_bytes;
+}
+
+/* all_to_all(input, output, *, stream=None): equal chunks; each side is one
+ * array of size x chunk elements or a list of size arrays. */
+PyObject *
+pyccl_comm_all_to_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                      PyObject *kwnames)
+{
+    static const char *const names[] = {"input", "output", "stream"};
+    PyObject *a[3], *res = NULL;
+    call_ctx x;
+    chunks in = {0}, out = {0};
+    pyccl_task *tasks = NULL;
+    cudaStream_t s;
+    if (parse_args("all_to_all", args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
+        ctx_init(&x, self, "all_to_all") < 0 || get_stream(&x, a[2], &s) < 0) {
+        return NULL;
+    }
+    /* The chunk size comes from the input: its first list item, or 1/size of
+     * the whole array. */
+    pyccl_tensor first;
+    int64_t chunk;
+    if (PyList_Check(a[0]) || PyTuple_Check(a[0])) {
+        if (PySequence_Fast_GET_SIZE(a[0]) == 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "all_to_all: input has 0 tensors, expected %d (one "
+                         "per rank)", x.c->size);
+            return NULL;
+        }
+        if (read_on_comm(&x, "input[0]", PySequence_Fast_GET_ITEM(a[0], 0),
+                         &first) < 0) {
+            return NULL;
+        }
+        chunk = first.numel;
+    }
+    else {
+        if (read_on_comm(&x, "input", a[0], &first) < 0) {
+            return NULL;
+        }
+        if (first.numel % x.c->size != 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "all_to_all: input has %lld elements, not a multiple "
+                         "of the world size %d",
+                         (long long)first.numel, x.c->size);
+            return NULL;
+        }
+        chunk = first.numel / x.c->size;
+    }
+    if (read_chunks(&x, "input", a[0], &first, "input", chunk, &in) < 0 ||
+        read_chunks(&x, "output", a[1], &first, "input", chunk, &out) < 0) {
+        goto done;
+    }
+    int type;
+    size_t count;
+    pyccl_move_type(x.st, &first, &type, &count, (size_t)chunk);
+    size_t bytes = (size_t)chunk * (size_t)first.itemsize;
+    tasks = PyMem_Calloc(2 * (size_t)x.c->size, sizeof(pyccl_task));
+    if (tasks == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int r = 0; r < x.c->size; r++) {
+        task(&tasks[2 * r], PYCCL_SEND, chunk_ptr(&in, r, bytes), NULL, count,
+             type, r, &x, s);
+        task(&tasks[2 * r + 1], PYCCL_RECV, NULL, chunk_ptr(&out, r, bytes),
+             count, type, r, &x, s);
+    }
+    /* always a group: every send must be matched by its recv concurrently */
+    res = finish(&x, tasks, count > 0 ? 2 * x.c->size : 0, 0, 0);
+done:
+    PyMem_Free(tasks);
+    PyMem_Free(in.list);
+    PyMem_Free(out.list);
+    return res;
+}
+
+static int
+read_splits(call_ctx *x, const char *what, PyObject *obj, int64_t rows,
+            int64_t **out)
+{
+    int64_t *v = PyMem_Calloc((size_t)x->c->size, sizeof(int64_t));
+    if (v == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (obj == NULL || obj == Py_None) {
+        if (rows % x->c->size != 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "all_to_all_single: %s is None but dim 0 (%lld) is "
+                         "not a multiple of the world size %d",
+                         what, (long long)rows, x->c->size);
+            PyMem_Free(v);
+            return -1;
+        }
+        for (int r = 0; r < x->c->size; r++) {
+            v[r] = rows / x->c->size;
+        }
+        *out = v;
+        return 0;
+    }
+    PyObject *seq = PySequence_Fast(obj, "");
+    if (seq == NULL || PySequence_Fast_GET_SIZE(seq) != x->c->size) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError,
+                     "all_to_all_single: %s must be a list of %d row counts",
+                     what, x->c->size);
+        Py_XDECREF(seq);
+        PyMem_Free(v);
+        return -1;
+    }
+    int64_t total = 0;
+    for (int r = 0; r < x->c->size; r++) {
+        long long n = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, r));
+        if (n == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            PyMem_Free(v);
+            return -1;
+        }
+        if (n < 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "all_to_all_single: %s[%d]=%lld is negative", what, r, n);
+            Py_DECREF(seq);
+            PyMem_Free(v);
+            return -1;
+        }
+        v[r] = n;
+        total += n;
+    }
+    Py_DECREF(seq);
+    if (total != rows) {
+        PyErr_Format(PyExc_ValueError,
+                     "all_to_all_single: %s sum to %lld rows but dim 0 has %lld",
+                     what, (long long)total, (long long)rows);
+        PyMem_Free(v);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* all_to_all_single(input, output, input_splits=None, output_splits=None, *,
+ * stream=None): splits count dim-0 rows, as in torch.distributed. */
+PyObject *
+pyccl_comm_all_to_all_single(PyObject *self, PyObject *const *args,
+                             Py_ssize_t nargs, PyObject *kwnames)
+{
+    static const char *const names[] = {"input", "output", "input_splits",
+                                        "output_splits", "stream"};
+    PyObject *a[5], *res = NULL;
+    call_ctx x;
+    pyccl_tensor in, out;
+    pyccl_task *tasks = NULL;
+    int64_t *isp = NULL, *osp = NULL;
+    cudaStream_t s;
+    if (parse_args("all_to_all_single", args, nargs, kwnames, names, 5, 4, 2, a) < 0 ||
+        ctx_init(&x, self, "all_to_all_single") < 0 ||
+        read_on_comm(&x, "input", a[0], &in) < 0 ||
+        read_on_comm(&x, "output", a[1], &out) < 0 ||
+        same_dtype(&x, "output", &out, "input", &in) < 0 ||
+        get_stream(&x, a[4], &s) < 0) {
+        return NULL;
+    }
+    Py_ssize_t in_rows = in.numel ? PyObject_Size(a[0]) : 0;
+    Py_ssize_t out_rows = out.numel ? PyObject_Size(a[1]) : 0;
+    if (in_rows < 0 || out_rows < 0) {
+        return NULL;
+    }
+    int64_t in_row = in_rows ? in.numel / in_rows : 0;
+    int64_t out_row = out_rows ? out.numel / out_rows : 0;
+    if (in_rows && out_rows && in_row != out_row) {
+        PyErr_Format(PyExc_ValueError,
+                     "all_to_all_single: input rows have %lld elements but "
+                     "output rows have %lld",
+                     (long long)in_row, (long long)out_row);
+        return NULL;
+    }
+    int64_t row = in_row ? in_row : out_row;
+    if (read_splits(&x, "input_splits", a[2], in_rows, &isp) < 0 ||
+        read_splits(&x, "output_splits", a[3], out_rows, &osp) < 0) {
+        goto done;
+    }
+    int type;
+    size_t unit;
+    pyccl_move_type(x.st, &in, &type, &unit, 1);
+    tasks = PyMem_Calloc(2 * (size_t)x.c->size, sizeof(pyccl_task));
+    if (tasks == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    size_t ioff = 0, ooff = 0, n = 0;
+    size_t rowbytes = (size_t)row * (size_t)in.itemsize;
+    for (int r = 0; r < x.c->size; r++) {
+        /* zero-row exchanges are left out on both sides alike */
+        if (isp[r] > 0) {
+            task(&tasks[n++], PYCCL_SEND, in.ptr + ioff, NULL,
+                 (size_t)(isp[r] * row) * unit, type, r, &x, s);
+        }
+        if (osp[r] > 0) {
+            task(&tasks[n++], PYCCL_RECV, NULL, out.ptr + ooff,
+                 (size_t)(osp[r] * row) * unit, type, r, &x, s);
+        }
+        ioff += (size_t)isp[r] * rowbytes;
+        ooff += (size_t)osp[r] * rowbytes;
+    }
+    res = finish(&x, tasks, (Py_ssize_t)n, 0, 0);
+done:
+    PyMem_Free(tasks);
+    PyMem_Free(isp);
+    PyMem_Free(osp);
+    return res;
+}
+
+/* gather(tensor, outputs, root, *, stream=None) and
+ * scatter(inputs, tensor, root, *, stream=None): the root's side is a list of
+ * size arrays or one array of size x tensor; other ranks may pass None. */
+static PyObject *
+gather_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+               PyObject *kwnames, int is_gather)
+{
+    static const char *const gnames[] = {"tensor", "outputs", "root", "stream"};
+    static const char *const snames[] = {"inputs", "tensor", "root", "stream"};
+    const char *op = is_gather ? "gather" : "scatter";
+    PyObject *a[4], *res = NULL;
+    call_ctx x;
+    pyccl_tensor t;
+    chunks many = {0};
+    pyccl_task *tasks = NULL;
+    cudaStream_t s;
+    int root;
+    PyObject *tobj, *manyobj;
+    const char *many_what = is_gather ? "outputs" : "inputs";
+    if (parse_args(op, args, nargs, kwnames, is_gather ? gnames : snames, 4, 3,
+                   3, a) < 0 ||
+        ctx_init(&x, self, op) < 0) {
+        return NULL;
+    }
+    tobj = is_gather ? a[0] : a[1];
+    manyobj = is_gather ? a[1] : a[0];
+    if (read_on_comm(&x, "tensor", tobj, &t) < 0 ||
+        read_rank(&x, "root", a[2], &root) < 0 || get_stream(&x, a[3], &s) < 0) {
+        return NULL;
+    }
+    int am_root = x.c->rank == root;
+    if (am_root) {
+        if (manyobj == Py_None) {
+            PyErr_Format(PyExc_ValueError, "%s: %s is required on the root "
+                         "(rank %d)", op, many_what, root);
+            return NULL;
+        }
+        if (read_chunks(&x, many_what, manyobj, &t, "tensor", t.numel, &many) < 0) {
+            return NULL;
+        }
+    }
+    int type;
+    size_t count;
+    pyccl_move_type(x.st, &t, &type, &count, (size_t)t.numel);
+    size_t bytes = (size_t)t.numel * (size_t)t.itemsize;
+    tasks = PyMem_Calloc((size_t)x.c->size + 1, sizeof(pyccl_task));
+    if (tasks == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t n = 0;
+    pyccl_coll mine = is_gather ? PYCCL_SEND : PYCCL_RECV;
+    pyccl_coll roots = is_gather ? PYCCL_RECV : PYCCL_SEND;
+    /* every rank, the root too, sends to (gather) / receives from (scatter)
+     * the root; the root also talks to every rank */
+    task(&tasks[n++], mine, t.ptr, t.ptr, count, type, root, &x, s);
+    for (int r = 0; am_root && r < x.c->size; r++) {
+        char *p = chunk_ptr(&many, r, bytes);
+        task(&tasks[n++], roots, p, p, count, type, r, &x, s);
+    }
+    res = finish(&x, tasks, count > 0 ? n : 0, 0, 0);
+done:
+    PyMem_Free(tasks);
+    PyMem_Free(many.list);
+    return res;
+}
+
+PyObject *
+pyccl_comm_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                  PyObject *kwnames)
+{
+    return gather_scatter(self, args, nargs, kwnames, 1);
+}
+
+PyObject *
+pyccl_comm_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                   PyObject *kwnames)
+{
+    return gather_scatter(self, args, nargs, kwnames, 0);
+}
+
+/* barrier(*, stream=None): a one-element all-reduce on this communicator,
+ * then wait for it on the host. */
+PyObject *
+pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                   PyObject *kwnames)
+{
+    static const char *const names[] = {"stream"};
+    PyObject *a[1];
+    call_ctx x;
+    cudaStream_t s;
+    if (parse_args("barrier", args, nargs, kwnames, names, 1, 0, 0, a) < 0 ||
+        ctx_init(&x, self, "barrier") < 0 || get_stream(&x, a[0], &s) < 0) {
+        return NULL;
+    }
+    const pyccl_api *api = &x.st->api;
+    pyccl_comm *c = x.c;
+    cudaError_t ce = cudaSuccess;
+    if (c->scratch == NULL) {
+        int prev = -1;
+        Py_BEGIN_ALLOW_THREADS
+        api->cudaGetDevice(&prev);
+        api->cudaSetDevice(c->device);
+        ce = api->cudaMalloc(&c->scratch, sizeof(float));
+        api->cudaSetDevice(prev);
+        Py_END_ALLOW_THREADS
+        if (ce != cudaSuccess) {
+            c->scratch = NULL;
+            pyccl_raise_cuda(x.st, "barrier", "cudaMalloc", ce);
+            return NULL;
+        }
+    }
+    pyccl_task tk;
+    task(&tk, PYCCL_ALL_REDUCE, c->scratch, c->scratch, 1, ncclFloat32, 0, &x, s);
+    if (pyccl_enqueue(x.st, "barrier", &tk, 1, ncclSum, NULL) < 0) {
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ce = api->cudaStreamSynchronize(s);
+    Py_END_ALLOW_THREADS
+    if (ce != cudaSuccess) {
+        pyccl_raise_cuda(x.st, "barrier", "cudaStreamSynchronize", ce);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* split(color, key=None) -> Communicator or None (color < 0: not a member). */
+PyObject *
+pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                 PyObject *kwnames)
+{
+    static const char *const names[] = {"color", "key"};
+    PyObject *a[2];
+    call_ctx x;
+    int color, key;
+    if (parse_args("split", args, nargs, kwnames, names, 2, 2, 1, a) < 0 ||
+        ctx_init(&x, self, "split") < 0) {
+        return NULL;
+    }
+    if (!PyLong_Check(a[0]) || PyBool_Check(a[0])) {
+        PyErr_Format(PyExc_TypeError, "split: color must be an int, got %.200s",
+                     Py_TYPE(a[0])->tp_name);
+        return NULL;
+    }
+    long v = PyLong_AsLong(a[0]);
+    if (v == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (v > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "split: color=%ld is out of range", v);
+        return NULL;
+    }
+    color = v < 0 ? NCCL_SPLIT_NOCOLOR : (int)v;
+    key = x.c->rank;
+    if (a[1] != NULL && a[1] != Py_None) {
+        if (!PyLong_Check(a[1]) || PyBool_Check(a[1])) {
+            PyErr_Format(PyExc_TypeError, "split: key must be an int, got %.200s",
+                         Py_TYPE(a[1])->tp_name);
+            return NULL;
+        }
+        long k = PyLong_AsLong(a[1]);
+        if ((k == -1 && PyErr_Occurred()) || k < INT32_MIN || k > INT32_MAX) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_ValueError, "split: key=%ld is out of range", k);
+            }
+            return NULL;
+        }
+        key = (int)k;
+    }
+    const pyccl_api *api = &x.st->api;
+    if (api->ncclCommSplit == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "split: needs NCCL >= 2.18");
+        return NULL;
+    }
+    ncclComm_t nc = NULL;
+    ncclResult_t r;
+    int rank = -1, size = 0;
+    char last[512] = "";
+    Py_BEGIN_ALLOW_THREADS
+    r = api->ncclCommSplit(x.c->comm, color, key, &nc, NULL);
+    if (r == ncclSuccess && nc != NULL) {
+        r = api->ncclCommUserRank(nc, &rank);
+        if (r == ncclSuccess) {
+            r = api->ncclCommCount(nc, &size);
+        }
+    }
+    if (r != ncclSuccess && api->ncclGetLastError) {
+        strncpy(last, api->ncclGetLastError(x.c->comm), sizeof last - 1);
+    }
+    Py_END_ALLOW_THREADS
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(x.st, "split", r, last);
+        return NULL;
+    }
+    if (nc == NULL) {
+        Py_RETURN_NONE;
+    }
+    return pyccl_comm_new(x.st, nc, rank, size, x.c->device);
+}

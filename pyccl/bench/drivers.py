@@ -1,0 +1,226 @@
+"""How each benchmarked system runs one call, seen from inside one benchmark process.
+
+A driver knows its process's devices and ranks, builds a zero-argument callable for a
+(collective, placement, op, root) on given buffers -- or None where the system has no such call
+(the report then reads N/A) -- and provides sync, a cross-process barrier, timing events and a
+device description. pyccl, torch.distributed and torch.cuda.nccl are imported in the
+constructors, so this module loads without a GPU or pyccl's extension.
+"""
+import os
+import socket
+import time
+
+from . import sizes as S
+
+PER_RANK = ("pyccl", "torch.distributed")
+SINGLE = ("pyccl.nccl", "torch.cuda.nccl")
+SYSTEMS = PER_RANK + SINGLE
+# Not offered on the command line: torch.distributed's gloo backend on CPU tensors, timed by the
+# wall clock, so the CPU tests can drive the whole multi-process pipeline without a GPU.
+CPU_SYSTEM = "gloo-cpu"
+
+
+def make_driver(system, rank, nranks, rendezvous, barrier, timeout):
+    """rank is None for the one process of a SINGLE system; rendezvous is the pyccl unique id
+    or the loopback port of torch.distributed's TCP store."""
+    if system == "pyccl":
+        return _PycclComm(rank, nranks, rendezvous, barrier, timeout)
+    if system == "torch.distributed":
+        return _TorchDist(rank, nranks, rendezvous, barrier, timeout)
+    if system == CPU_SYSTEM:
+        return _GlooCPU(rank, nranks, rendezvous, barrier, timeout)
+    if system in SINGLE:
+        return _Lists(system, nranks, timeout)
+    raise ValueError(f"unknown system {system!r}: choose from {', '.join(SYSTEMS)}")
+
+
+class _Driver:
+    can_graph, uses_cuda = True, True
+
+    def __init__(self, devices, nranks, barrier, timeout):
+        if self.uses_cuda:  # before any communicator: "current device" means this rank's GPU
+            import torch
+            torch.cuda.set_device(devices[0])
+        self.devices, self.ranks, self.nranks = devices, list(devices), nranks
+        self._barrier, self.timeout = barrier, timeout
+
+    def sync(self):
+        import torch
+        for d in self.devices:
+            torch.cuda.synchronize(d)
+
+    def barrier(self):
+        if self._barrier is not None:
+            self._barrier.wait(self.timeout)
+
+    def streams(self):
+        import torch
+        return [torch.cuda.current_stream(d) for d in self.devices]
+
+    def event(self):
+        import torch
+        return torch.cuda.Event(enable_timing=True)
+
+    def place(self, dev):
+        import torch
+        return torch.device("cuda", dev)
+
+    def describe(self, rank, dev):
+        import torch
+        p = torch.cuda.get_device_properties(dev)
+        return "#  Rank %2d Group %2d Pid %6d on %10s device %2d [0x%02x] %s" % (
+            rank, 0, os.getpid(), socket.gethostname(), dev, getattr(p, "pci_bus_id", 0), p.name)
+
+    def close(self):
+        pass
+
+
+class _PycclComm(_Driver):
+    """pyccl's per-rank API: one Communicator per process."""
+
+    def __init__(self, rank, nranks, uid, barrier, timeout):
+        import pyccl
+        super().__init__([rank], nranks, barrier, timeout)
+        self.pyccl, self.rank = pyccl, rank
+        self.comm = pyccl.Communicator(nranks, uid, rank, device=rank)
+        self.ops = {name: getattr(pyccl, name.upper()) for name in S.OPS}
+
+    def build(self, coll, placement, op, root, bufs):
+        (inp, out), = bufs
+        c, o, ip = self.comm, self.ops.get(op), placement == "in-place"
+        if coll == "all_reduce":
+            return (lambda: c.all_reduce(inp, o)) if ip else (lambda: c.all_reduce(inp, o, out=out))
+        if coll == "broadcast":
+            return (lambda: c.broadcast(inp, root)) if ip else (lambda: c.broadcast(inp, root, out=out))
+        if coll == "reduce":
+            return (lambda: c.reduce(inp, root, o)) if ip else (lambda: c.reduce(inp, root, o, out=out))
+        if coll == "all_gather":
+            return lambda: c.all_gather(inp, out)
+        if coll == "reduce_scatter":
+            return lambda: c.reduce_scatter(inp, out, o)
+        if coll == "sendrecv":
+            nxt, prv = (self.rank + 1) % self.nranks, (self.rank - 1) % self.nranks
+            group = self.pyccl.group
+
+            def sendrecv():
+                with group():
+                    c.send(inp, nxt)
+                    c.recv(out, prv)
+            return sendrecv
+        if coll == "alltoall":
+            return None if ip else (lambda: c.all_to_all(inp, out))  # nccl-tests has no in-place
+        raise ValueError(coll)
+
+    def close(self):
+        self.comm.destroy()
+
+
+class _TorchDist(_Driver):
+    """torch.distributed with the nccl backend; its collectives are in-place where it has no
+    out-of-place form, and those placements read N/A."""
+
+    backend = "nccl"
+
+    def __init__(self, rank, nranks, port, barrier, timeout):
+        import datetime
+        import torch.distributed as dist
+        super().__init__([rank], nranks, barrier, timeout)
+        extra = {"device_id": self.place(rank)} if self.backend == "nccl" else {}
+        dist.init_process_group(self.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=nranks, timeout=datetime.timedelta(seconds=timeout),
+                                **extra)
+        self.dist, self.rank = dist, rank
+        ro = dist.ReduceOp
+        self.ops = {"sum": ro.SUM, "prod": ro.PRODUCT, "max": ro.MAX, "min": ro.MIN,
+                    "avg": ro.AVG}
+
+    def build(self, coll, placement, op, root, bufs):
+        (inp, out), = bufs
+        d, o, ip = self.dist, self.ops.get(op), placement == "in-place"
+        if coll == "all_reduce":
+            return (lambda: d.all_reduce(inp, op=o)) if ip else None
+        if coll == "broadcast":
+            return (lambda: d.broadcast(inp, src=root)) if ip else None
+        if coll == "reduce":
+            return (lambda: d.reduce(inp, dst=root, op=o)) if ip else None
+        if coll == "all_gather":
+            return lambda: d.all_gather_into_tensor(out, inp)
+        if coll == "reduce_scatter":
+            return lambda: d.reduce_scatter_tensor(out, inp, op=o)
+        if coll == "sendrecv":
+            if self.nranks == 1:
+                return None
+            p2p = [d.P2POp(d.isend, inp, (self.rank + 1) % self.nranks),
+                   d.P2POp(d.irecv, out, (self.rank - 1) % self.nranks)]
+
+            def sendrecv():
+                for work in d.batch_isend_irecv(p2p):
+                    work.wait()
+            return sendrecv
+        if coll == "alltoall":
+            return None if ip else (lambda: d.all_to_all_single(out, inp))
+        raise ValueError(coll)
+
+    def close(self):
+        self.dist.destroy_process_group()
+
+
+class _WallEvent:
+    """Stand-in for a CUDA event on CPU: the host clock at record()."""
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+class _GlooCPU(_TorchDist):
+    backend, can_graph, uses_cuda = "gloo", False, False
+
+    def sync(self):
+        pass
+
+    def streams(self):
+        return [None]
+
+    def event(self):
+        return _WallEvent()
+
+    def place(self, dev):
+        return "cpu"
+
+    def describe(self, rank, dev):
+        return "#  Rank %2d Group %2d Pid %6d on %10s device cpu" % (
+            rank, 0, os.getpid(), socket.gethostname())
+
+
+class _Lists(_Driver):
+    """torch.cuda.nccl's API (pyccl.nccl or torch.cuda.nccl): one process, a tensor per GPU."""
+    can_graph = False  # one capture per device would be needed; torch.cuda.graph does one
+
+    def __init__(self, system, nranks, timeout):
+        if system == "pyccl.nccl":
+            from pyccl import nccl as mod
+        else:
+            import torch.cuda.nccl as mod
+        super().__init__(list(range(nranks)), nranks, None, timeout)
+        self.mod = mod
+
+    def build(self, coll, placement, op, root, bufs):
+        m, ip = self.mod, placement == "in-place"
+        ins, outs = [b[0] for b in bufs], [b[1] for b in bufs]
+        o = S.OPS.index(op) if op in S.OPS else 0
+        if coll == "all_reduce":
+            return (lambda: m.all_reduce(ins, op=o)) if ip else (lambda: m.all_reduce(ins, outs, op=o))
+        if coll == "broadcast":
+            return (lambda: m.broadcast(ins, root=root)) if ip else None
+        if coll == "reduce":
+            if ip:
+                return lambda: m.reduce(ins, root=root, op=o)
+            return lambda: m.reduce(ins, output=outs[root], root=root, op=o)
+        if coll == "all_gather":
+            return lambda: m.all_gather(ins, outs)
+        if coll == "reduce_scatter":
+            return lambda: m.reduce_scatter(ins, outs, op=o)
+        return None  # no sendrecv or alltoall in this API

@@ -1,0 +1,101 @@
+"""Bootstrap helpers: get every rank the same NCCL unique id, then a Communicator.
+
+- init_from_env(): torchrun / Slurm-style variables, the id exchanged through
+  torch.distributed.TCPStore (rank 0 hosts it at MASTER_ADDR:MASTER_PORT, or
+  torchrun's agent does).
+- init_from_mpi(): mpi4py broadcasts the id.
+- The mp.spawn pattern needs neither: the parent calls pyccl.unique_id() and
+  passes it to its children (see examples/01_all_reduce.py).
+"""
+import datetime
+import itertools
+import os
+
+import torch
+
+from . import _C
+
+_generation = itertools.count()
+
+
+def _env_int(name, default=None):
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise RuntimeError(f"init_from_env: environment variable {name} is not set "
+                               "(launch with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"init_from_env: {name}={value!r} is not an integer") from None
+
+
+def _pick_device(local_rank, device):
+    if device is None:
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise _C.CudaError("init_from_env: no CUDA GPU is available")
+        device = local_rank % n
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_from_env(timeout=300.0, device=None):
+    """This process's Communicator of a torchrun-style job.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK (default: RANK), MASTER_ADDR and
+    MASTER_PORT.  `timeout` (seconds) bounds the wait for the unique id in the
+    store; NCCL's own initialisation is blocking.
+    """
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_from_env: environment variables {', '.join(missing)} are not set "
+                           "(launch with torchrun, or set them yourself)")
+    rank = _env_int("RANK")
+    world = _env_int("WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK", rank)
+    addr = os.environ["MASTER_ADDR"]
+    port = _env_int("MASTER_PORT")
+    if not 0 <= rank < world:
+        raise ValueError(f"init_from_env: RANK={rank} is out of range for WORLD_SIZE={world}")
+    device = _pick_device(local_rank, device)
+    from torch.distributed import TCPStore
+
+    # Under torchrun the agent already serves a store on MASTER_PORT.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = TCPStore(addr, port, world, is_master=(rank == 0 and not agent_store),
+                     timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    key = f"pyccl/unique_id/{next(_generation)}"
+    if rank == 0:
+        uid = _C._nccl_unique_id()
+        store.set(key, uid)
+    else:
+        uid = store.get(key)
+    # Every rank has read the id once NCCL's init returns (it needs all of
+    # them), so the store can go with this frame.
+    return _C.Communicator(world, uid, rank, device)
+
+
+def init_from_mpi(comm=None, device=None):
+    """This process's Communicator, bootstrapped through mpi4py (MPI.COMM_WORLD by default)."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise RuntimeError("init_from_mpi: mpi4py is not installed") from e
+    comm = MPI.COMM_WORLD if comm is None else comm
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local_rank = local.Get_rank()
+    local.Free()
+    device = _pick_device(local_rank, device)
+    uid = _C._nccl_unique_id() if comm.Get_rank() == 0 else None
+    uid = comm.bcast(uid, root=0)
+    return _C.Communicator(comm.Get_size(), uid, comm.Get_rank(), device)
+
+
+def init_ranks(world_size, unique_id, ranks, devices):
+    """Several ranks in this process (one per device in `devices`), created together.
+
+    Drive them together inside `with pyccl.group():`.
+    """
+    return _C._nccl_init_ranks(world_size, unique_id, list(ranks), list(devices))

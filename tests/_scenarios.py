@@ -1,0 +1,220 @@
+"""Per-rank scenarios of the Communicator API, run in spawned processes.
+
+Every rank can compute every other rank's data (rank_values is a function of
+rank and index), so each rank checks its own results bitwise.
+"""
+import os
+
+import torch
+
+import pyccl
+from _data import AVG, MAX, MIN, OP_NAMES, PROD, SUM, rank_values, reduce_ref, same_bits, to_dtype
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+          torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2]
+OPS = [SUM, PROD, MAX, MIN, AVG]
+COUNTS = [1, 7, 1023, (1 << 20) + 3]
+
+
+def _t(values, dtype, dev):
+    return to_dtype(values, dtype).to(dev)
+
+
+def _check(got, want, *what):
+    torch.cuda.synchronize()
+    assert same_bits(got, want), what
+
+
+def every_method(comm, counts=COUNTS):
+    """All methods x dtypes x ops x in/out of place x sizes."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    ops = [op for op in OPS if op != AVG or (W & (W - 1)) == 0]
+    n_checks = 0
+    for dtype in DTYPES:
+        for count in counts:
+            for op in ops:
+                vals = [rank_values(k, count, dtype, op, W) for k in range(W)]
+                ref = reduce_ref(vals, op, dtype)
+                mine = _t(vals[r], dtype, dev)
+                t = mine.clone()
+                comm.all_reduce(t, op=op)
+                _check(t, ref, "all_reduce", dtype, count, OP_NAMES[op])
+                out = torch.full_like(mine, 3)
+                comm.all_reduce(mine, op, out=out)
+                _check(out, ref, "all_reduce out", dtype, count, OP_NAMES[op])
+                _check(mine, to_dtype(vals[r], dtype), "all_reduce input kept")
+                for root in range(W):
+                    t = mine.clone()
+                    comm.reduce(t, root, op=op)
+                    _check(t, ref if r == root else mine, "reduce", dtype, count, root)
+                    out = torch.full_like(mine, 3)
+                    comm.reduce(mine, root, op, out=out)
+                    if r == root:
+                        _check(out, ref, "reduce out", dtype, count, root)
+                # reduce_scatter: tensor input and list input
+                big_vals = [rank_values(k, W * count, dtype, op, W) for k in range(W)]
+                full = reduce_ref(big_vals, op, dtype)
+                want = full[r * count:(r + 1) * count]
+                big = _t(big_vals[r], dtype, dev)
+                out = torch.full((count,), 3, dtype=dtype, device=dev)
+                comm.reduce_scatter(big, out, op=op)
+                _check(out, want, "reduce_scatter", dtype, count, OP_NAMES[op])
+                out = torch.full((count,), 3, dtype=dtype, device=dev)
+                comm.reduce_scatter(list(big.chunk(W)), out, op)
+                _check(out, want, "reduce_scatter list", dtype, count, OP_NAMES[op])
+                n_checks += 6 + 2 * W
+            vals = [rank_values(k, count, torch.int8, SUM, W) for k in range(W)]
+            mine = _t(vals[r], dtype, dev)
+            for root in range(W):
+                t = mine.clone()
+                comm.broadcast(t, root)
+                _check(t, to_dtype(vals[root], dtype), "broadcast", dtype, count, root)
+                out = torch.full_like(mine, 3)
+                comm.broadcast(mine, root, out=out)
+                _check(out, to_dtype(vals[root], dtype), "broadcast out", dtype, count, root)
+            cat = torch.cat([to_dtype(v, dtype) for v in vals])
+            out = torch.zeros(W * count, dtype=dtype, device=dev)
+            comm.all_gather(mine, out)
+            _check(out, cat, "all_gather", dtype, count)
+            outs = [torch.zeros(count, dtype=dtype, device=dev) for _ in range(W)]
+            comm.all_gather(mine, outs)
+            _check(torch.cat([o.cpu() for o in outs]), cat, "all_gather list", dtype, count)
+            # in place: the input is this rank's slot of the output
+            out = torch.zeros(W * count, dtype=dtype, device=dev)
+            out[r * count:(r + 1) * count].copy_(mine)
+            comm.all_gather(out[r * count:(r + 1) * count], out)
+            _check(out, cat, "all_gather in place", dtype, count)
+            n_checks += 2 * W + 3
+    return n_checks
+
+
+def p2p_and_friends(comm):
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    count = 1027
+    vals = [rank_values(k, W * count, torch.float32, SUM, W) for k in range(W)]
+    mine = vals[r].float().to(dev)
+    # send/recv ring under group()
+    got = torch.zeros(W * count, device=dev)
+    with pyccl.group():
+        comm.send(mine, (r + 1) % W)
+        comm.recv(got, (r - 1) % W)
+    _check(got, vals[(r - 1) % W].float(), "ring")
+    # all_to_all: chunk j of rank i lands as chunk i of rank j
+    want = torch.cat([vals[k][r * count:(r + 1) * count] for k in range(W)]).float()
+    out = torch.zeros(W * count, device=dev)
+    comm.all_to_all(mine, out)
+    _check(out, want, "all_to_all")
+    outs = [torch.zeros(count, device=dev) for _ in range(W)]
+    comm.all_to_all(list(mine.chunk(W)), outs)
+    _check(torch.cat([o.cpu() for o in outs]), want, "all_to_all lists")
+    # all_to_all_single with uneven splits, 2-D rows of 3 elements
+    rows_to = [k + 1 + r for k in range(W)]           # rows this rank sends to k
+    rows_from = [r + 1 + k for k in range(W)]         # rows rank k sends here
+    src = torch.arange(sum(rows_to) * 3, dtype=torch.float32).reshape(-1, 3) + 1000 * r
+    dst_dev = torch.zeros(sum(rows_from), 3, device=dev)
+    comm.all_to_all_single(src.to(dev), dst_dev, input_splits=rows_to, output_splits=rows_from)
+    expect = []
+    for k in range(W):
+        k_to = [j + 1 + k for j in range(W)]
+        k_src = torch.arange(sum(k_to) * 3, dtype=torch.float32).reshape(-1, 3) + 1000 * k
+        start = sum(k_to[:r])
+        expect.append(k_src[start:start + k_to[r]])
+    _check(dst_dev, torch.cat(expect), "all_to_all_single")
+    # gather / scatter at every root
+    small = vals[r][:count].float().to(dev)
+    for root in range(W):
+        outs = [torch.zeros(count, device=dev) for _ in range(W)] if r == root else None
+        comm.gather(small, outs, root)
+        if r == root:
+            _check(torch.cat([o.cpu() for o in outs]), torch.cat([v[:count] for v in vals]).float(), "gather", root)
+        whole = torch.zeros(W * count, device=dev) if r == root else None
+        comm.gather(small, whole, root)
+        if r == root:
+            _check(whole, torch.cat([v[:count] for v in vals]).float(), "gather whole", root)
+        recv = torch.zeros(count, device=dev)
+        src = vals[root].float().to(dev) if r == root else None
+        comm.scatter(src, recv, root)
+        _check(recv, vals[root][r * count:(r + 1) * count].float(), "scatter", root)
+    comm.barrier()
+    # premul_sum: sum of scalar * x, exact on integer data with scalar 2 / 0.5
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32):
+        scalar = 2 if dtype == torch.int32 else 0.5
+        vals8 = [rank_values(k, 77, dtype, SUM, 4 * W) for k in range(W)]
+        t = _t(vals8[r], dtype, dev)
+        comm.all_reduce(t, op=pyccl.premul_sum(scalar))
+        want = to_dtype(sum(v * scalar for v in vals8), dtype)
+        _check(t, want, "premul_sum", dtype)
+    # split: one communicator per parity; all_reduce inside it
+    sub = comm.split(r % 2)
+    members = [k for k in range(W) if k % 2 == r % 2]
+    assert (sub.size, sub.rank) == (len(members), members.index(r))
+    t = torch.full((5,), float(r + 1), device=dev)
+    sub.all_reduce(t)
+    _check(t, torch.full((5,), float(sum(k + 1 for k in members))), "split")
+    assert comm.split(-1 if r == 0 else 0) is None or r != 0
+    sub.destroy()
+    # stream= with work queued on a side stream
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        t = torch.arange(4096, device=dev, dtype=torch.float32) * (r + 1)
+    comm.all_reduce(t, stream=s)
+    s.synchronize()
+    assert torch.equal(t.cpu(), torch.arange(4096, dtype=torch.float32) * sum(range(1, W + 1)))
+    # zero elements
+    comm.all_reduce(torch.empty(0, device=dev))
+    comm.all_gather(torch.empty(0, device=dev), torch.empty(0, device=dev))
+    return "ok"
+
+
+def cupy_arrays(comm):
+    import cupy
+
+    W, r = comm.size, comm.rank
+    with cupy.cuda.Device(comm.device):
+        a = cupy.arange(1000, dtype=cupy.float32) * (r + 1)
+        comm.all_reduce(a)
+        cupy.cuda.Device().synchronize()
+        assert (a.get() == (cupy.arange(1000, dtype=cupy.float32) * sum(range(1, W + 1))).get()).all()
+        g = cupy.zeros(W * 10, dtype=cupy.int64)
+        comm.all_gather(cupy.full(10, r + 7, dtype=cupy.int64), g)
+        cupy.cuda.Device().synchronize()
+        assert g.get().tolist() == sum(([k + 7] * 10 for k in range(W)), [])
+        # a torch tensor and a CuPy array in one call
+        t = torch.zeros(1000, device=f"cuda:{comm.device}")
+        comm.all_reduce(cupy.arange(1000, dtype=cupy.float32), out=t)
+        torch.cuda.synchronize()
+        assert torch.equal(t.cpu(), torch.arange(1000, dtype=torch.float32) * W)
+    return "ok"
+
+
+def destroyed_and_errors(comm):
+    dev = f"cuda:{comm.device}"
+    t = torch.ones(8, device=dev)
+    try:
+        comm.all_reduce(t, op=7)
+    except ValueError as e:
+        assert str(e).startswith("all_reduce: op=7 is not a reduction op"), e
+    else:
+        raise AssertionError("op=7 accepted")
+    comm.all_reduce(t)
+    torch.cuda.synchronize()
+    assert torch.equal(t.cpu(), torch.full((8,), float(comm.size)))
+    comm.destroy()
+    try:
+        comm.all_reduce(t)
+    except RuntimeError as e:
+        assert "has been destroyed" in str(e), e
+    else:
+        raise AssertionError("destroyed communicator used")
+    return "ok"
+
+
+def from_env(rank, world):
+    comm = pyccl.init_from_env(timeout=60)
+    assert (comm.rank, comm.size) == (rank, world)
+    t = torch.full((1 << 16,), float(rank + 1), device=f"cuda:{comm.device}")
+    comm.all_reduce(t)
+    torch.cuda.synchronize()
+    assert torch.equal(t.cpu(), torch.full((1 << 16,), float(world * (world + 1) // 2)))
+    comm.destroy()
+    return os.environ.get("NODE_RANK", "")

@@ -1,0 +1,682 @@
+"""CPU tier of pyccl.bench: sizes, counts and bandwidth factors against nccl-tests' definitions,
+the verifiable data against simulated collectives, the text/CSV/JSON/PNG outputs, the command
+line, and (with torch.distributed's gloo backend on CPU) the multi-process runner itself.
+
+The bench modules are loaded from their files when `import pyccl` fails (extension not built):
+they need neither a GPU nor pyccl._C to import.
+"""
+import importlib
+import importlib.util
+import multiprocessing
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "pyccl" / "bench"
+try:
+    import pyccl.bench  # noqa: F401
+    _PKG, REAL_PACKAGE = "pyccl.bench", True
+except ImportError:
+    spec = importlib.util.spec_from_file_location(
+        "_pyccl_bench_under_test", BENCH_DIR / "__init__.py",
+        submodule_search_locations=[str(BENCH_DIR)])
+    _mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = _mod
+    spec.loader.exec_module(_mod)
+    _PKG, REAL_PACKAGE = spec.name, False
+
+S = importlib.import_module(_PKG + ".sizes")
+D = importlib.import_module(_PKG + ".data")
+R = importlib.import_module(_PKG + ".report")
+cli = importlib.import_module(_PKG + ".cli")
+runner = importlib.import_module(_PKG + ".runner")
+
+K, M, G = 1024, 1024 ** 2, 1024 ** 3
+
+
+# ---- sizes ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("8", 8), ("64K", 64 * K), ("64k", 64 * K), ("1M", M), ("2G", 2 * G), ("1.5K", 1536),
+    ("4KB", 4 * K), ("4KiB", 4 * K), (" 16 M ", 16 * M), ("0", 0), ("1000", 1000), ("7", 7),
+    ("0.5M", 512 * K),
+])
+def test_parse_size_suffixes_are_powers_of_1024(text, expected):
+    assert S.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1X", "-5", "1KK", "K", "1 2", "1e"])
+def test_parse_size_rejects_bad_input_naming_it(text):
+    with pytest.raises(ValueError) as e:
+        S.parse_size(text, "minbytes")
+    assert "invalid minbytes" in str(e.value) and repr(text) in str(e.value)
+
+
+def test_size_list_factor_and_step():
+    assert S.size_list(8, 128, stepfactor=2) == [8, 16, 32, 64, 128]
+    assert S.size_list(8, 100, stepfactor=2) == [8, 16, 32, 64]  # stops below maxbytes
+    assert S.size_list(K, 4 * K, stepbytes=K) == [1024, 2048, 3072, 4096]
+    assert S.size_list(K, 4 * K + 1, stepbytes=1500) == [1024, 2524, 4024]
+    # nccl-tests: a factor > 1 wins over the step; factor 1 (or 0) means "use the step"
+    assert S.size_list(8, 64, stepbytes=1, stepfactor=4) == [8, 32]
+    assert S.size_list(8, 11, stepbytes=1, stepfactor=1) == [8, 9, 10, 11]
+    assert S.size_list(8, 10, stepbytes=1, stepfactor=0) == [8, 9, 10]
+    assert S.size_list(32 * M, 32 * M) == [32 * M]
+    assert S.size_list(5, 5, stepbytes=0) == [5]
+    assert len(S.size_list(8, 128 * M, stepfactor=2)) == 25
+
+
+@pytest.mark.parametrize("args, message", [
+    ((2 * M, M), "invalid sizes for 'minbytes' and 'maxbytes': 2097152 > 1048576"),
+    ((0, 64, 1, 2), "minbytes 0 with stepfactor > 1"),
+    ((8, 64, 0, 1), "invalid stepbytes 0"),
+    ((8, 64, 1, -2), "invalid stepfactor -2"),
+    ((1, G, 1, 1), "more than 100000 sizes"),
+])
+def test_size_list_errors(args, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        S.size_list(*args)
+
+
+def test_parse_names_aliases_all_and_errors():
+    assert S.parse_dtypes("float") == ["float"]
+    assert S.parse_dtypes("fp16,bf16,ncclFloat64,int,char") == [
+        "half", "bfloat16", "double", "int32", "int8"]
+    assert S.parse_dtypes("all") == list(S.DTYPES) and len(S.parse_dtypes("all")) == 8
+    assert S.parse_ops("all") == ["sum", "prod", "max", "min", "avg"]
+    assert S.parse_ops("max,sum,max") == ["max", "sum"]
+    assert S.parse_colls("allreduce,all-gather,reduce_scatter,all_to_all,bcast") == [
+        "all_reduce", "all_gather", "reduce_scatter", "alltoall", "broadcast"]
+    assert S.parse_colls("all") == list(S.COLLS) and len(S.COLLS) == 7
+    with pytest.raises(ValueError, match="unknown datatype 'uint32': choose from int8"):
+        S.parse_dtypes("uint32")
+    with pytest.raises(ValueError, match="unknown op 'mulsum'"):
+        S.parse_ops("mulsum")
+    with pytest.raises(ValueError, match="unknown collective 'gather'"):
+        S.parse_colls("gather")
+    assert [S.OPS.index(o) for o in ("sum", "prod", "max", "min", "avg")] == [0, 1, 2, 3, 4]
+
+
+def _aligned_per_rank(count, n, elsize):
+    """nccl-tests' (count/nranks) & -(16/eltSize), written as a floor to a multiple."""
+    step = 16 // elsize
+    return (count // n) // step * step
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", ["int8", "half", "float", "double"])
+@pytest.mark.parametrize("size", [8, 1000, 4096, M + 12])
+def test_counts_follow_nccl_tests(n, dtype, size):
+    es = S.elem_size(dtype)
+    whole = size // es
+    per = _aligned_per_rank(whole, n, es)
+    want = {  # (sendcount, recvcount, count, send in-place offset, recv in-place offset)
+        "all_reduce": (whole, whole, whole, 0, 0),
+        "broadcast": (whole, whole, whole, 0, 0),
+        "reduce": (whole, whole, whole, 0, 0),
+        "sendrecv": (whole, whole, whole, 0, 0),
+        "all_gather": (per, per * n, per, per, 0),
+        "reduce_scatter": (per * n, per, per, 0, per),
+        "alltoall": (per * n, per * n, per, 0, 0),
+    }
+    for coll, expected in want.items():
+        got = S.coll_counts(coll, size, es, n)
+        assert tuple(got) == expected, coll
+        assert S.size_bytes(coll, size, es, n) == max(expected[0], expected[1]) * es
+
+
+def test_counts_examples():
+    # 1 MB of float on 4 ranks: all_gather sends 64K floats each, the printed size is 1 MB
+    c = S.coll_counts("all_gather", M, 4, 4)
+    assert (c.count, c.recvcount) == (65536, 262144)
+    # 1000 bytes of float on 3 ranks: 250 floats -> 83 per rank -> 80 (16-byte lines)
+    assert S.coll_counts("reduce_scatter", 1000, 4, 3).count == 80
+    assert S.size_bytes("reduce_scatter", 1000, 4, 3) == 960
+    # int8 aligns to 16 elements: 333 -> 320
+    assert S.coll_counts("alltoall", 1000, 1, 3).count == 320
+    assert S.coll_counts("all_gather", 8, 4, 4).count == 0  # small sizes round to 0 as nccl-tests
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_bus_factors(n):
+    assert S.bus_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
+    for coll in ("all_gather", "reduce_scatter", "alltoall"):
+        assert S.bus_factor(coll, n) == pytest.approx((n - 1) / n)
+    for coll in ("broadcast", "reduce", "sendrecv"):
+        assert S.bus_factor(coll, n) == 1.0
+    with pytest.raises(ValueError):
+        S.bus_factor("gather", n)
+
+
+def test_bandwidth_examples():
+    t = 100e-6  # 100 us
+    # all_reduce, n = 2: busbw = algbw * 2 * (2 - 1) / 2 = algbw; 1 MiB / 100 us = 10.48576 GB/s
+    alg, bus = S.bandwidths("all_reduce", M // 4, 4, 2, t)
+    assert alg == pytest.approx(10.48576) and bus == pytest.approx(10.48576)
+    alg, bus = S.bandwidths("all_reduce", M // 4, 4, 8, t)
+    assert bus == pytest.approx(10.48576 * 1.75)
+    # all_gather counts per rank: 64K floats x 4 ranks = 1 MiB, busbw 3/4 of it
+    alg, bus = S.bandwidths("all_gather", 65536, 4, 4, t)
+    assert alg == pytest.approx(10.48576) and bus == pytest.approx(10.48576 * 0.75)
+    alg, bus = S.bandwidths("alltoall", 65536, 4, 8, t)
+    assert alg == pytest.approx(65536 * 4 * 8 / 1e9 / t) and bus == pytest.approx(alg * 7 / 8)
+    assert S.bandwidths("broadcast", 1000, 2, 8, 1e-3) == pytest.approx((0.002, 0.002))
+    assert S.bandwidths("all_reduce", 1000, 4, 2, 0.0) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("coll", S.COLLS)
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_algbw_is_size_column_over_time(coll, n):
+    """nccl-tests' invariant: algbw is the printed size divided by the time, for every collective."""
+    for size in (1024, 1000, 32 * M):
+        c = S.coll_counts(coll, size, 4, n)
+        alg, _ = S.bandwidths(coll, c.count, 4, n, 1e-3)
+        assert alg == pytest.approx(S.size_bytes(coll, size, 4, n) / 1e9 / 1e-3)
+
+
+def test_ops_and_root_columns():
+    assert S.ops_for("all_reduce", ["sum", "max"]) == ["sum", "max"]
+    assert S.ops_for("all_gather", ["sum", "max"]) == ["none"]
+    assert [S.root_for(c, 3) for c in S.COLLS] == [-1, -1, -1, 3, 3, -1, -1]
+
+
+# ---- verifiable data against simulated collectives ---------------------------------------------
+
+TORCH = {name: getattr(torch, attr) for name, (attr, _) in S.DTYPES.items()}
+
+
+def _reduce_like_nccl(op, parts, dtype, n):
+    """Accumulate in the tensor dtype, rank after rank, as a ring would (wrapping, rounding)."""
+    if op == "avg" and dtype in D.FLOATS:  # pre-multiply by 1/n, then sum: NCCL's float avg
+        parts = [p * (1.0 / n) for p in parts]
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        if op in ("sum", "avg"):
+            acc = acc + p
+        elif op == "prod":
+            acc = acc * p
+        elif op == "max":
+            acc = torch.maximum(acc, p)
+        else:
+            acc = torch.minimum(acc, p)
+    if op == "avg" and dtype not in D.FLOATS:
+        acc = torch.div(acc, n, rounding_mode="trunc").to(acc.dtype)
+    return acc
+
+
+def _simulate(coll, placement, dtype, op, n, count, root, seed):
+    """Run the collective on CPU buffers laid out as the runner does; returns (outs, counts)."""
+    es = S.elem_size(dtype)
+    cc = S.CollCounts(*{
+        "all_gather": (count, count * n, count, count, 0),
+        "reduce_scatter": (count * n, count, count, 0, count),
+        "alltoall": (count * n, count * n, count, 0, 0),
+    }.get(coll, (count, count, count, 0, 0)))
+    cap = max(cc.sendcount, cc.recvcount)
+    send = [torch.full((cap,), -7, dtype=TORCH[dtype]) for _ in range(n)]
+    recv = [torch.full((cap,), -7, dtype=TORCH[dtype]) for _ in range(n)]
+    views = [D.views(coll, placement, send[r], recv[r], cc, r) for r in range(n)]
+    for r, (inp, out) in enumerate(views):
+        out.zero_()
+        D.fill(inp, coll, r, n, dtype, op, seed, chunk=5)  # small chunk: exercise the seams
+    ins = [inp.clone() for inp, _ in views]
+    for r, (_, out) in enumerate(views):
+        if coll == "all_reduce" or (coll == "reduce" and r == root):
+            out.copy_(_reduce_like_nccl(op, ins, dtype, n))
+        elif coll == "reduce_scatter":
+            out.copy_(_reduce_like_nccl(op, [x[r * count:(r + 1) * count] for x in ins], dtype, n))
+        elif coll == "broadcast":
+            out.copy_(ins[root])
+        elif coll == "sendrecv":
+            out.copy_(ins[(r - 1) % n])
+        elif coll == "all_gather":
+            out.copy_(torch.cat(ins))
+        elif coll == "alltoall":
+            out.copy_(torch.cat([x[r * count:(r + 1) * count] for x in ins]))
+    assert es == ins[0].element_size()
+    return [out for _, out in views], ins
+
+
+CASES = [(c, "none") for c in ("broadcast", "sendrecv", "all_gather", "alltoall")] + [
+    (c, op) for c in ("all_reduce", "reduce_scatter", "reduce") for op in S.OPS]
+
+
+@pytest.mark.parametrize("coll, op", CASES)
+@pytest.mark.parametrize("dtype", list(S.DTYPES))
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_expected_values_match_a_simulated_collective(coll, op, dtype, n):
+    count, root = 37, n - 1  # odd count, non-zero root
+    placement = "out-of-place" if coll == "alltoall" else ("in-place" if n == 3 else "out-of-place")
+    outs, ins = _simulate(coll, placement, dtype, op, n, count, root, seed=11)
+    for x in ins:  # never zeros or a constant
+        assert x.to(torch.float64).unique().numel() > 1
+    for r, out in enumerate(outs):
+        assert D.count_wrong(out, coll, r, n, count, dtype, op, root, 11, chunk=8) == 0, r
+    # The check notices one corrupted element, a wrong seed, and a zeroed (never written) output.
+    r = root if coll == "reduce" else 1
+    bad = outs[r].clone()
+    if op == "avg" and dtype in D.FLOATS:  # checked to a relative tolerance, not bitwise
+        bad[5] = bad[5] * 1.25 + 1
+    else:
+        bad[5] = bad[5] + 1 if dtype not in ("int8", "uint8") or bad[5] < 100 else bad[5] - 1
+    assert D.count_wrong(bad, coll, r, n, count, dtype, op, root, 11) == 1
+    assert D.count_wrong(outs[r], coll, r, n, count, dtype, op, root, 12) > outs[r].numel() // 3
+    assert D.count_wrong(torch.zeros_like(outs[r]), coll, r, n, count, dtype, op, root, 11) > \
+        outs[r].numel() // 3
+
+
+def test_reduce_non_root_is_not_checked_and_nan_is_wrong():
+    out = torch.full((10,), 99.0)
+    assert D.count_wrong(out, "reduce", 0, 2, 10, "float", "sum", 1, 3) == 0
+    assert D.count_wrong(out, "reduce", 1, 2, 10, "float", "sum", 1, 3) == 10
+    good = D.expected_values("broadcast", 0, 2, 10, "float", "none", 1, 3, 0, 10).float()
+    good[2] = float("nan")
+    assert D.count_wrong(good, "broadcast", 0, 2, 10, "float", "none", 1, 3) == 1
+
+
+def test_ranges_keep_results_exact():
+    # sums of n values stay within the exactly representable integers of the type
+    for dtype, exact in D.EXACT.items():
+        for n in (2, 3, 8, 64):
+            lo, hi = D.value_range(dtype, "sum", n, 0)
+            assert lo == 0 and hi >= 1 and (hi * n <= exact or dtype in ("int8", "uint8"))
+    assert D.value_range("bfloat16", "sum", 8, 0) == (0, 32)
+    assert D.value_range("half", "prod", 16, 15) == (1, 1)  # 2**16 would overflow half
+    assert D.value_range("half", "prod", 16, 14) == (1, 2)
+    assert D.wrap(torch.tensor([128, 255, 256, -129]), "int8").tolist() == [-128, -1, 0, 127]
+    assert D.wrap(torch.tensor([256, 300]), "uint8").tolist() == [0, 44]
+
+
+def test_in_place_views_alias_the_nccl_tests_slices():
+    n, rank, count = 4, 2, 8
+    recv, send = torch.zeros(64), torch.zeros(64)
+    cc = S.coll_counts("all_gather", count * n * 4, 4, n)
+    inp, out = D.views("all_gather", "in-place", send, recv, cc, rank)
+    assert out.data_ptr() == recv.data_ptr() and out.numel() == count * n
+    assert inp.data_ptr() == recv.data_ptr() + rank * count * 4 and inp.numel() == count
+    cc = S.coll_counts("reduce_scatter", count * n * 4, 4, n)
+    inp, out = D.views("reduce_scatter", "in-place", send, recv, cc, rank)
+    assert inp.data_ptr() == recv.data_ptr() and inp.numel() == count * n
+    assert out.data_ptr() == recv.data_ptr() + rank * count * 4 and out.numel() == count
+    inp, out = D.views("reduce_scatter", "out-of-place", send, recv, cc, rank)
+    assert inp.data_ptr() == send.data_ptr() and out.data_ptr() == recv.data_ptr()
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+def _res(system="pyccl", size=M, placement="out-of-place", time_us=20.0, wrong=0, coll="all_reduce",
+         op="sum", n=2, dtype="float"):
+    es = S.elem_size(dtype)
+    c = S.coll_counts(coll, size, es, n)
+    alg, bus = S.bandwidths(coll, c.count, es, n, time_us * 1e-6) if time_us else (None, None)
+    return R.Result(system, coll, dtype, op, S.root_for(coll, 0), S.size_bytes(coll, size, es, n),
+                    c.count, n, placement, time_us, alg, bus, wrong)
+
+
+def test_format_time_matches_nccl_tests_precision():
+    assert R.format_time(12.345) == "  12.35"
+    assert R.format_time(123.45) == "  123.5"  # rounds half to even like printf
+    assert R.format_time(3295.04) == " 3295.0"
+    assert R.format_time(12345.6) == "  12346"
+    assert R.format_time(None) == "    N/A"
+    assert {len(R.format_time(x)) for x in (0.5, 99.99, 100, 9999, 10000, 123456)} == {7}
+
+
+def test_format_row_columns_line_up_with_the_header():
+    row = R.format_row(_res(time_us=20.0, wrong=0), _res(placement="in-place", time_us=250.0,
+                                                         wrong=3))
+    tokens = row.split()
+    alg = M / 1e9 / 20e-6
+    assert tokens == ["1048576", "262144", "float", "sum", "-1", "20.00", "%.2f" % alg,
+                      "%.2f" % alg, "0", "250.0", "%.2f" % (M / 1e9 / 250e-6),
+                      "%.2f" % (M / 1e9 / 250e-6), "3"]
+    names = R.format_header().splitlines()[1]
+    assert names.split()[1:] == ["size", "count", "type", "redop", "root", "time", "algbw",
+                                 "busbw", "#wrong", "time", "algbw", "busbw", "#wrong"]
+
+    def right_edges(line):
+        edges, i = [], 0
+        for tok in line.split():
+            i = line.index(tok, i) + len(tok)
+            edges.append(i)
+        return edges
+    assert right_edges(row) == right_edges(names)[1:]  # every value ends under its column name
+    assert len(row) == 52 + 2 * 32
+
+
+def test_format_row_not_available_and_unchecked():
+    row = R.format_row(_res(wrong=None), None)
+    assert row.split()[5:] == ["20.00", "52.43", "52.43", "N/A", "N/A", "N/A", "N/A", "N/A"]
+    row = R.format_row(_res(time_us=None, wrong=None, coll="alltoall", op="none"), None)
+    assert row.split()[:5] == ["1048576", "131072", "float", "none", "-1"]
+
+
+def test_summary_counts_failed_sizes_and_averages_shown_busbw():
+    rs = [_res(time_us=10.0, wrong=0), _res(time_us=20.0, wrong=5),
+          _res(time_us=None, wrong=None), _res(time_us=40.0, wrong=None)]
+    text = R.format_summary(rs)
+    mean = (M / 1e9 / 10e-6 + M / 1e9 / 20e-6 + M / 1e9 / 40e-6) / 3
+    assert "# Out of bounds values : 1 FAILED" in text
+    assert "# Avg bus bandwidth    : %g" % mean in text
+    assert "0 OK" in R.format_summary(rs[:1])
+
+
+def test_aggregate_times_modes():
+    per_rank = [[1.0, 5.0, 3.0], [2.0, 4.0, 9.0]]
+    assert R.aggregate_times(per_rank, 3) == 5.0  # per-loop max [2, 5, 9] -> median 5
+    assert R.aggregate_times(per_rank, 2) == 3.0  # min [1, 4, 3]
+    assert R.aggregate_times(per_rank, 1) == 4.5  # mean [1.5, 4.5, 6]
+    assert R.aggregate_times(per_rank, 0) == 3.0  # rank 0 [1, 5, 3]
+    with pytest.raises(ValueError):
+        R.aggregate_times(per_rank, 4)
+
+
+def test_make_result_from_per_rank_timings():
+    r = R.make_result("pyccl", "all_gather", "float", "none", 0, M, 2, "in-place",
+                      [[1e-3, 3e-3, 1e-3], [2e-3, 2e-3, 2e-3]], [0, 4], mode=3)
+    assert (r.size, r.count, r.root) == (M, M // 8, -1)
+    assert r.time_us == pytest.approx(2000.0)
+    assert r.algbw == pytest.approx(M / 1e9 / 2e-3) and r.busbw == pytest.approx(r.algbw / 2)
+    assert r.wrong == 4
+    na = R.make_result("torch.distributed", "all_reduce", "float", "sum", 0, M, 2, "out-of-place")
+    assert (na.time_us, na.busbw, na.wrong) == (None, None, None)
+    unchecked = R.make_result("pyccl", "reduce", "int8", "max", 1, 64, 2, "in-place", [[1e-5]] * 2,
+                              [None, None])
+    assert unchecked.wrong is None and unchecked.root == 1
+
+
+def test_comparison_ratios():
+    rs = [_res("pyccl", time_us=10.0), _res("torch.distributed", time_us=20.0),
+          _res("torch.cuda.nccl", time_us=8.0),
+          _res("pyccl", placement="in-place", time_us=30.0),
+          _res("torch.cuda.nccl", placement="in-place", time_us=None)]
+    rows = R.compare(rs, "pyccl", ["torch.distributed", "torch.cuda.nccl"])
+    assert [row.placement for row in rows] == ["out-of-place", "in-place"]
+    oop, ip = rows
+    assert oop.time_ratio == {"torch.distributed": 0.5, "torch.cuda.nccl": 1.25}
+    assert oop.busbw_ratio["torch.distributed"] == pytest.approx(2.0)
+    assert oop.busbw_ratio["torch.cuda.nccl"] == pytest.approx(0.8)
+    assert ip.time_ratio == {"torch.distributed": None, "torch.cuda.nccl": None}
+    text = R.format_comparison(rows, "pyccl", ["torch.distributed", "torch.cuda.nccl"])
+    lines = text.splitlines()
+    assert lines[2].split() == ["#", "coll", "size", "type", "redop", "in-place"] + 2 * [
+        "|", "pyccl", "dist", "t.c.nccl", "/dist", "/t.c.nccl"]
+    assert lines[3].replace("|", " ").split() == [
+        "all_reduce", "1048576", "float", "sum", "no", "10.00", "20.00", "8.00", "0.500", "1.250",
+        "104.86", "52.43", "131.07", "2.000", "0.800"]
+    assert lines[4].count("N/A") == 8  # 2 peer times, 2 peer busbw, 4 ratios
+    assert len({len(line) for line in lines[2:]}) == 1  # columns line up
+    assert R.ratio(1.0, 0.0) is None and R.ratio(None, 2.0) is None and R.ratio(3.0, 2.0) == 1.5
+
+
+def test_host_table():
+    text = R.format_host([R.HostResult("pyccl", 2, 1000, 9.5, 11.25),
+                          R.HostResult("torch.distributed", 2, 1000, 25.0, 26.0)], 1000, 5)
+    lines = text.splitlines()
+    assert "1000 calls per loop" in lines[0] and "median of 5 loops" in lines[0]
+    assert lines[2].split() == ["pyccl", "2", "9.50", "11.25"]
+    assert lines[3].split() == ["torch.distributed", "2", "25.00", "26.00"]
+
+
+def test_csv_and_json_round_trip(tmp_path):
+    rs = [_res(time_us=12.3456789), _res(placement="in-place", time_us=None, wrong=None),
+          _res("torch.cuda.nccl", size=8, time_us=7.1, wrong=2, dtype="bfloat16", op="avg")]
+    hs = [R.HostResult("pyccl.nccl", 2, 500, 3.25, 1.0 / 3)]
+    R.write_csv(tmp_path / "r.csv", rs)
+    assert R.read_csv(tmp_path / "r.csv") == rs
+    header = (tmp_path / "r.csv").read_text().splitlines()[0]
+    assert header == ("system,coll,dtype,op,root,size,count,nranks,placement,time_us,algbw,busbw,"
+                      "wrong")
+    R.write_csv(tmp_path / "h.csv", hs)
+    assert R.read_csv(tmp_path / "h.csv", R.HostResult) == hs
+    R.write_json(tmp_path / "r.json", {"iters": 20, "sizes": [8, 16]}, rs, hs)
+    config, rs2, hs2 = R.read_json(tmp_path / "r.json")
+    assert config == {"iters": 20, "sizes": [8, 16]} and rs2 == rs and hs2 == hs
+    with pytest.raises(ValueError):
+        R.write_csv(tmp_path / "empty.csv", [])
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rs = []
+    for system, scale in (("pyccl", 1.0), ("torch.distributed", 1.3)):
+        for size in (8, 1024, M):
+            for placement in R.PLACEMENTS:
+                rs.append(_res(system, size=size, placement=placement,
+                               time_us=scale * (10 + size / 1e4)))
+    path = R.write_plot(str(tmp_path / "p.png"), rs)
+    data = pathlib.Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10000
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+def test_argparse_defaults_follow_nccl_tests():
+    a = cli.build_parser().parse_args([])
+    assert (a.minbytes, a.maxbytes, a.stepbytes, a.stepfactor) == (32 * M, 32 * M, M, 1)
+    assert (a.iters, a.warmup_iters, a.check, a.cudagraph, a.blocking) == (20, 5, 1, 0, 0)
+    assert (a.coll, a.op, a.datatype, a.root) == (["all_reduce"], ["sum"], ["float"], 0)
+    assert a.average == 3 and a.api == "comm" and a.ngpus is None
+    assert not a.compare and not a.host_overhead and a.json is None and a.repeats == 5
+    cfg = cli.make_config(a)
+    assert cfg["sizes"] == [32 * M] and cfg["mode"] == "sweep" and cfg["blocking"] is False
+
+
+def test_argparse_flags():
+    a = cli.build_parser().parse_args(
+        "-b 8 -e 128M -f 2 -g 2 -t all -o all -d half,int8 -r 1 -n 5 -w 0 -c 0 -G 3 -z 1 -a 1 "
+        "--api nccl --compare --json o.json --csv o.csv --plot o.png".split())
+    cfg = cli.make_config(a)
+    assert cfg["sizes"][0] == 8 and cfg["sizes"][-1] == 128 * M and len(cfg["sizes"]) == 25
+    assert cfg["colls"] == list(S.COLLS) and cfg["ops"] == list(S.OPS)
+    assert cfg["dtypes"] == ["half", "int8"] and cfg["root"] == 1 and cfg["graph"] == 3
+    assert (cfg["iters"], cfg["warmup"], cfg["check"], cfg["average"]) == (5, 0, 0, 1)
+    assert cfg["blocking"] is True and a.api == "nccl" and a.compare and a.ngpus == 2
+    long = cli.build_parser().parse_args(["--minbytes", "1K", "--stepbytes", "512",
+                                          "--maxbytes", "2K", "--datatype", "all"])
+    assert cli.make_config(long)["sizes"] == [1024, 1536, 2048]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-b", "12Q"], "invalid minbytes '12Q'"),
+    (["-d", "float8"], "unknown datatype 'float8'"),
+    (["-t", "scatter"], "unknown collective 'scatter'"),
+    (["-b", "2M", "-e", "1M"], "invalid sizes for 'minbytes' and 'maxbytes'"),
+    (["-n", "0"], "--iters must be >= 1, got 0"),
+    (["-a", "4"], "invalid choice: 4"),
+    (["--api", "mpi"], "invalid choice: 'mpi'"),
+])
+def test_bad_command_lines_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_no_gpu_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 0)
+    assert cli.main(["-b", "8", "-e", "1K", "-f", "2"]) == 1
+    assert capsys.readouterr().err.strip() == "pyccl.bench: no CUDA GPU found"
+
+
+def test_too_many_gpus_and_bad_root(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
+    assert cli.main(["-g", "4"]) == 1
+    assert "-g/--ngpus 4 asks for more GPUs than the 2 visible" in capsys.readouterr().err
+    assert cli.main(["-t", "broadcast", "-r", "2"]) == 1
+    assert "-r/--root 2 is not a rank of 2 GPUs (0..1)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not REAL_PACKAGE, reason="pyccl is not importable (extension not built)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_module_entry_point_without_gpu():
+    env = dict(os.environ, PYTHONPATH=str(BENCH_DIR.parent.parent))
+    p = subprocess.run([sys.executable, "-m", "pyccl.bench"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 1
+    assert p.stderr.strip() == "pyccl.bench: no CUDA GPU found" and "Traceback" not in p.stderr
+
+
+def test_multicast_is_off_in_every_process_unless_set():
+    """Importing the package sets the variables (children inherit them); explicit values stay."""
+    code = ("import importlib.util, os, sys; d = sys.argv[1]; "
+            "s = importlib.util.spec_from_file_location('b', d + '/__init__.py', "
+            "submodule_search_locations=[d]); m = importlib.util.module_from_spec(s); "
+            "sys.modules['b'] = m; s.loader.exec_module(m); "
+            "print(*[os.environ.get(k) for k in ('NCCL_NVLS_ENABLE', "
+            "'TORCH_SYMM_MEM_DISABLE_MULTICAST', 'NVSHMEM_DISABLE_NVLS')])")
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")}
+    p = subprocess.run([sys.executable, "-c", code, str(BENCH_DIR)], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.stdout.split() == ["0", "1", "1"], p.stderr
+    p = subprocess.run([sys.executable, "-c", code, str(BENCH_DIR)], capture_output=True,
+                       text=True, env=dict(env, NVSHMEM_DISABLE_NVLS="7"), timeout=120)
+    assert p.stdout.split() == ["0", "1", "7"], p.stderr
+
+
+# ---- the multi-process runner, on CPU through gloo ---------------------------------------------
+
+needs_gloo = pytest.mark.skipif(
+    not (REAL_PACKAGE and torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs an importable pyccl package (spawned children import it) and gloo")
+
+
+def _cfg(**kw):
+    cfg = {"mode": "sweep", "colls": ["all_reduce"], "dtypes": ["float"], "ops": ["sum"],
+           "root": 1, "sizes": [64, 4096], "iters": 3, "warmup": 1, "repeats": 2, "check": 1,
+           "graph": 0, "blocking": False, "average": 3, "timeout": 60.0, "host_iters": 50}
+    cfg.update(kw)
+    return cfg
+
+
+@needs_gloo
+def test_gloo_sweep_runs_checks_and_aggregates_across_processes():
+    cfg = _cfg(colls=["all_reduce", "broadcast", "alltoall", "sendrecv"], dtypes=["float", "int32"],
+               ops=["sum", "max"])
+    rows, infos = [], []
+    results = runner.run_sweep(runner.CPU_SYSTEM, 2, cfg, infos.extend,
+                               lambda a, b: rows.append((a, b)))
+    assert len(infos) == 2 and "Rank  0" in infos[0] and "Rank  1" in infos[1]
+    # all_reduce: 2 dtypes x 2 ops x 2 sizes; broadcast, alltoall, sendrecv: 2 dtypes x 2 sizes
+    assert len(rows) == 8 + 4 + 4 + 4 and len(results) == 2 * len(rows)
+    by = {(r.coll, r.dtype, r.op, r.size, r.placement): r for r in results}
+    ar = by[("all_reduce", "int32", "max", 4096, "in-place")]
+    assert ar.wrong == 0 and ar.time_us > 0 and ar.busbw == pytest.approx(ar.algbw)  # n = 2
+    assert by[("all_reduce", "float", "sum", 64, "out-of-place")].time_us is None  # no oop form
+    assert by[("broadcast", "float", "none", 4096, "in-place")].wrong == 0
+    assert by[("broadcast", "float", "none", 4096, "in-place")].root == 1
+    a2a = by[("alltoall", "int32", "none", 4096, "out-of-place")]
+    assert a2a.wrong == 0 and a2a.count == 512 and a2a.busbw == pytest.approx(a2a.algbw / 2)
+    assert by[("alltoall", "int32", "none", 4096, "in-place")].time_us is None
+    assert by[("sendrecv", "float", "none", 4096, "out-of-place")].wrong == 0
+    assert not multiprocessing.active_children()
+
+
+@needs_gloo
+def test_gloo_host_overhead():
+    h = runner.run_host_overhead(runner.CPU_SYSTEM, 2, _cfg(mode="host", host_iters=20))
+    assert h.system == runner.CPU_SYSTEM and h.nranks == 2 and h.calls == 20
+    assert 0 < h.host_us < 1e6 and h.gpu_us > 0
+
+
+@needs_gloo
+def test_a_silent_rank_is_killed_not_waited_for():
+    t0 = time.monotonic()
+    with pytest.raises(runner.BenchError) as e:
+        runner.run_sweep(runner.CPU_SYSTEM, 2, _cfg(timeout=4.0, _hang_rank=1))
+    assert time.monotonic() - t0 < 90
+    assert str(e.value).startswith(runner.CPU_SYSTEM + ": ")
+    assert not multiprocessing.active_children()
+
+
+@needs_gloo
+def test_a_failing_rank_reports_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(runner.BenchError) as e:  # rank 0 waits in a collective for rank 1
+        runner.run_sweep(runner.CPU_SYSTEM, 2, _cfg(_fail_rank=1, timeout=60.0))
+    assert time.monotonic() - t0 < 45  # the error is noticed at once, not after the timeout
+    assert f"{runner.CPU_SYSTEM}: process 1 failed:" in str(e.value)
+    assert "Traceback" in str(e.value) and "rank 1 fails on purpose" in str(e.value)
+    assert not multiprocessing.active_children()
+
+
+def _fake_sweep(wrong_system=None, fail_system=None):
+    """Stands in for runner.run_sweep: deterministic timings per system, through the callbacks."""
+    speed = {"pyccl": 1.0, "torch.distributed": 2.0, "torch.cuda.nccl": 1.25, "pyccl.nccl": 1.0}
+
+    def run_sweep(system, n, cfg, on_info, on_row, on_progress):
+        if system == fail_system:
+            raise runner.BenchError(f"{system}: process 1 failed:\nTraceback ...")
+        on_info([f"#  Rank {r:2d} fake device" for r in range(n)])
+        out = []
+        for coll in cfg["colls"]:
+            for size in cfg["sizes"]:
+                row = [R.make_result(system, coll, "float", "sum", cfg["root"], size, n, p,
+                                     [[speed[system] * (1 + i) * 1e-5] * 2] * n,
+                                     [int(system == wrong_system)] * n)
+                       for i, p in enumerate(R.PLACEMENTS)]
+                on_row(*row)
+                on_progress(system, len(out) // 2 + 1, 9, "x")
+                out += row
+        return out
+    return run_sweep
+
+
+def test_main_prints_nccl_tests_tables_comparison_and_files(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(runner, "run_sweep", _fake_sweep())
+    argv = ["-b", "1K", "-e", "4K", "-f", "2", "--compare", "--no-progress",
+            "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("# nThread 1 nGpus 1 minBytes 1024 maxBytes 4096 step: 2(factor) warmup "
+                     "iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0") == 2  # per-rank
+    assert "# nThread 1 nGpus 2 minBytes 1024" in out  # torch.cuda.nccl: one process, 2 GPUs
+    assert out.count("# Collective: all_reduce") == 3 and out.count("# Avg bus bandwidth") == 3
+    rows = [line.split() for line in out.splitlines() if line.startswith("        1024")]
+    assert [r[5] for r in rows] == ["10.00", "20.00", "12.50"]  # pyccl, dist, torch.cuda.nccl
+    comparison = out[out.index("# Comparison"):].splitlines()
+    first = comparison[3].replace("|", " ").split()
+    assert first[:5] == ["all_reduce", "1024", "float", "sum", "no"]
+    assert first[5:10] == ["10.00", "20.00", "12.50", "0.500", "0.800"]
+    config, results, host = R.read_json(tmp_path / "r.json")
+    assert config["sizes"] == [1024, 2048, 4096] and config["ngpus"] == 2 and host == []
+    assert config["systems"] == ["pyccl", "torch.distributed", "torch.cuda.nccl"]
+    assert len(results) == 3 * 3 * 2 and R.read_csv(tmp_path / "r.csv") == results
+
+
+def test_main_exit_status_on_wrong_results_and_failed_peer(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(runner, "run_sweep", _fake_sweep(wrong_system="torch.cuda.nccl"))
+    assert cli.main(["-b", "1K", "-e", "1K", "--compare", "--no-progress"]) == 0  # a peer's bug
+    assert "# Out of bounds values : 2 FAILED" in capsys.readouterr().out  # per placement
+    monkeypatch.setattr(runner, "run_sweep", _fake_sweep(wrong_system="pyccl"))
+    assert cli.main(["-b", "1K", "-e", "1K", "--no-progress"]) == 1
+    assert "pyccl produced wrong results" in capsys.readouterr().err
+    monkeypatch.setattr(runner, "run_sweep", _fake_sweep(fail_system="torch.distributed"))
+    assert cli.main(["-b", "1K", "-e", "1K", "--compare", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "pyccl.bench: error: torch.distributed: process 1 failed:" in captured.err
+    assert "# Comparison" in captured.out  # the other systems still ran and are compared
+
+
+def test_main_host_overhead_runs_four_systems(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
+    seen = []
+
+    def fake_host(system, n, cfg):
+        seen.append(system)
+        return R.HostResult(system, n, cfg["host_iters"], 10.0 + len(seen), 20.0)
+    monkeypatch.setattr(runner, "run_host_overhead", fake_host)
+    assert cli.main(["--host-overhead", "--host-iters", "300", "--no-progress",
+                     "--csv", str(tmp_path / "h.csv")]) == 0
+    assert seen == ["pyccl", "pyccl.nccl", "torch.distributed", "torch.cuda.nccl"]
+    out = capsys.readouterr().out
+    assert "300 calls per loop" in out and "torch.cuda.nccl       2            14.00" in out
+    assert [h.system for h in R.read_csv(tmp_path / "h.csv", R.HostResult)] == seen

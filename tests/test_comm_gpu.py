@@ -1,0 +1,142 @@
+"""GPU tier of the per-rank API (pyccl.Communicator) and its launchers.
+
+Each test spawns one process per GPU (bounded in time: _ranks.run_ranks) and
+each rank checks its own results bitwise; see _scenarios.py.
+"""
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import gpu_count, needs_gpus
+from _ranks import run_ranks
+import _scenarios as sc
+
+W = gpu_count()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_gpus(2)
+def test_every_method_dtype_op_size():
+    res = run_ranks(sc.every_method, W, timeout=420)
+    assert all(n > 1000 for n in res.values()), res
+
+
+@needs_gpus(2)
+def test_p2p_all_to_all_gather_scatter_premul_split():
+    res = run_ranks(sc.p2p_and_friends, W)
+    assert set(res.values()) == {"ok"}
+
+
+@needs_gpus(2)
+def test_cupy_arrays():
+    pytest.importorskip("cupy")
+    res = run_ranks(sc.cupy_arrays, W)
+    assert set(res.values()) == {"ok"}
+
+
+@needs_gpus(2)
+def test_destroyed_and_bad_op():
+    res = run_ranks(sc.destroyed_and_errors, W)
+    assert set(res.values()) == {"ok"}
+
+
+def _env_job(extra):
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(W)}
+    env.update(extra)
+    return env
+
+
+@needs_gpus(2)
+def test_init_from_env_tcpstore_loopback():
+    # RANK/LOCAL_RANK differ per child: set inside via a small wrapper
+    res = run_ranks(_from_env_child, W, _env_job({}), make_comm=False)
+    assert len(res) == W
+
+
+def _from_env_child(rank, world, env):
+    os.environ.update(env)
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    return sc.from_env(rank, world)
+
+
+@needs_gpus(2)
+def test_emulated_two_nodes_over_the_network_transport(tmp_path):
+    """Two 'nodes' (NODE_RANK 0/1) whose traffic must go through NCCL's net transport."""
+    log = tmp_path / "nccl.%p.log"
+    env = _env_job({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_DEBUG": "INFO",
+                    "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_DEBUG_FILE": str(log),
+                    "NCCL_SOCKET_IFNAME": "lo"})
+    res = run_ranks(_node_child, W, env, make_comm=False)
+    assert sorted(res.values()) == [str(r) for r in range(W)]
+    text = "".join(open(f).read() for f in glob.glob(str(tmp_path / "nccl.*.log")))
+    assert "NET/Socket" in text or "NET/IB" in text, text[-2000:]
+
+
+def _node_child(rank, world, env):
+    os.environ.update(env)
+    os.environ["RANK"] = os.environ["NODE_RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    return sc.from_env(rank, world)
+
+
+@needs_gpus(2)
+def test_several_gpus_per_process():
+    """One process holding every GPU as a rank of one job, driven in a group."""
+    import pyccl
+
+    comms = pyccl.init_ranks(W, pyccl.unique_id(), range(W), range(W))
+    assert [(c.rank, c.size, c.device) for c in comms] == [(r, W, r) for r in range(W)]
+    ts = [torch.full((1001,), float(r + 3), device=f"cuda:{r}") for r in range(W)]
+    with pyccl.group():
+        for c, t in zip(comms, ts):
+            c.all_reduce(t)
+    for r in range(W):
+        torch.cuda.synchronize(r)
+    want = float(sum(r + 3 for r in range(W)))
+    assert all(torch.equal(t.cpu(), torch.full((1001,), want)) for t in ts)
+    for c in comms:
+        c.destroy()
+
+
+@needs_gpus(2)
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun is not installed")
+def test_init_from_mpi():
+    pytest.importorskip("mpi4py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(W),
+           "-x", "PYTHONPATH", "-x", "NCCL_NVLS_ENABLE", "-x", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+           "-x", "NVSHMEM_DISABLE_NVLS", sys.executable, os.path.join(ROOT, "tests", "mpi_child.py")]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert sorted(l for l in out.stdout.splitlines() if l.startswith("mpi rank")) == \
+        [f"mpi rank {r} ok" for r in range(W)]
+
+
+EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("path", EXAMPLES, ids=os.path.basename)
+def test_example_runs(path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    if os.path.basename(path).startswith("torchrun"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={W}", path]
+    else:
+        cmd = [sys.executable, path]
+        if "benchmark" in path:
+            cmd += ["--quick"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "OK" in out.stdout, out.stdout[-3000:]

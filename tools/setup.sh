@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Make this checkout usable: install what is missing (only that), then build
+# pyccl._C in place.  Safe to run again; needs no network when everything is
+# already there (as on the GPU machines).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+missing=()
+$PY -c "import torch" 2>/dev/null || missing+=("${PYCCL_TORCH_SPEC:-torch}")
+$PY -c "import pytest" 2>/dev/null || missing+=(pytest)
+$PY -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 61)" 2>/dev/null \
+  || missing+=("setuptools>=61")
+# Headers for the build: NCCL's and the CUDA runtime's (setup.py says where it looks).
+if ! $PY - <<'PYEOF' 2>/dev/null
+import glob, importlib.util, os, sys
+spec = importlib.util.find_spec("nvidia")
+dirs = list(spec.submodule_search_locations) if spec else []
+roots = [os.environ.get(v) for v in ("NCCL_HOME", "NCCL_ROOT")]
+ok = any(os.path.isfile(os.path.join(r, "include", "nccl.h")) for r in roots if r) \
+    or any(os.path.isfile(os.path.join(d, "nccl", "include", "nccl.h")) for d in dirs) \
+    or os.path.isfile("/usr/include/nccl.h")
+sys.exit(0 if ok else 1)
+PYEOF
+then
+  missing+=("${PYCCL_NCCL_WHEEL:-nvidia-nccl-cu13}")
+fi
+if ! $PY - <<'PYEOF' 2>/dev/null
+import importlib.util, os, sys
+spec = importlib.util.find_spec("nvidia")
+dirs = [os.path.join(d, "cu13", "include") for d in (spec.submodule_search_locations if spec else [])]
+dirs += [os.path.join(os.environ[v], "include") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+dirs += ["/usr/local/cuda/include"]
+sys.exit(0 if any(os.path.isfile(os.path.join(d, "cuda_runtime.h")) and
+                  os.path.isfile(os.path.join(d, "crt", "host_config.h")) for d in dirs) else 1)
+PYEOF
+then
+  missing+=(nvidia-cuda-runtime nvidia-cuda-crt)
+fi
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  $PY -m pip install -q "${missing[@]}"
+fi
+start=$(date +%s)
+$PY setup.py -q build_ext --inplace
+echo "setup: pyccl._C built in $(( $(date +%s) - start )) s"
