@@ -406,6 +406,10 @@ PyObject *
 pyccl_clique(pyccl_state *st, const char *op, const int *devices,
              Py_ssize_t n)
 {
+    if (st->last_clique != NULL && n == st->last_n &&
+        memcmp(devices, st->last_devices, (size_t)n * sizeof(int)) == 0) {
+        return st->last_clique;
+    }
     PyObject *key = clique_key(devices, n);
     PyObject *found = NULL, *tuple = NULL;
     ncclComm_t *comms = NULL;
@@ -475,6 +479,11 @@ done:
     /* The dict keeps the tuple alive; hand back a borrowed reference. */
     if (found != NULL) {
         Py_DECREF(found);
+        if (n <= (Py_ssize_t)(sizeof st->last_devices / sizeof(int))) {
+            memcpy(st->last_devices, devices, (size_t)n * sizeof(int));
+            st->last_n = n;
+            st->last_clique = found;
+        }
     }
     return found;
 }

@@ -210,6 +210,7 @@ module_clear(PyObject *m)
     /* Cleared only at interpreter teardown: mark exiting first so the
      * clique's communicators are leaked, not destroyed. */
     st->exiting = 1;
+    st->last_clique = NULL;
     Py_CLEAR(st->cliques);
     Py_CLEAR(st->NcclError);
     Py_CLEAR(st->CudaError);

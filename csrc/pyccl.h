@@ -104,6 +104,10 @@ typedef struct {
              *s_premul;
     /* comms=None: one clique of communicators per ordered device tuple */
     PyObject *cliques;           /* dict: tuple of ints -> tuple of Communicator */
+    /* the last clique used, to skip building a key on repeated calls */
+    PyObject *last_clique;       /* borrowed from `cliques` */
+    int last_devices[8];
+    Py_ssize_t last_n;
     PyThread_type_lock clique_lock;      /* held while creating a clique */
     PyThread_type_lock clique_call_lock; /* held while enqueueing on any clique */
     int exiting;                 /* set at interpreter exit: leak, never destroy */

@@ -59,13 +59,10 @@ def init_rank(num_ranks, uid, rank):
     return _C._nccl_init_rank(num_ranks, uid, rank)
 
 
-def _check_collection(inputs):
-    if isinstance(inputs, torch.Tensor) or not isinstance(inputs, collections.abc.Container):
-        raise TypeError("Inputs should be a collection of tensors")
-
+# The C bindings check `inputs` ("Inputs should be a collection of tensors"
+# and the rest of torch's texts), so these wrappers stay one call deep.
 
 def all_reduce(inputs, outputs=None, op=SUM, streams=None, comms=None):
-    _check_collection(inputs)
     _C._nccl_all_reduce(inputs, inputs if outputs is None else outputs, op, streams, comms)
 
 
@@ -80,7 +77,6 @@ def _root_output(outputs, root, comms):
 
 
 def reduce(inputs, output=None, root=0, op=SUM, streams=None, comms=None, *, outputs=None):
-    _check_collection(inputs)
     if outputs is not None:
         if output is not None:
             raise ValueError(
@@ -101,15 +97,12 @@ def reduce(inputs, output=None, root=0, op=SUM, streams=None, comms=None, *, out
 
 
 def broadcast(inputs, root=0, streams=None, comms=None):
-    _check_collection(inputs)
     _C._nccl_broadcast(inputs, root, streams, comms)
 
 
 def all_gather(inputs, outputs, streams=None, comms=None):
-    _check_collection(inputs)
     _C._nccl_all_gather(inputs, outputs, streams, comms)
 
 
 def reduce_scatter(inputs, outputs, op=SUM, streams=None, comms=None):
-    _check_collection(inputs)
     _C._nccl_reduce_scatter(inputs, outputs, op, streams, comms)

@@ -67,6 +67,50 @@ def main():
     tens = [torch.ones(1, device=f"cuda:{d}") for d in range(n)]
     print("# host CPU us per call, 1 element: " + ", ".join(
         f"{k} {statistics.median(host_us(fn, tens) for _ in range(3)):.2f}" for k, fn in systems.items()))
+    per_rank_host()
+
+
+def per_rank_host():
+    """CPU us per all_reduce call of the per-rank APIs, one rank (this process, GPU 0).
+
+    comm.all_reduce on an empty tensor runs all of pyccl's Python+C path but
+    enqueues nothing (count 0): that is pyccl's own cost.  On one element it
+    adds NCCL's enqueue, which the raw ncclAllReduce row (through ctypes, so
+    with ctypes' own call cost) shows alone.
+    """
+    import ctypes
+    import socket
+
+    import torch.distributed as dist
+
+    import pyccl
+
+    torch.cuda.set_device(0)
+    comm = pyccl.Communicator(1, pyccl.unique_id(), 0)
+    one = torch.ones(1, device="cuda:0")
+    empty = torch.empty(0, device="cuda:0")
+    lib = ctypes.CDLL(pyccl._C._library_paths()[0])
+    stream = torch.cuda.current_stream(0).cuda_stream
+    ptr, handle = one.data_ptr(), comm.handle
+    raw = lib.ncclAllReduce
+    raw.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                    ctypes.c_void_p, ctypes.c_void_p]
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=torch.device("cuda:0"))
+    rows = {
+        "pyccl comm.all_reduce(empty): pyccl's own path": lambda _: comm.all_reduce(empty),
+        "pyccl comm.all_reduce(1 elem)": lambda _: comm.all_reduce(one),
+        "raw ncclAllReduce via ctypes (1 elem)": lambda _: raw(ptr, ptr, 1, 7, 0, handle, stream),
+        "torch.distributed.all_reduce (1 elem)": lambda _: dist.all_reduce(one),
+    }
+    print("# per-rank API, 1 rank on cuda:0, host CPU us per call (median of 3 x 3000 calls)")
+    for name, fn in rows.items():
+        print(f"{name:>48}: {statistics.median(host_us(fn, [one]) for _ in range(3)):6.2f}")
+    dist.destroy_process_group()
+    comm.destroy()
 
 
 if __name__ == "__main__":
