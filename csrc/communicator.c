@@ -97,8 +97,8 @@ read_unique_id(const char *op, PyObject *uid, ncclUniqueId *out)
     return 0;
 }
 
-static int
-read_int(const char *op, const char *what, PyObject *obj, int *out)
+int
+pyccl_read_int(const char *op, const char *what, PyObject *obj, int *out)
 {
     if (!PyLong_Check(obj) || PyBool_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "%s: %s must be an int, got %.200s", op,
@@ -126,13 +126,13 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
 {
     int nranks, rank, device = -1, ndev = 0, prev = -1;
     ncclUniqueId uid;
-    if (read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
+    if (pyccl_read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
         read_unique_id(op, uid_obj, &uid) < 0 ||
-        read_int(op, "rank", rank_obj, &rank) < 0) {
+        pyccl_read_int(op, "rank", rank_obj, &rank) < 0) {
         return NULL;
     }
     if (device_obj != NULL && device_obj != Py_None &&
-        read_int(op, "device", device_obj, &device) < 0) {
+        pyccl_read_int(op, "device", device_obj, &device) < 0) {
         return NULL;
     }
     if (nranks < 1) {
@@ -500,7 +500,7 @@ pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
     PyObject *ranks = NULL, *devices = NULL, *list = NULL;
     int *rk = NULL, *dv = NULL;
     ncclComm_t *comms = NULL;
-    if (read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
+    if (pyccl_read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
         read_unique_id(op, uid_obj, &uid) < 0) {
         return NULL;
     }
@@ -535,8 +535,8 @@ pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (read_int(op, "ranks[i]", PySequence_Fast_GET_ITEM(ranks, i), &rk[i]) < 0 ||
-            read_int(op, "devices[i]", PySequence_Fast_GET_ITEM(devices, i), &dv[i]) < 0) {
+        if (pyccl_read_int(op, "ranks[i]", PySequence_Fast_GET_ITEM(ranks, i), &rk[i]) < 0 ||
+            pyccl_read_int(op, "devices[i]", PySequence_Fast_GET_ITEM(devices, i), &dv[i]) < 0) {
             goto done;
         }
         if (rk[i] < 0 || rk[i] >= nranks) {

@@ -18,49 +18,45 @@ static const char *const cudart_sonames[] = {
 /* dlopen the first library found: loaded sonames, then the candidate paths,
  * then the sonames through the loader's search path.  Errors accumulate in
  * `tried` (a list of str) for the message. */
+/* dlopen one library, or note why not in `tried` (a list of str). */
+static void *
+try_open(const char *name, PyObject *tried, int *failed)
+{
+    /* RTLD_GLOBAL: a later torch import must find this same copy. */
+    void *h = dlopen(name, RTLD_NOW | RTLD_GLOBAL);
+    if (h == NULL) {
+        PyObject *msg = PyUnicode_FromString(dlerror());
+        if (msg == NULL || PyList_Append(tried, msg) < 0) {
+            *failed = 1;
+        }
+        Py_XDECREF(msg);
+    }
+    return h;
+}
+
+/* dlopen the first library found: loaded sonames, then the candidate paths,
+ * then the sonames through the loader's search path.  Errors accumulate in
+ * `tried` for the message. */
 static void *
 open_first(const char *const *sonames, PyObject *candidates, PyObject *tried)
 {
-    void *h;
-    for (const char *const *s = sonames; *s; s++) {
+    void *h = NULL;
+    int failed = 0;
+    for (const char *const *s = sonames; *s && !h; s++) {
         h = dlopen(*s, RTLD_NOW | RTLD_NOLOAD);
-        if (h) {
-            return h;
-        }
     }
-    if (candidates) {
-        Py_ssize_t n = PyList_GET_SIZE(candidates);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const char *path = PyUnicode_AsUTF8(PyList_GET_ITEM(candidates, i));
-            if (path == NULL) {
-                return NULL;
-            }
-            /* RTLD_GLOBAL: a later torch import must find this same copy. */
-            h = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
-            if (h) {
-                return h;
-            }
-            PyObject *msg = PyUnicode_FromString(dlerror());
-            if (msg == NULL || PyList_Append(tried, msg) < 0) {
-                Py_XDECREF(msg);
-                return NULL;
-            }
-            Py_DECREF(msg);
-        }
-    }
-    for (const char *const *s = sonames; *s; s++) {
-        h = dlopen(*s, RTLD_NOW | RTLD_GLOBAL);
-        if (h) {
-            return h;
-        }
-        PyObject *msg = PyUnicode_FromString(dlerror());
-        if (msg == NULL || PyList_Append(tried, msg) < 0) {
-            Py_XDECREF(msg);
+    Py_ssize_t n = candidates ? PyList_GET_SIZE(candidates) : 0;
+    for (Py_ssize_t i = 0; i < n && !h && !failed; i++) {
+        const char *path = PyUnicode_AsUTF8(PyList_GET_ITEM(candidates, i));
+        if (path == NULL) {
             return NULL;
         }
-        Py_DECREF(msg);
+        h = try_open(path, tried, &failed);
     }
-    return NULL;
+    for (const char *const *s = sonames; *s && !h && !failed; s++) {
+        h = try_open(*s, tried, &failed);
+    }
+    return h;
 }
 
 static int

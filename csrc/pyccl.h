@@ -163,6 +163,8 @@ int pyccl_stream(pyccl_state *st, const char *op, const char *what,
 PyObject *pyccl_dtype_str(PyObject *dtype_obj);
 
 /* ---- communicator.c ---- */
+/* An int argument that fits in C int: TypeError / ValueError naming op and what. */
+int pyccl_read_int(const char *op, const char *what, PyObject *obj, int *out);
 typedef struct {
     PyObject_HEAD
     ncclComm_t comm;     /* NULL once destroyed */

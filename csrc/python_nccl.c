@@ -85,28 +85,6 @@ optional_seq(PyObject *obj, Py_ssize_t n, const char *op, const char *what,
     return seq;
 }
 
-static int
-parse_int(const char *op, const char *what, PyObject *obj, int *out)
-{
-    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s: %s must be an int, got %.200s", op,
-                     what, Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    int overflow;
-    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
-    if (v == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    if (overflow || v < INT32_MIN || v > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "%s: %s=%S is out of range", op, what,
-                     obj);
-        return -1;
-    }
-    *out = (int)v;
-    return 0;
-}
-
 /* What a call looks like once its arguments are parsed. */
 typedef struct {
     pyccl_coll coll;
@@ -187,7 +165,7 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
         goto error;
     }
     if (redop_obj != NULL) {
-        if (parse_int(op, "op", redop_obj, &redop) < 0) {
+        if (pyccl_read_int(op, "op", redop_obj, &redop) < 0) {
             goto error;
         }
         /* With user communicators, values past AVG may be ops the user made
@@ -204,7 +182,7 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
                      ? ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, 0))->size
                      : (int)n;
     if (root_obj != NULL) {
-        if (parse_int(op, "root", root_obj, &root) < 0) {
+        if (pyccl_read_int(op, "root", root_obj, &root) < 0) {
             goto error;
         }
         if (root < 0 || root >= nranks) {
