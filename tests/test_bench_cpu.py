@@ -1,6 +1,7 @@
 """CPU tier of pyccl.bench: sizes, counts and bandwidth factors against nccl-tests' definitions,
 the verifiable data against simulated collectives, the text/CSV/JSON/PNG outputs, the command
-line, and (with torch.distributed's gloo backend on CPU) the multi-process runner itself.
+line, and (with torch.distributed's gloo backend on CPU, and a CPU stand-in for the one-process
+list-of-tensors systems) the multi-process runner itself: hangs, stack dumps, kills, exit status.
 
 The bench modules are loaded from their files when `import pyccl` fails (extension not built):
 they need neither a GPU nor pyccl._C to import.
@@ -586,13 +587,19 @@ def test_gloo_host_overhead():
 
 
 @needs_gloo
-def test_a_silent_rank_is_killed_not_waited_for():
+def test_a_silent_rank_is_killed_not_waited_for_and_its_stacks_are_dumped(capfd):
     t0 = time.monotonic()
     with pytest.raises(runner.BenchError) as e:
-        runner.run_sweep(runner.CPU_SYSTEM, 2, _cfg(timeout=4.0, _hang_rank=1))
+        runner.run_sweep(runner.CPU_SYSTEM, 2, _cfg(timeout=5.0, _hang_rank=1))
     assert time.monotonic() - t0 < 90
+    # the parent's kill, or rank 0's gloo timeout (the same 5 s) if it comes first
     assert str(e.value).startswith(runner.CPU_SYSTEM + ": ")
     assert not multiprocessing.active_children()
+    err = capfd.readouterr().err  # the children's stderr is the parent's
+    assert f"[pyccl.bench] {runner.CPU_SYSTEM} process 1 (pid " in err
+    assert "its Python stacks (most recent call first):" in err
+    assert "in _child" in err  # where the hanging rank sleeps
+    assert "in all_reduce" in err  # where rank 0 waits for it
 
 
 @needs_gloo
@@ -604,6 +611,133 @@ def test_a_failing_rank_reports_its_traceback():
     assert f"{runner.CPU_SYSTEM}: process 1 failed:" in str(e.value)
     assert "Traceback" in str(e.value) and "rank 1 fails on purpose" in str(e.value)
     assert not multiprocessing.active_children()
+
+
+needs_spawn = pytest.mark.skipif(
+    not REAL_PACKAGE, reason="needs an importable pyccl package (spawned children import it)")
+
+
+@needs_spawn
+def test_one_process_system_drives_every_rank():
+    """The shape of pyccl.nccl/torch.cuda.nccl (one process, rank None, results for every rank)
+    on CPU: it once hung here, because the test hooks matched rank None when they were unset."""
+    cfg = _cfg(colls=["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"],
+               dtypes=["float", "int32"], ops=["sum", "max"], check=2, timeout=30.0)
+    rows, infos = [], []
+    t0 = time.monotonic()
+    results = runner.run_sweep(runner.CPU_LISTS_SYSTEM, 3, cfg, infos.extend,
+                               lambda a, b: rows.append((a, b)))
+    assert time.monotonic() - t0 < 30
+    assert len(infos) == 3 and "Rank  2" in infos[2]
+    assert len(rows) == 3 * 8 + 2 * 4 and len(results) == 2 * len(rows)  # reductions x 2 ops
+    measured = [r for r in results if r.time_us is not None]
+    assert all(r.wrong == 0 for r in measured) and len(measured) == len(results) - 4
+    assert {(r.coll, r.placement) for r in results if r.time_us is None} == {
+        ("broadcast", "out-of-place")}  # as torch.cuda.nccl: in-place broadcast only
+    h = runner.run_host_overhead(runner.CPU_LISTS_SYSTEM, 2, _cfg(mode="host", host_iters=20))
+    assert h.nranks == 2 and h.host_us > 0
+    assert not multiprocessing.active_children()
+
+
+def test_test_hooks_are_off_unless_set():
+    assert not runner._test_hook({}, "_hang_rank", None)  # the one process of a list system
+    assert not runner._test_hook({"_hang_rank": None}, "_hang_rank", None)
+    assert not runner._test_hook({"_hang_rank": 1}, "_hang_rank", 0)
+    assert runner._test_hook({"_hang_rank": 0}, "_hang_rank", 0)
+
+
+def test_dump_comes_before_the_kill():
+    for timeout in (1.0, 4.0, 30.0, 300.0):
+        assert 0 < runner.dump_after(timeout) < timeout
+    assert runner.dump_after(300.0) == 290.0
+
+
+@needs_spawn
+def test_a_hang_in_c_code_holding_the_gil_still_dumps(capfd):
+    with pytest.raises(runner.BenchError) as e:
+        runner.run_sweep(runner.CPU_LISTS_SYSTEM, 2, _cfg(timeout=6.0, _hang_gil_rank=0))
+    assert str(e.value).startswith(f"{runner.CPU_LISTS_SYSTEM}: no progress for 6 s")
+    err = capfd.readouterr().err
+    assert "Timeout (0:00:0" in err and "in _child" in err  # faulthandler's C timer
+    assert not multiprocessing.active_children()
+
+
+class _CountingDriver:
+    """One rank of two whose call leaves the output wrong: _check must still run every round."""
+    devices, ranks, nranks = [0], [1], 2
+
+    def __init__(self):
+        self.calls = self.barriers = 0
+
+    def sync(self):
+        pass
+
+    def barrier(self):
+        self.barriers += 1
+
+
+def test_check_runs_every_round_on_every_rank():
+    drv = _CountingDriver()
+
+    def call():
+        drv.calls += 1
+    bufs = [(torch.zeros(16), torch.zeros(16))]
+    wrong = runner._check(drv, call, bufs, "all_reduce", 16, "float", "sum", 0, {"check": 3}, 1)
+    assert wrong[0] > 0  # zeros are not the sum
+    assert drv.calls == drv.barriers == 3  # no early stop: a peer would wait for the next round
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_kill_takes_the_whole_process_tree(tmp_path):
+    pidfile = tmp_path / "pid"
+    ctx = multiprocessing.get_context("spawn")
+    p = ctx.Process(target=subprocess.call,
+                    args=(["sh", "-c", f"sleep 1000 & echo $! > {pidfile}; wait"],), daemon=True)
+    p.start()
+    deadline = time.monotonic() + 60
+    while not (pidfile.exists() and pidfile.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    grandchild = int(pidfile.read_text())
+    assert runner._running(grandchild) and grandchild in runner._descendants(p.pid)
+    assert runner._kill([p], wait=10.0) == []
+    assert not p.is_alive() and not runner._running(grandchild)
+
+
+@needs_spawn
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_children_die_with_the_parent():
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from pyccl.bench import runner; "
+            "runner.run_sweep(runner.CPU_LISTS_SYSTEM, 2, {'mode': 'sweep', 'colls': "
+            "['all_reduce'], 'dtypes': ['float'], 'ops': ['sum'], 'root': 0, 'sizes': [64], "
+            "'iters': 1, 'warmup': 0, 'repeats': 1, 'check': 0, 'graph': 0, 'blocking': False, "
+            "'average': 3, 'timeout': 600.0, 'host_iters': 1, '_hang_rank': 0})")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(BENCH_DIR.parent.parent)])
+    try:
+        deadline, kids = time.monotonic() + 90, []
+        while not kids and time.monotonic() < deadline:
+            time.sleep(0.2)
+            kids = [c for c in runner._descendants(parent.pid)
+                    if b"spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert kids, "the benchmark child did not start"
+        time.sleep(1.0)  # past the child's prctl
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 20
+    while any(runner._running(c) for c in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(runner._running(c) for c in kids)
+
+
+def test_progress_names_every_system_in_a_log():
+    import io
+    stream = io.StringIO()
+    progress = cli._Progress(True, stream)
+    for system in ("pyccl", "pyccl.nccl"):
+        progress(system, 0, 1, "host overhead")
+    progress("pyccl.nccl", 0, 5, "x")  # same system within 10 s: rate-limited
+    assert stream.getvalue().splitlines() == ["[pyccl.bench] pyccl: 0/1 host overhead",
+                                              "[pyccl.bench] pyccl.nccl: 0/1 host overhead"]
 
 
 def _fake_sweep(wrong_system=None, fail_system=None):
@@ -664,6 +798,48 @@ def test_main_exit_status_on_wrong_results_and_failed_peer(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert "pyccl.bench: error: torch.distributed: process 1 failed:" in captured.err
     assert "# Comparison" in captured.out  # the other systems still ran and are compared
+
+
+@needs_spawn
+def test_main_exits_1_and_names_a_peer_that_hangs(monkeypatch, capfd):
+    """The real runner under a peer's name: its one process hangs, is killed after -T, its
+    stacks are on stderr, the other systems are still reported, and the exit status is 1."""
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
+    fake, real = _fake_sweep(), runner.run_sweep
+
+    def run_sweep(system, n, cfg, *callbacks):
+        if system == "torch.cuda.nccl":
+            return real(runner.CPU_LISTS_SYSTEM, n, dict(cfg, _hang_rank=0), *callbacks)
+        return fake(system, n, cfg, *callbacks)
+    monkeypatch.setattr(runner, "run_sweep", run_sweep)
+    assert cli.main(["-b", "1K", "-e", "1K", "--compare", "--no-progress", "-T", "6"]) == 1
+    out, err = capfd.readouterr()
+    assert f"pyccl.bench: error: {runner.CPU_LISTS_SYSTEM}: no progress for 6 s" in err
+    assert f"[pyccl.bench] {runner.CPU_LISTS_SYSTEM} process 0 (pid " in err
+    assert err.rstrip().splitlines()[-1] == (
+        "pyccl.bench: FAILED: 1 of 3 systems did not complete: torch.cuda.nccl (errors above); "
+        "exit status 1")
+    assert "# Comparison" in out
+    assert not multiprocessing.active_children()
+
+
+def test_main_host_overhead_exits_1_when_a_system_fails(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
+
+    def fake_host(system, n, cfg):
+        if system == "pyccl.nccl":
+            raise runner.BenchError("pyccl.nccl: no progress for 300 s (...)")
+        if system == "torch.cuda.nccl":
+            raise OSError("cannot spawn")
+        return R.HostResult(system, n, cfg["host_iters"], 10.0, 20.0)
+    monkeypatch.setattr(runner, "run_host_overhead", fake_host)
+    assert cli.main(["--host-overhead", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "pyccl.bench: error: pyccl.nccl: no progress for 300 s" in captured.err
+    assert "pyccl.bench: error: torch.cuda.nccl: unexpected error in the parent:" in captured.err
+    assert "OSError: cannot spawn" in captured.err
+    assert "FAILED: 2 of 4 systems did not complete: pyccl.nccl, torch.cuda.nccl" in captured.err
+    assert "torch.distributed" in captured.out  # what ran is still reported
 
 
 def test_main_host_overhead_runs_four_systems(monkeypatch, capsys, tmp_path):

@@ -2,8 +2,8 @@
 # One device call: build pyccl, run the GPU test tier and a short benchmark.
 # Usage (device tool): bash tools/gpu-check.sh [pytest args...]
 #        bash tools/gpu-check.sh --bench [pyccl.bench args...]   (build, then the benchmark)
-# Writes env.txt, build.log, pytest.log, bench.txt (and bench.json, perf.png,
-# host.txt with --bench) under $OUT (or ./gpu-out).
+# Writes env.txt, build.log, pytest.log, quick.txt (bench.txt, bench.json,
+# perf.png, host.txt with --bench) under $OUT (or ./gpu-out).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -42,11 +42,12 @@ if [ "${1:-}" = "--bench" ]; then
       --json "$OUT/bench.json" --plot "$OUT/perf.png" "$@" 2>&1 | tee "$OUT/bench.txt"
   rc=$?
   timeout 150 $PY -m pyccl.bench -g "$G" --host-overhead 2>&1 | tee "$OUT/host.txt"
-  exit $rc
+  rc2=$?
+  exit $(( rc ? rc : rc2 ))
 fi
 # A hung test fails alone when pytest-timeout is there.
 TO=$($PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout=300")
 timeout 480 $PY -m pytest tests -q -rs -p no:cacheprovider $TO "$@" 2>&1 | tee "$OUT/pytest.log" | tail -60
 rc=$?
-timeout 90 $PY tools/quick_bench.py 2>&1 | tee "$OUT/bench.txt"
+timeout 90 $PY tools/quick_bench.py 2>&1 | tee "$OUT/quick.txt"
 exit $rc

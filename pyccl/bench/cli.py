@@ -1,12 +1,15 @@
 """Command line of `python -m pyccl.bench`: nccl-tests' flags and output, plus --compare
 (torch.distributed and torch.cuda.nccl in the same run), --host-overhead, --api and files.
-main(argv) returns the exit status: 0; 1 when no GPU is found, a system's run fails, or pyccl
-gives wrong results (a peer's wrong results are only reported); 2 on a bad command line.
+main(argv) returns the exit status: 0; 1 when no GPU is found, any system's run fails (crashes,
+hangs past -T/--timeout and is killed, or cannot start; a peer's too, and a last line names every
+failed system), or pyccl gives wrong results (a peer's wrong results are only reported); 2 on a
+bad command line; 130 when interrupted.
 """
 import argparse
 import socket
 import sys
 import time
+import traceback
 
 from . import report as R
 from . import runner
@@ -109,12 +112,13 @@ def make_config(args):
 
 
 class _Progress:
-    """One self-overwriting line on a terminal; otherwise a line at most every 10 s."""
+    """One self-overwriting line on a terminal; otherwise a line at most every 10 s, and always
+    the first and last of each system (so a log shows which system a hang is in)."""
 
     def __init__(self, enabled, stream=None):
         stream = stream or sys.stderr
         self.stream, self.enabled = stream, enabled
-        self.tty, self.last, self.shown = stream.isatty(), 0.0, False
+        self.tty, self.last, self.shown, self.system = stream.isatty(), 0.0, False, None
 
     def __call__(self, system, done, total, what):
         if not self.enabled:
@@ -124,9 +128,10 @@ class _Progress:
         if self.tty:
             self.stream.write("\r\033[K" + line[:150])
             self.shown = True
-        elif now - self.last >= 10.0 or done == total:
+        elif now - self.last >= 10.0 or done == total or system != self.system:
             self.stream.write(line + "\n")
             self.last = now
+        self.system = system
         self.stream.flush()
 
     def clear(self):
@@ -199,7 +204,7 @@ def main(argv=None):
     primary = "pyccl" if args.api == "comm" else "pyccl.nccl"
     progress = _Progress(not args.no_progress)
     printer = _Printer(cfg, sys.stdout, progress)
-    status, results, host = 0, [], []
+    status, results, host, failed = 0, [], [], []
     if cfg["mode"] == "host":
         systems = ["pyccl", "pyccl.nccl"] + PEERS
     else:
@@ -209,19 +214,22 @@ def main(argv=None):
             if cfg["mode"] == "host":
                 progress(system, 0, 1, "host overhead")
                 host.append(runner.run_host_overhead(system, n, cfg))
+                progress(system, 1, 1, "host overhead")
                 continue
             printer.start(system, n)
             got = runner.run_sweep(system, n, cfg, printer.info, printer.row, progress)
             printer.end(got)
             results += got
-        except runner.BenchError as e:
-            progress.clear()
-            print(f"pyccl.bench: error: {e}", file=sys.stderr)
-            status = 1
         except KeyboardInterrupt:  # the runner has killed the children already
             progress.clear()
             print(f"pyccl.bench: interrupted during {system}", file=sys.stderr)
             return 130
+        except Exception as e:  # BenchError, or anything else: the next system still runs
+            progress.clear()
+            text = str(e) if isinstance(e, runner.BenchError) else \
+                f"{system}: unexpected error in the parent:\n{traceback.format_exc().rstrip()}"
+            print(f"pyccl.bench: error: {text}", file=sys.stderr, flush=True)
+            failed.append(system)
     if host:
         printer.emit(R.format_host(host, cfg["host_iters"], cfg["repeats"]))
     if args.compare and results:
@@ -229,7 +237,12 @@ def main(argv=None):
     if any(r.wrong for r in results if r.system == primary):
         print(f"pyccl.bench: {primary} produced wrong results (see #wrong)", file=sys.stderr)
         status = 1
-    return max(status, _write_files(args, cfg, n, systems, results, host))
+    status = max(status, _write_files(args, cfg, n, systems, results, host))
+    if failed:  # last, so it is not lost above the tables
+        print(f"pyccl.bench: FAILED: {len(failed)} of {len(systems)} systems did not complete: "
+              f"{', '.join(failed)} (errors above); exit status 1", file=sys.stderr, flush=True)
+        status = 1
+    return status
 
 
 def _write_files(args, cfg, n, systems, results, host):

@@ -16,8 +16,11 @@ PER_RANK = ("pyccl", "torch.distributed")
 SINGLE = ("pyccl.nccl", "torch.cuda.nccl")
 SYSTEMS = PER_RANK + SINGLE
 # Not offered on the command line: torch.distributed's gloo backend on CPU tensors, timed by the
-# wall clock, so the CPU tests can drive the whole multi-process pipeline without a GPU.
+# wall clock, so the CPU tests can drive the whole multi-process pipeline without a GPU; and
+# the one-process, tensor-per-device shape of SINGLE on CPU tensors, for the same reason.
 CPU_SYSTEM = "gloo-cpu"
+CPU_LISTS_SYSTEM = "lists-cpu"
+ONE_PROCESS = SINGLE + (CPU_LISTS_SYSTEM,)  # one process drives every rank
 
 
 def make_driver(system, rank, nranks, rendezvous, barrier, timeout):
@@ -31,6 +34,8 @@ def make_driver(system, rank, nranks, rendezvous, barrier, timeout):
         return _GlooCPU(rank, nranks, rendezvous, barrier, timeout)
     if system in SINGLE:
         return _Lists(system, nranks, timeout)
+    if system == CPU_LISTS_SYSTEM:
+        return _ListsCPU(nranks, timeout)
     raise ValueError(f"unknown system {system!r}: choose from {', '.join(SYSTEMS)}")
 
 
@@ -224,3 +229,77 @@ class _Lists(_Driver):
         if coll == "reduce_scatter":
             return lambda: m.reduce_scatter(ins, outs, op=o)
         return None  # no sendrecv or alltoall in this API
+
+
+class _ListsCPU(_Driver):
+    """_Lists' shape without a GPU: one process, one CPU tensor per "device", the collectives
+    computed here with torch ops (placements N/A where _Lists has them N/A), wall-clock timed.
+    Lets the CPU tests run the one-process path of the runner (rank None, one process reporting
+    for every rank)."""
+    can_graph, uses_cuda = False, False
+
+    def __init__(self, nranks, timeout):
+        super().__init__(list(range(nranks)), nranks, None, timeout)
+
+    def sync(self):
+        pass
+
+    def streams(self):
+        return [None] * len(self.devices)
+
+    def event(self):
+        return _WallEvent()
+
+    def place(self, dev):
+        return "cpu"
+
+    def describe(self, rank, dev):
+        return "#  Rank %2d Group %2d Pid %6d on %10s device cpu:%d" % (
+            rank, 0, os.getpid(), socket.gethostname(), dev)
+
+    def _reduce(self, tensors, op):
+        import torch
+        st = torch.stack(tensors)
+        if op in ("sum", "avg"):
+            r = st.sum(0)
+        elif op == "prod":
+            r = st.prod(0)
+        elif op == "max":
+            r = st.amax(0)
+        else:
+            r = st.amin(0)
+        if op == "avg":
+            r = r / self.nranks if r.is_floating_point() else torch.div(
+                r, self.nranks, rounding_mode="floor")
+        return r.to(tensors[0].dtype)
+
+    def build(self, coll, placement, op, root, bufs):
+        import torch
+        ins, outs, ip = [b[0] for b in bufs], [b[1] for b in bufs], placement == "in-place"
+
+        def all_reduce():
+            r = self._reduce(ins, op)
+            for o in outs:
+                o.copy_(r)
+
+        def broadcast():
+            src = ins[root].clone()
+            for t in ins:
+                t.copy_(src)
+
+        def reduce():
+            (ins if ip else outs)[root].copy_(self._reduce(ins, op))
+
+        def all_gather():
+            whole = torch.cat([t.clone() for t in ins])
+            for o in outs:
+                o.copy_(whole)
+
+        def reduce_scatter():
+            r, n = self._reduce(ins, op), outs[0].numel()
+            for k, o in enumerate(outs):
+                o.copy_(r[k * n:(k + 1) * n])
+
+        calls = {"all_reduce": all_reduce, "broadcast": broadcast if ip else None,
+                 "reduce": reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter}
+        return calls.get(coll)

@@ -2,23 +2,32 @@
 
 Each system runs in freshly spawned processes: one per rank for the per-rank APIs (pyccl's
 Communicator, torch.distributed), one driving every GPU for the list-of-tensors APIs
-(pyccl.nccl, torch.cuda.nccl). Children time with CUDA events, verify with `data`, and put
-per-rank results on a queue; the parent aggregates them (max over ranks by default). The parent
-only counts devices, makes the pyccl unique id and a loopback port, and never waits without a
-deadline: a silent, dead or stuck child gets every process of the run killed and a BenchError.
+(pyccl.nccl, torch.cuda.nccl). Children time with CUDA events, verify with `data`, and send
+per-rank results through a pipe each; the parent aggregates them (max over ranks by default).
+The parent only counts devices, makes the pyccl unique id and a loopback port, and never waits
+without a deadline: a silent, dead or stuck child gets every process of the run (and anything
+it started) killed and a BenchError. A child that makes no progress for most of the timeout
+dumps its Python stacks to stderr (faulthandler; spawned children share the parent's stderr),
+so a hang shows where it is. Children die with the parent (PR_SET_PDEATHSIG on Linux), so a
+killed benchmark leaves no process holding a GPU.
 pyccl and torch's CUDA parts are imported inside the functions, so this module loads anywhere.
 """
-import queue as queue_mod
+import faulthandler
+import os
+import signal
 import socket
+import sys
 import time
 import traceback
 
 from . import data as D
 from . import report as R
 from . import sizes as S
-from .drivers import CPU_SYSTEM, PER_RANK, SINGLE, SYSTEMS, make_driver  # noqa: F401
+from .drivers import (  # noqa: F401
+    CPU_LISTS_SYSTEM, CPU_SYSTEM, ONE_PROCESS, PER_RANK, SINGLE, SYSTEMS, make_driver)
 
 EXIT_GRACE_S = 30.0
+KILL_WAIT_S = 20.0  # after SIGKILL: a process tearing down GPU contexts can take a few seconds
 
 
 class BenchError(RuntimeError):
@@ -77,7 +86,11 @@ def _time(drv, call, cfg):
 
 
 def _check(drv, call, bufs, coll, count, dtype, op, root, cfg, seed):
-    """Wrong elements per local device over up to cfg['check'] fresh runs, or None if off."""
+    """Most wrong elements per local device in cfg['check'] fresh runs, or None if off.
+
+    Every rank runs all cfg['check'] runs: stopping at the first wrong run would be a decision
+    made per rank (a reduce's non-root ranks never see wrong elements), and a rank that stopped
+    early would leave its peers waiting in a barrier or collective it never joins."""
     if cfg["check"] <= 0:
         return None
     wrong = [0] * len(bufs)
@@ -90,14 +103,12 @@ def _check(drv, call, bufs, coll, count, dtype, op, root, cfg, seed):
         drv.barrier()
         call()
         drv.sync()
-        wrong = [D.count_wrong(out, coll, r, drv.nranks, count, dtype, op, root, s)
-                 for (_, out), r in zip(bufs, drv.ranks)]
-        if any(wrong):
-            break
+        wrong = [max(w, D.count_wrong(out, coll, r, drv.nranks, count, dtype, op, root, s))
+                 for w, (_, out), r in zip(wrong, bufs, drv.ranks)]
     return wrong
 
 
-def _sweep(drv, cfg, q):
+def _sweep(drv, cfg, out):
     import torch
     seed, n = 0, drv.nranks
     for coll in cfg["colls"]:
@@ -124,11 +135,11 @@ def _sweep(drv, cfg, q):
                         wrong = _check(drv, call, bufs, coll, cc.count, dtype, op, cfg["root"],
                                        cfg, seed)
                         entries[placement] = {"times": times, "wrong": wrong}
-                    q.put(("row", (coll, dtype, op, si), drv.ranks, entries))
+                    out.put(("row", (coll, dtype, op, si), drv.ranks, entries))
             del send, recv
 
 
-def _host(drv, cfg, q):
+def _host(drv, cfg, out):
     """Host and GPU time per all_reduce call on one float: many calls, one sync at the end."""
     import torch
     xs = [torch.randint(1, 8, (1,), device=drv.place(d)).float() for d in drv.devices]
@@ -153,23 +164,114 @@ def _host(drv, cfg, q):
         host.append((t1 - t0) / calls)
         for k, (start, end) in enumerate(events):
             gpu[k].append(start.elapsed_time(end) * 1e-3 / calls)
-    q.put(("host", drv.ranks, [host] * len(drv.devices), gpu))
+    out.put(("host", drv.ranks, [host] * len(drv.devices), gpu))
 
 
-def _child(system, index, rank, nranks, cfg, rendezvous, q, barrier):
-    """Process entry point (spawned): run one system's share of the benchmark."""
+def dump_after(timeout):
+    """Seconds without progress after which a child dumps its stacks: before the parent's kill."""
+    return max(0.5, timeout - min(10.0, timeout / 3.0))
+
+
+def _die_with_parent(parent_pid):
+    """Linux: SIGKILL this process when the parent dies, even by SIGKILL (no orphan on a GPU)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux, or no prctl: the parent's kill() still covers normal cases
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class _Reporter:
+    """A child's end of its pipe to the parent; each message is progress. send() is synchronous:
+    no feeder thread that a main thread stuck holding the GIL would starve. After
+    dump_after(timeout) seconds without progress (shortly before the parent kills the run) a
+    watchdog thread writes a line naming the process and its Python stacks (faulthandler) to
+    stderr, which children share with the parent, and again after as long again. faulthandler's
+    own C timer backs it up a moment later in case the main thread is stuck in C code holding
+    the GIL (then the stacks come without the naming line). SIGUSR1 dumps the stacks on demand
+    (kill -USR1 PID)."""
+
+    def __init__(self, conn, label, timeout):
+        import threading
+        self.conn, self.label, self.after = conn, label, dump_after(timeout)
+        self.lead = min(1.0, self.after / 4)
+        self.file = sys.stderr if sys.stderr is not None else sys.__stderr__
+        self.last, self.dumped = time.monotonic(), False
+        if self.file is None:
+            return
+        faulthandler.enable(file=self.file, all_threads=True)  # crashes (SIGSEGV...) too
+        if hasattr(signal, "SIGUSR1"):
+            faulthandler.register(signal.SIGUSR1, file=self.file, all_threads=True)
+        self.arm()
+        threading.Thread(target=self._watch, name="pyccl.bench watchdog", daemon=True).start()
+
+    def _arm_fallback(self, delay):
+        faulthandler.dump_traceback_later(delay, repeat=True, file=self.file, exit=False)
+
+    def arm(self):
+        self.last, self.dumped = time.monotonic(), False
+        if self.file is not None:
+            self._arm_fallback(self.after + self.lead)
+
+    def put(self, msg):
+        self.conn.send(msg)
+        self.arm()
+
+    def _watch(self):
+        while True:
+            time.sleep(self.lead / 2)
+            quiet = time.monotonic() - self.last
+            if quiet < self.after or (self.dumped and quiet < 2 * self.after):
+                continue
+            try:
+                self._arm_fallback(self.after + self.lead)  # this dump replaces the fallback's
+                print(f"[pyccl.bench] {self.label} (pid {os.getpid()}): no progress for "
+                      f"{quiet:.0f} s; its Python stacks (most recent call first):",
+                      file=self.file, flush=True)
+                faulthandler.dump_traceback(file=self.file, all_threads=True)
+                self.file.flush()
+            except Exception:
+                pass
+            if self.dumped:
+                self.last = time.monotonic() - self.after  # next one after as long again
+            self.dumped = True
+
+    def close(self):
+        if self.file is not None:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def _test_hook(cfg, name, index):
+    """Test hooks name a process index (the rank for per-rank systems); absent means off."""
+    return cfg.get(name) is not None and cfg[name] == index
+
+
+def _child(system, index, rank, nranks, cfg, rendezvous, conn, barrier):
+    """Process entry point (spawned): run one system's share of the benchmark, sending messages
+    to the parent through conn, the write end of this process's own pipe."""
+    if cfg.get("_parent_pid"):
+        _die_with_parent(cfg["_parent_pid"])
+    out = _Reporter(conn, f"{system} process {index}", cfg["timeout"])
+    out.put(("hello", index))  # the parent's no-progress clock now starts after this one's
     try:
         drv = make_driver(system, rank, nranks, rendezvous, barrier, cfg["timeout"])
-        if cfg.get("_hang_rank") == rank:  # test hooks: a rank that never answers, or fails
+        if _test_hook(cfg, "_hang_rank", index):  # test hooks: a process that never answers,
             time.sleep(1e9)
-        if cfg.get("_fail_rank") == rank:
+        if _test_hook(cfg, "_hang_gil_rank", index):  # one stuck in C code holding the GIL,
+            import ctypes
+            ctypes.PyDLL(None).sleep(1000000)
+        if _test_hook(cfg, "_fail_rank", index):  # or one that fails
             raise RuntimeError(f"rank {rank} fails on purpose")
-        q.put(("info", [drv.describe(r, d) for r, d in zip(drv.ranks, drv.devices)]))
-        (_host if cfg["mode"] == "host" else _sweep)(drv, cfg, q)
+        out.put(("info", [drv.describe(r, d) for r, d in zip(drv.ranks, drv.devices)]))
+        (_host if cfg["mode"] == "host" else _sweep)(drv, cfg, out)
         drv.close()
-        q.put(("done", index))
+        out.close()
+        conn.send(("done", index))
     except BaseException:
-        q.put(("error", index, traceback.format_exc()))
+        out.close()
+        conn.send(("error", index, traceback.format_exc()))
         raise SystemExit(1)
 
 
@@ -181,24 +283,91 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _kill(procs):
+def _descendants(pid):
+    """Pids of every process below pid (Linux /proc; empty elsewhere)."""
+    children = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat", "rb") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(e))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _running(pid):
+    """pid exists and is not a zombie (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] not in (b"Z", b"X")
+
+
+def _kill(procs, wait=KILL_WAIT_S):
+    """SIGKILL every process of the run and everything they started, then reap them.
+    Returns the pids still alive after `wait` seconds (stuck in the kernel or GPU driver)."""
+    victims = []
     for p in procs:
-        if p.is_alive():
+        if p.pid is not None and p.is_alive():
+            victims += _descendants(p.pid)
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for p in procs:
+        if p.pid is not None and p.is_alive():
             p.kill()
+    deadline = time.monotonic() + wait
     for p in procs:
-        p.join(5)
+        if p.pid is not None:
+            p.join(max(0.1, deadline - time.monotonic()))
+    left = [p.pid for p in procs if p.pid is not None and p.is_alive()]
+    for pid in victims:
+        while time.monotonic() < deadline and _running(pid):
+            time.sleep(0.1)  # an orphan is reaped by init; wait until it is gone
+        if _running(pid):
+            left.append(pid)
+    if left:
+        print(f"pyccl.bench: warning: process(es) {left} still alive {wait:.0f} s after SIGKILL "
+              "(stuck in the GPU driver?); a next run may find the GPUs busy", file=sys.stderr,
+              flush=True)
+    return left
 
 
 def _exit_text(code):
     return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
 
+def _pids(procs, which):
+    return ", ".join(f"{i} (pid {procs[i].pid})" for i in which)
+
+
 def _run(system, nranks, cfg, handle):
-    """Spawn the processes of one system and feed their messages to handle() until all are done."""
+    """Spawn the processes of one system and feed their messages to handle() until all are done.
+
+    Each child writes to its own pipe: the parent sees every message a child sent before it died
+    (then end-of-file), so a crash is reported with its traceback at once."""
     import torch.multiprocessing as tmp
+    from multiprocessing.connection import wait
     ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
-    if system in SINGLE:
+    cfg = dict(cfg, _parent_pid=os.getpid())
+    if system in ONE_PROCESS:
         specs, barrier, rdv = [None], None, None
     else:
         barrier = ctx.Barrier(nranks)
@@ -213,48 +382,58 @@ def _run(system, nranks, cfg, handle):
         else:
             rdv = _free_port()
         specs = list(range(nranks))
-    procs = [ctx.Process(target=_child, args=(system, i, rank, nranks, cfg, rdv, q, barrier),
+    pipes = [ctx.Pipe(duplex=False) for _ in specs]
+    procs = [ctx.Process(target=_child, args=(system, i, rank, nranks, cfg, rdv, w, barrier),
                          daemon=True, name=f"pyccl.bench {system} {i}")
-             for i, rank in enumerate(specs)]
-    done, dead_since, last = set(), {}, time.monotonic()
+             for i, (rank, (_, w)) in enumerate(zip(specs, pipes))]
+    readers = {r: i for i, (r, _) in enumerate(pipes)}
+    done, last = set(), time.monotonic()
     try:
-        for p in procs:
+        for p, (_, w) in zip(procs, pipes):
             p.start()
+            w.close()  # the child holds the write end now; its exit is our end-of-file
         while len(done) < len(procs):
-            try:
-                msg = q.get(timeout=0.5)
-            except queue_mod.Empty:
-                now = time.monotonic()
-                for i, p in enumerate(procs):
-                    if i in done or p.is_alive():
-                        continue
-                    since = dead_since.setdefault(i, now)
-                    if p.exitcode != 0 or now - since > 5.0:
-                        raise BenchError(f"{system}: process {i} ended with "
-                                         f"{_exit_text(p.exitcode)} before reporting its results")
-                if now - last > cfg["timeout"]:
-                    waiting = [i for i in range(len(procs)) if i not in done]
-                    raise BenchError(f"{system}: no progress for {cfg['timeout']:.0f} s (processes "
-                                     f"{waiting} still running); killed them. Raise -T/--timeout "
-                                     "if one size legitimately takes longer")
-                continue
-            last = time.monotonic()
-            if msg[0] == "error":
-                raise BenchError(f"{system}: process {msg[1]} failed:\n{msg[2].rstrip()}")
-            if msg[0] == "done":
-                done.add(msg[1])
-            else:
-                handle(msg)
+            for r in wait(list(readers), timeout=0.5):
+                i = readers[r]
+                try:
+                    msg = r.recv()
+                except EOFError:  # everything it sent has been read
+                    del readers[r]
+                    if i not in done:
+                        procs[i].join(5.0)
+                        raise BenchError(
+                            f"{system}: process {_pids(procs, [i])} ended with "
+                            f"{_exit_text(procs[i].exitcode)} before reporting its results")
+                    continue
+                last = time.monotonic()
+                if msg[0] == "error":
+                    raise BenchError(f"{system}: process {msg[1]} failed:\n{msg[2].rstrip()}")
+                if msg[0] == "done":
+                    done.add(msg[1])
+                elif msg[0] != "hello":
+                    handle(msg)
+            if len(done) < len(procs) and time.monotonic() - last > cfg["timeout"]:
+                waiting = [i for i in range(len(procs)) if i not in done]
+                raise BenchError(
+                    f"{system}: no progress for {cfg['timeout']:.0f} s (processes "
+                    f"{_pids(procs, waiting)} still running); killed them. Their Python stacks, "
+                    "if they were stuck, are above on stderr. Raise -T/--timeout if one size "
+                    "legitimately takes longer")
     except BaseException:
         _kill(procs)
         raise
+    finally:
+        for r, w in pipes:
+            r.close()
+            w.close()
     deadline = time.monotonic() + EXIT_GRACE_S
     for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
     stuck = [i for i, p in enumerate(procs) if p.is_alive()]
     if stuck:
+        text = _pids(procs, stuck)
         _kill(procs)
-        raise BenchError(f"{system}: processes {stuck} reported all results but did not exit "
+        raise BenchError(f"{system}: processes {text} reported all results but did not exit "
                          f"within {EXIT_GRACE_S:.0f} s; killed them")
 
 
