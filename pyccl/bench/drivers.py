@@ -104,6 +104,8 @@ class _PycclComm(_Driver):
         if coll == "reduce_scatter":
             return lambda: c.reduce_scatter(inp, out, o)
         if coll == "sendrecv":
+            if ip:  # one buffer sent and received in one group: NCCL orders neither, a race
+                return None
             nxt, prv = (self.rank + 1) % self.nranks, (self.rank - 1) % self.nranks
             group = self.pyccl.group
 
@@ -153,7 +155,7 @@ class _TorchDist(_Driver):
         if coll == "reduce_scatter":
             return lambda: d.reduce_scatter_tensor(out, inp, op=o)
         if coll == "sendrecv":
-            if self.nranks == 1:
+            if self.nranks == 1 or ip:  # see _PycclComm: in-place sendrecv is a race
                 return None
             p2p = [d.P2POp(d.isend, inp, (self.rank + 1) % self.nranks),
                    d.P2POp(d.irecv, out, (self.rank - 1) % self.nranks)]
