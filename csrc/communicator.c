@@ -330,9 +330,58 @@ comm_get_destroyed(PyObject *self, void *Py_UNUSED(closure))
     return PyBool_FromLong(((pyccl_comm *)self)->comm == NULL);
 }
 
+PyDoc_STRVAR(all_reduce_doc,
+"all_reduce($self, /, tensor, op=0, *, out=None, stream=None)\n--\n\n"
+"Reduce `tensor` over all ranks; the result lands in `out` (default: in place).");
+PyDoc_STRVAR(broadcast_doc,
+"broadcast($self, /, tensor, root, *, out=None, stream=None)\n--\n\n"
+"Copy the root's `tensor` to every rank's `out` (default: in place).");
+PyDoc_STRVAR(reduce_doc,
+"reduce($self, /, tensor, root, op=0, *, out=None, stream=None)\n--\n\n"
+"Reduce `tensor` over all ranks into the root's `out` (default: in place).");
+PyDoc_STRVAR(all_gather_doc,
+"all_gather($self, /, input, output, *, stream=None)\n--\n\n"
+"Every rank's `input`, in rank order, into `output`: one tensor of size x "
+"input elements or a list of `size` tensors.");
+PyDoc_STRVAR(reduce_scatter_doc,
+"reduce_scatter($self, /, input, output, op=0, *, stream=None)\n--\n\n"
+"Reduce `input` (one tensor of size x output elements, or a list of `size` "
+"tensors) and give rank r chunk r in `output`.");
+PyDoc_STRVAR(send_doc,
+"send($self, /, tensor, peer, *, stream=None)\n--\n\n"
+"Send `tensor` to rank `peer` (pair with its recv; use pyccl.group() for "
+"exchanges that must progress together).");
+PyDoc_STRVAR(recv_doc,
+"recv($self, /, tensor, peer, *, stream=None)\n--\n\n"
+"Receive into `tensor` from rank `peer` (pair with that rank's send).");
+PyDoc_STRVAR(all_to_all_doc,
+"all_to_all($self, /, input, output, *, stream=None)\n--\n\n"
+"Chunk j of this rank's input goes to rank j; chunk i of output comes from "
+"rank i. Each side: one tensor of size x chunk elements or a list of tensors.");
+PyDoc_STRVAR(all_to_all_single_doc,
+"all_to_all_single($self, /, input, output, input_splits=None, output_splits=None, *, "
+"stream=None)\n--\n\n"
+"all_to_all with per-rank row counts along dim 0 (None: equal splits).");
+PyDoc_STRVAR(gather_doc,
+"gather($self, /, tensor, outputs, root, *, stream=None)\n--\n\n"
+"Every rank's `tensor` into the root's `outputs` (a list of `size` tensors "
+"or one tensor of size x elements); other ranks may pass None.");
+PyDoc_STRVAR(scatter_doc,
+"scatter($self, /, inputs, tensor, root, *, stream=None)\n--\n\n"
+"Chunk r of the root's `inputs` into rank r's `tensor`; other ranks may pass "
+"None as inputs.");
+PyDoc_STRVAR(barrier_doc,
+"barrier($self, /, *, stream=None)\n--\n\n"
+"Return once every rank has called barrier (a one-element all-reduce, then a "
+"wait on the host).");
+PyDoc_STRVAR(split_doc,
+"split($self, /, color, key=None)\n--\n\n"
+"A new Communicator of the ranks that passed the same color, ordered by key "
+"(default: this rank). color < 0: not a member; returns None.");
+
 #define PYCCL_OP_ENTRY(name)                                                  \
     {#name, (PyCFunction)(void (*)(void))pyccl_comm_##name,                   \
-     METH_FASTCALL | METH_KEYWORDS, NULL},
+     METH_FASTCALL | METH_KEYWORDS, name##_doc},
 static PyMethodDef comm_methods[] = {
     PYCCL_COMM_OPS(PYCCL_OP_ENTRY)
     {"destroy", comm_destroy, METH_NOARGS,
