@@ -73,7 +73,8 @@ ctx_init(call_ctx *x, PyObject *self, const char *op)
     x->op = op;
     x->c = (pyccl_comm *)self;
     x->st = pyccl_state_of_type(Py_TYPE(self));
-    if (x->st == NULL || pyccl_comm_alive(x->st, op, x->c) < 0) {
+    if (x->st == NULL || pyccl_comm_alive(x->st, op, x->c) < 0 ||
+        pyccl_comm_refresh(x->st, op, x->c) < 0) {
         return -1;
     }
     return 0;
@@ -103,9 +104,17 @@ static int
 same_dtype(call_ctx *x, const char *what, const pyccl_tensor *t,
            const char *ref_what, const pyccl_tensor *ref)
 {
-    if (t->dtype_obj != ref->dtype_obj) {
-        PyErr_Format(PyExc_TypeError, "%s: %s has dtype %S but %s has %S",
-                     x->op, what, t->dtype_obj, ref_what, ref->dtype_obj);
+    /* table rows when known: a dtype this torch lacks has no object */
+    int same = t->dtype >= 0 || ref->dtype >= 0 ? t->dtype == ref->dtype
+                                                : t->dtype_obj == ref->dtype_obj;
+    if (!same) {
+        PyObject *a = pyccl_dtype_name(t), *b = pyccl_dtype_name(ref);
+        if (a != NULL && b != NULL) {
+            PyErr_Format(PyExc_TypeError, "%s: %s has dtype %U but %s has %U",
+                         x->op, what, a, ref_what, b);
+        }
+        Py_XDECREF(a);
+        Py_XDECREF(b);
         return -1;
     }
     return 0;
@@ -260,8 +269,12 @@ read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
     case ncclInt64: buf.i64 = (int64_t)v; break;
     case ncclUint64: buf.u64 = (uint64_t)v; break;
     default:
-        PyErr_Format(PyExc_TypeError, "%s: premul_sum does not support %S",
-                     x->op, t->dtype_obj);
+        PyObject *name = pyccl_dtype_name(t);
+        if (name != NULL) {
+            PyErr_Format(PyExc_TypeError, "%s: premul_sum does not support %U",
+                         x->op, name);
+            Py_DECREF(name);
+        }
         return -1;
     }
     if (x->st->api.ncclRedOpCreatePreMulSum == NULL) {
@@ -767,6 +780,14 @@ read_splits(call_ctx *x, const char *what, PyObject *obj, int64_t rows,
             PyMem_Free(v);
             return -1;
         }
+        if (n > rows - total) { /* also keeps the sum from overflowing */
+            PyErr_Format(PyExc_ValueError,
+                         "all_to_all_single: %s sum to more than the %lld rows "
+                         "of dim 0", what, (long long)rows);
+            Py_DECREF(seq);
+            PyMem_Free(v);
+            return -1;
+        }
         v[r] = n;
         total += n;
     }
@@ -954,16 +975,22 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     cudaError_t ce = cudaSuccess;
     if (c->scratch == NULL) {
         int prev = -1;
+        void *mem = NULL;
         Py_BEGIN_ALLOW_THREADS
         api->cudaGetDevice(&prev);
         api->cudaSetDevice(c->device);
-        ce = api->cudaMalloc(&c->scratch, sizeof(float));
+        ce = api->cudaMalloc(&mem, sizeof(float));
         api->cudaSetDevice(prev);
         Py_END_ALLOW_THREADS
         if (ce != cudaSuccess) {
-            c->scratch = NULL;
             pyccl_raise_cuda(x.st, "barrier", "cudaMalloc", ce);
             return NULL;
+        }
+        if (c->scratch == NULL) { /* another thread may have won the race */
+            c->scratch = mem;
+        }
+        else {
+            api->cudaFree(mem);
         }
     }
     pyccl_task tk;
@@ -971,8 +998,14 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     if (pyccl_enqueue(x.st, "barrier", &tk, 1, ncclSum, NULL) < 0) {
         return NULL;
     }
+    /* The legacy default stream (0) means the current device's: make that
+     * the communicator's device while waiting. */
     Py_BEGIN_ALLOW_THREADS
+    int prev = -1;
+    api->cudaGetDevice(&prev);
+    api->cudaSetDevice(c->device);
     ce = api->cudaStreamSynchronize(s);
+    api->cudaSetDevice(prev);
     Py_END_ALLOW_THREADS
     if (ce != cudaSuccess) {
         pyccl_raise_cuda(x.st, "barrier", "cudaStreamSynchronize", ce);
@@ -1035,6 +1068,8 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     char last[512] = "";
     Py_BEGIN_ALLOW_THREADS
     r = api->ncclCommSplit(x.c->comm, color, key, &nc, NULL);
+    /* Inside pyccl.group() the child is built at the group's end and these
+     * read 0: the Communicator fills them in on first use. */
     if (r == ncclSuccess && nc != NULL) {
         r = api->ncclCommUserRank(nc, &rank);
         if (r == ncclSuccess) {
@@ -1052,5 +1087,6 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     if (nc == NULL) {
         Py_RETURN_NONE;
     }
-    return pyccl_comm_new(x.st, nc, rank, size, x.c->device);
+    return pyccl_comm_new(x.st, nc, size > 0 ? rank : -1, size > 0 ? size : 0,
+                          x.c->device);
 }

@@ -29,6 +29,32 @@ pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
     return 0;
 }
 
+int
+pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c)
+{
+    if (c->size > 0 || c->comm == NULL) {
+        return 0;
+    }
+    int rank = -1, size = 0;
+    ncclResult_t r = st->api.ncclCommUserRank(c->comm, &rank);
+    if (r == ncclSuccess) {
+        r = st->api.ncclCommCount(c->comm, &size);
+    }
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, r, NULL);
+        return -1;
+    }
+    if (size <= 0) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: the communicator is not ready: it was created inside "
+                     "pyccl.group(), which has not ended yet", op);
+        return -1;
+    }
+    c->rank = rank;
+    c->size = size;
+    return 0;
+}
+
 PyObject *
 pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size, int device)
 {
@@ -303,12 +329,20 @@ comm_repr(PyObject *self)
 static PyObject *
 comm_get_rank(PyObject *self, void *Py_UNUSED(closure))
 {
+    pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
+    if (st == NULL || pyccl_comm_refresh(st, "rank", (pyccl_comm *)self) < 0) {
+        return NULL;
+    }
     return PyLong_FromLong(((pyccl_comm *)self)->rank);
 }
 
 static PyObject *
 comm_get_size(PyObject *self, void *Py_UNUSED(closure))
 {
+    pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
+    if (st == NULL || pyccl_comm_refresh(st, "size", (pyccl_comm *)self) < 0) {
+        return NULL;
+    }
     return PyLong_FromLong(((pyccl_comm *)self)->size);
 }
 
@@ -573,6 +607,34 @@ pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
         PyErr_NoMemory();
         goto done;
     }
+    if (nranks < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: world_size must be >= 1, got %d",
+                     op, nranks);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char rname[32], dname[32];
+        PyOS_snprintf(rname, sizeof rname, "ranks[%zd]", i);
+        PyOS_snprintf(dname, sizeof dname, "devices[%zd]", i);
+        if (pyccl_read_int(op, rname, PySequence_Fast_GET_ITEM(ranks, i), &rk[i]) < 0 ||
+            pyccl_read_int(op, dname, PySequence_Fast_GET_ITEM(devices, i), &dv[i]) < 0) {
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < i; j++) {
+            if (rk[j] == rk[i]) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: rank %d is listed twice (ranks[%zd] and "
+                             "ranks[%zd])", op, rk[i], j, i);
+                goto done;
+            }
+        }
+        if (rk[i] < 0 || rk[i] >= nranks) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: ranks[%zd]=%d is out of range for world_size %d",
+                         op, i, rk[i], nranks);
+            goto done;
+        }
+    }
     if (pyccl_load(st, op) < 0) {
         goto done;
     }
@@ -584,16 +646,6 @@ pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (pyccl_read_int(op, "ranks[i]", PySequence_Fast_GET_ITEM(ranks, i), &rk[i]) < 0 ||
-            pyccl_read_int(op, "devices[i]", PySequence_Fast_GET_ITEM(devices, i), &dv[i]) < 0) {
-            goto done;
-        }
-        if (rk[i] < 0 || rk[i] >= nranks) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: ranks[%zd]=%d is out of range for world_size %d",
-                         op, i, rk[i], nranks);
-            goto done;
-        }
         if (dv[i] < 0 || dv[i] >= ndev) {
             PyErr_Format(PyExc_ValueError,
                          "%s: devices[%zd]=%d does not exist (this process "

@@ -10,6 +10,10 @@ pyccl_state *
 pyccl_state_of_type(PyTypeObject *tp)
 {
     pyccl_state *st = PyType_GetModuleState(tp);
+    if (st != NULL && st->cliques == NULL) { /* torn down at interpreter exit */
+        PyErr_SetString(PyExc_RuntimeError, "pyccl: the interpreter is shutting down");
+        return NULL;
+    }
     if (st != NULL && pyccl_torch_init(st) < 0) {
         return NULL;
     }
@@ -210,6 +214,7 @@ module_clear(PyObject *m)
     /* Cleared only at interpreter teardown: mark exiting first so the
      * clique's communicators are leaked, not destroyed. */
     st->exiting = 1;
+    st->torch_ready = 0;
     st->last_clique = NULL;
     Py_CLEAR(st->cliques);
     Py_CLEAR(st->NcclError);

@@ -161,6 +161,8 @@ void pyccl_move_type(pyccl_state *st, const pyccl_tensor *t, int *type,
 int pyccl_stream(pyccl_state *st, const char *op, const char *what,
                  PyObject *stream, int device, cudaStream_t *out);
 PyObject *pyccl_dtype_str(PyObject *dtype_obj);
+/* "torch.float32"-style name of t's dtype (works for rows with no object). */
+PyObject *pyccl_dtype_name(const pyccl_tensor *t);
 
 /* ---- communicator.c ---- */
 /* An int argument that fits in C int: TypeError / ValueError naming op and what. */
@@ -185,6 +187,9 @@ PyObject *pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
                           PyObject *rank);
 PyObject *pyccl_init_ranks(pyccl_state *st, PyObject *nranks, PyObject *uid,
                            PyObject *ranks, PyObject *devices);
+/* Fill in rank and size of a communicator created inside a group (NCCL
+ * knows them only once the group ended). */
+int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
 /* -1 with RuntimeError when c was destroyed. */
 int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
 

@@ -12,6 +12,10 @@ static pyccl_state *
 get_state(PyObject *module)
 {
     pyccl_state *st = PyModule_GetState(module);
+    if (st != NULL && st->cliques == NULL) { /* torn down at interpreter exit */
+        PyErr_SetString(PyExc_RuntimeError, "pyccl: the interpreter is shutting down");
+        return NULL;
+    }
     if (st != NULL && pyccl_torch_init(st) < 0) {
         return NULL;
     }
@@ -148,7 +152,8 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
                          op, i, Py_TYPE(c)->tp_name);
             goto error;
         }
-        if (pyccl_comm_alive(st, op, (pyccl_comm *)c) < 0) {
+        if (pyccl_comm_alive(st, op, (pyccl_comm *)c) < 0 ||
+            pyccl_comm_refresh(st, op, (pyccl_comm *)c) < 0) {
             goto error;
         }
     }

@@ -219,6 +219,15 @@ pyccl_dtype_str(PyObject *dtype_obj)
     return PyObject_Str(dtype_obj);
 }
 
+PyObject *
+pyccl_dtype_name(const pyccl_tensor *t)
+{
+    if (t->dtype_obj != NULL) {
+        return PyObject_Str(t->dtype_obj);
+    }
+    return PyUnicode_FromFormat("torch.%s", pyccl_dtype_table[t->dtype].attr);
+}
+
 int
 pyccl_reduce_type(pyccl_state *st, const char *op, const pyccl_tensor *t)
 {
@@ -395,11 +404,23 @@ read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
         if (d == -1 && PyErr_Occurred()) {
             return -1;
         }
+        if (d < 0 || (d > 0 && numel > INT64_MAX / d)) {
+            PyErr_Format(PyExc_ValueError, "%s: %s has an invalid shape %R",
+                         op, what, shape);
+            return -1;
+        }
         numel *= d;
     }
     int itemsize = pyccl_dtype_table[row].itemsize;
     strides = PyDict_GetItemWithError(cai, st->s_strides);
     if (strides == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    if (strides != NULL && strides != Py_None &&
+        (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != nd)) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: %s has a malformed __cuda_array_interface__ (strides)",
+                     op, what);
         return -1;
     }
     if (strides != NULL && strides != Py_None && numel > 1) {
@@ -421,6 +442,11 @@ read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
     }
     unsigned long long ptr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(data, 0));
     if (ptr == (unsigned long long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (ptr == 0 && numel > 0) {
+        PyErr_Format(PyExc_ValueError, "%s: %s has a null data pointer", op,
+                     what);
         return -1;
     }
     int device = -1;

@@ -37,6 +37,14 @@ def still_works(comm):
 
 F = dict(device="cuda:0")
 
+class CAI:
+    """An array known only by its __cuda_array_interface__ (shape, typestr, data, strides)."""
+
+    def __init__(self, shape, ptr, strides=None, typestr="<f4"):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                         "strides": strides, "version": 3}
+
+
 CASES = [
     # (callable(comm), exception, message)
     (lambda c: c.all_reduce(), TypeError, "all_reduce() missing required argument 'tensor'"),
@@ -116,6 +124,12 @@ CASES = [
      "gather: root=2 is out of range for a communicator of size 1 (ranks are 0..0)"),
     (lambda c: c.barrier(1), TypeError, "barrier() takes at most 0 positional arguments (1 given)"),
     (lambda c: c.split("a"), TypeError, "split: color must be an int, got str"),
+    (lambda c: c.all_reduce(CAI((-4,), 0)), ValueError, "all_reduce: tensor has an invalid shape (-4,)"),
+    (lambda c: c.all_reduce(CAI((4,), 0)), ValueError, "all_reduce: tensor has a null data pointer"),
+    (lambda c: c.all_reduce(CAI((2, 2), 0, strides=(8,))), TypeError,
+     "all_reduce: tensor has a malformed __cuda_array_interface__ (strides)"),
+    (lambda c: c.all_reduce(CAI((4,), 0, typestr="<f16")), TypeError,
+     "all_reduce: tensor has element type '<f16', which pyccl cannot map to a torch dtype"),
     (lambda c: c.split(0, key=1.5), TypeError, "split: key must be an int, got float"),
 ]
 

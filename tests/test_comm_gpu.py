@@ -106,7 +106,12 @@ def test_several_gpus_per_process():
         torch.cuda.synchronize(r)
     want = float(sum(r + 3 for r in range(W)))
     assert all(torch.equal(t.cpu(), torch.full((1001,), want)) for t in ts)
-    for c in comms:
+    # splitting ranks of one thread must happen inside a group; rank and size
+    # are known once the group ended
+    with pyccl.group():
+        subs = [c.split(0) for c in comms]
+    assert [(s.rank, s.size) for s in subs] == [(r, W) for r in range(W)]
+    for c in subs + comms:
         c.destroy()
 
 
