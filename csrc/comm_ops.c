@@ -302,7 +302,9 @@ finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop, int made)
 {
     int rc = 0;
     if (n > 0) {
+        x->c->inflight++; /* another thread's destroy() must wait for this */
         rc = pyccl_enqueue(x->st, x->op, tasks, n, redop, NULL);
+        x->c->inflight--;
     }
     if (made) {
         /* NCCL allows destroying the op once the call that used it returned */
@@ -995,7 +997,10 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     }
     pyccl_task tk;
     task(&tk, PYCCL_ALL_REDUCE, c->scratch, c->scratch, 1, ncclFloat32, 0, &x, s);
-    if (pyccl_enqueue(x.st, "barrier", &tk, 1, ncclSum, NULL) < 0) {
+    c->inflight++;
+    int rc = pyccl_enqueue(x.st, "barrier", &tk, 1, ncclSum, NULL);
+    c->inflight--;
+    if (rc < 0) {
         return NULL;
     }
     /* The legacy default stream (0) means the current device's: make that
@@ -1066,6 +1071,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     ncclResult_t r;
     int rank = -1, size = 0;
     char last[512] = "";
+    x.c->inflight++;
     Py_BEGIN_ALLOW_THREADS
     r = api->ncclCommSplit(x.c->comm, color, key, &nc, NULL);
     /* Inside pyccl.group() the child is built at the group's end and these
@@ -1080,6 +1086,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         strncpy(last, api->ncclGetLastError(x.c->comm), sizeof last - 1);
     }
     Py_END_ALLOW_THREADS
+    x.c->inflight--;
     if (r != ncclSuccess) {
         pyccl_raise_nccl(x.st, "split", r, last);
         return NULL;

@@ -294,6 +294,13 @@ comm_destroy(PyObject *self, PyObject *Py_UNUSED(ignored))
     if (st == NULL) {
         return NULL;
     }
+    if (c->inflight > 0) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "destroy: the communicator (rank %d of %d) is in use by "
+                     "another thread; destroy it once that call returned",
+                     c->rank, c->size);
+        return NULL;
+    }
     ncclResult_t r = destroy_comm(st, c);
     if (r != ncclSuccess) {
         pyccl_raise_nccl(st, "destroy", r, NULL);

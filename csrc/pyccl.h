@@ -174,6 +174,7 @@ typedef struct {
     int size;
     int device;
     void *scratch;       /* barrier()'s device word, allocated on first use */
+    int inflight;        /* calls using comm with the GIL released; destroy() refuses meanwhile */
     PyObject *weakreflist;
 } pyccl_comm;
 extern PyType_Spec pyccl_comm_spec;

@@ -65,7 +65,9 @@ tensor_seq(pyccl_state *st, PyObject *obj, const char *op, const char *what)
     return seq;
 }
 
-/* None, or a sequence of exactly n items. */
+/* None, or a sequence of exactly n items, as a tuple: a snapshot whose items
+ * stay alive while the GIL is released, whatever happens to the caller's
+ * list meanwhile. */
 static PyObject *
 optional_seq(PyObject *obj, Py_ssize_t n, const char *op, const char *what,
              const char *count_msg)
@@ -73,7 +75,7 @@ optional_seq(PyObject *obj, Py_ssize_t n, const char *op, const char *what,
     if (obj == Py_None) {
         return Py_NewRef(Py_None);
     }
-    PyObject *seq = PySequence_Fast(obj, "");
+    PyObject *seq = PyTuple_Check(obj) ? Py_NewRef(obj) : PySequence_Tuple(obj);
     if (seq == NULL) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError,
@@ -345,10 +347,19 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
     /* Every rank sees the same count, so every rank skips alike. */
     /* Two threads on one clique would interleave their groups differently
      * on each device and deadlock: clique calls are serialized. */
-    if (count > 0 &&
-        pyccl_enqueue(st, op, tasks, n, redop,
-                      have_comms ? NULL : st->clique_call_lock) < 0) {
-        goto error;
+    if (count > 0) {
+        /* user communicators: another thread's destroy() waits for this */
+        for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+            ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight++;
+        }
+        int rc = pyccl_enqueue(st, op, tasks, n, redop,
+                               have_comms ? NULL : st->clique_call_lock);
+        for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+            ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight--;
+        }
+        if (rc < 0) {
+            goto error;
+        }
     }
     result = Py_NewRef(Py_None);
 error:
