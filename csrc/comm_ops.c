@@ -1067,6 +1067,36 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         PyErr_SetString(PyExc_RuntimeError, "split: needs NCCL >= 2.18");
         return NULL;
     }
+    if (pyccl_group_depth() > 0) {
+        /* NCCL writes the child's handle when the group ends, so it goes
+         * straight into a Communicator kept alive until then. */
+        static ncclComm_t not_member; /* color < 0: NCCL writes NULL here */
+        PyObject *child = NULL;
+        ncclComm_t *slot = &not_member;
+        if (color >= 0) {
+            child = pyccl_comm_new(x.st, NULL, -1, 0, x.c->device);
+            if (child == NULL || pyccl_add_pending_split(x.st, child) < 0) {
+                Py_XDECREF(child);
+                return NULL;
+            }
+            ((pyccl_comm *)child)->pending = 1;
+            slot = &((pyccl_comm *)child)->comm;
+        }
+        char last[512] = "";
+        ncclResult_t r = api->ncclCommSplit(x.c->comm, color, key, slot, NULL);
+        if (r != ncclSuccess) {
+            if (api->ncclGetLastError) {
+                strncpy(last, api->ncclGetLastError(x.c->comm), sizeof last - 1);
+            }
+            Py_XDECREF(child); /* stays pending until the group ends */
+            pyccl_raise_nccl(x.st, "split", r, last);
+            return NULL;
+        }
+        if (child == NULL) {
+            Py_RETURN_NONE;
+        }
+        return child;
+    }
     ncclComm_t nc = NULL;
     ncclResult_t r;
     int rank = -1, size = 0;
@@ -1074,8 +1104,6 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     x.c->inflight++;
     Py_BEGIN_ALLOW_THREADS
     r = api->ncclCommSplit(x.c->comm, color, key, &nc, NULL);
-    /* Inside pyccl.group() the child is built at the group's end and these
-     * read 0: the Communicator fills them in on first use. */
     if (r == ncclSuccess && nc != NULL) {
         r = api->ncclCommUserRank(nc, &rank);
         if (r == ncclSuccess) {
@@ -1094,6 +1122,5 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     if (nc == NULL) {
         Py_RETURN_NONE;
     }
-    return pyccl_comm_new(x.st, nc, size > 0 ? rank : -1, size > 0 ? size : 0,
-                          x.c->device);
+    return pyccl_comm_new(x.st, nc, rank, size, x.c->device);
 }

@@ -20,6 +20,12 @@ int
 pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
 {
     (void)st;
+    if (c->pending) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: the communicator is not ready: it was created inside "
+                     "pyccl.group(), which has not ended yet", op);
+        return -1;
+    }
     if (c->comm == NULL) {
         PyErr_Format(PyExc_RuntimeError,
                      "%s: the communicator (rank %d of %d) has been destroyed",
@@ -32,6 +38,9 @@ pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
 int
 pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c)
 {
+    if (c->pending) {
+        return pyccl_comm_alive(st, op, c); /* raises "not ready" */
+    }
     if (c->size > 0 || c->comm == NULL) {
         return 0;
     }
@@ -292,6 +301,12 @@ comm_destroy(PyObject *self, PyObject *Py_UNUSED(ignored))
     pyccl_comm *c = (pyccl_comm *)self;
     pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
     if (st == NULL) {
+        return NULL;
+    }
+    if (c->pending) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "destroy: the communicator is not ready: it was created "
+                        "inside pyccl.group(), which has not ended yet");
         return NULL;
     }
     if (c->inflight > 0) {

@@ -127,9 +127,10 @@ module_exec(PyObject *m)
         return -1;
     }
     st->cliques = PyDict_New();
+    st->pending_splits = PyList_New(0);
     st->nccl_candidates = PyList_New(0);
     st->cudart_candidates = PyList_New(0);
-    if (st->cliques == NULL || st->nccl_candidates == NULL ||
+    if (st->cliques == NULL || st->pending_splits == NULL || st->nccl_candidates == NULL ||
         st->cudart_candidates == NULL) {
         return -1;
     }
@@ -199,6 +200,7 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->CudaError);
     Py_VISIT(st->CommunicatorType);
     Py_VISIT(st->cliques);
+    Py_VISIT(st->pending_splits);
     Py_VISIT(st->Tensor);
     Py_VISIT(st->Stream);
     return 0;
@@ -217,6 +219,7 @@ module_clear(PyObject *m)
     st->torch_ready = 0;
     st->last_clique = NULL;
     Py_CLEAR(st->cliques);
+    Py_CLEAR(st->pending_splits);
     Py_CLEAR(st->NcclError);
     Py_CLEAR(st->CudaError);
     Py_CLEAR(st->CommunicatorType);

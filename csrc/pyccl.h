@@ -111,7 +111,16 @@ typedef struct {
     PyThread_type_lock clique_lock;      /* held while creating a clique */
     PyThread_type_lock clique_call_lock; /* held while enqueueing on any clique */
     int exiting;                 /* set at interpreter exit: leak, never destroy */
+    /* [(Communicator, thread ident)] split inside a group that has not ended:
+     * kept alive until then, because NCCL writes their handle at the end */
+    PyObject *pending_splits;
 } pyccl_state;
+
+/* ---- python_nccl.c ---- */
+/* Depth of pyccl.group() on the calling thread (NCCL groups are per thread). */
+int pyccl_group_depth(void);
+/* Keep a communicator split inside a group alive until the group ends. */
+int pyccl_add_pending_split(pyccl_state *st, PyObject *comm);
 
 /* ---- module.c ---- */
 pyccl_state *pyccl_state_of_type(PyTypeObject *tp);
@@ -175,6 +184,7 @@ typedef struct {
     int device;
     void *scratch;       /* barrier()'s device word, allocated on first use */
     int inflight;        /* calls using comm with the GIL released; destroy() refuses meanwhile */
+    int pending;         /* split inside pyccl.group(): NCCL writes `comm` at the group's end */
     PyObject *weakreflist;
 } pyccl_comm;
 extern PyType_Spec pyccl_comm_spec;

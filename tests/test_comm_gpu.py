@@ -110,6 +110,11 @@ def test_several_gpus_per_process():
     # are known once the group ended
     with pyccl.group():
         subs = [c.split(0) for c in comms]
+        with pytest.raises(RuntimeError, match=r"^rank: the communicator is not ready: "
+                           r"it was created inside pyccl.group\(\), which has not ended yet$"):
+            subs[0].rank
+        with pytest.raises(RuntimeError, match=r"^destroy: the communicator is not ready"):
+            subs[0].destroy()
     assert [(s.rank, s.size) for s in subs] == [(r, W) for r in range(W)]
     for c in subs + comms:
         c.destroy()
