@@ -7,9 +7,13 @@ wheels' include folders.
 """
 import glob
 import os
+import shutil
+import subprocess
 import sys
+import time
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 
 def _nvidia_dirs():
@@ -60,14 +64,72 @@ cuda_inc = _find_include(
     wheels_first=False,
 )
 
+KERNEL_SRC = "csrc/kernels/allreduce.cu"
+KERNEL_DEPS = [KERNEL_SRC, "csrc/kernels/fastar_abi.h"]
+
+
+def _nvcc():
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.path.isfile(os.path.join(root, "bin", "nvcc")):
+            return os.path.join(root, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+class BuildExt(build_ext):
+    """Compile csrc/kernels/*.cu into a fatbin that fastar.c embeds
+    (.incbin), when nvcc is there.  Without nvcc the extension is built
+    without its own kernels (all_reduce then always uses NCCL);
+    PYCCL_REQUIRE_KERNELS=1 makes that an error."""
+
+    def build_extensions(self):
+        fatbin = self._fatbin()
+        if fatbin:
+            for e in self.extensions:
+                e.define_macros.append(("PYCCL_FATBIN_PATH", f'"{fatbin}"'))
+                e.depends.append(fatbin)
+        super().build_extensions()
+
+    def _fatbin(self):
+        nvcc = _nvcc()
+        required = os.environ.get("PYCCL_REQUIRE_KERNELS", "") not in ("", "0")
+        if nvcc is None:
+            msg = "pyccl build: nvcc not found (CUDA_HOME, /usr/local/cuda, PATH): no own kernels"
+            if required:
+                sys.exit(msg)
+            print(msg, file=sys.stderr)
+            return None
+        archs = os.environ.get("PYCCL_CUDA_ARCHS", "80;90;100;120").replace(",", ";").split(";")
+        out = os.path.abspath(os.path.join(self.build_temp, "pyccl_allreduce.fatbin"))
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        if os.path.exists(out) and all(os.path.getmtime(out) > os.path.getmtime(d) for d in KERNEL_DEPS):
+            return out
+        cmd = [nvcc, "-O3", "-std=c++17", "-fatbin", "--threads", "0", "-Icsrc/kernels", "-o", out]
+        archs = [a.strip() for a in archs if a.strip()]
+        for a in archs:
+            cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        # PTX of the newest arch too, so a later GPU can JIT it
+        cmd += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}", KERNEL_SRC]
+        t0 = time.time()
+        print(" ".join(cmd))
+        r = subprocess.run(cmd)
+        if r.returncode != 0:
+            msg = f"pyccl build: nvcc failed ({r.returncode}): no own kernels"
+            if required:
+                sys.exit(msg)
+            print(msg, file=sys.stderr)
+            return None
+        print(f"pyccl build: kernels for sm_{', sm_'.join(archs)} in {time.time() - t0:.1f} s")
+        return out
+
+
 ext = Extension(
     "pyccl._C",
     sources=sorted(glob.glob("csrc/*.c")),
-    depends=["csrc/pyccl.h"],
+    depends=["csrc/pyccl.h"] + KERNEL_DEPS,
     include_dirs=["csrc", nccl_inc, cuda_inc],
     extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
                         "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
     libraries=["dl"],
 )
 
-setup(ext_modules=[ext])
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

@@ -367,18 +367,19 @@ read_list(call_ctx *x, const char *what, PyObject *obj,
 
 /* ---------------- the methods ---------------- */
 
-/* all_reduce(tensor, op=SUM, *, out=None, stream=None) */
+/* all_reduce(tensor, op=SUM, *, out=None, stream=None, algo=None) */
 PyObject *
 pyccl_comm_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                       PyObject *kwnames)
 {
-    static const char *const names[] = {"tensor", "op", "out", "stream"};
-    PyObject *a[4];
+    static const char *const names[] = {"tensor", "op", "out", "stream", "algo"};
+    PyObject *a[5];
     call_ctx x;
     pyccl_tensor t, o;
     cudaStream_t s;
     int type, redop, made;
-    if (parse_args("all_reduce", args, nargs, kwnames, names, 4, 2, 1, a) < 0 ||
+    pyccl_algo algo;
+    if (parse_args("all_reduce", args, nargs, kwnames, names, 5, 2, 1, a) < 0 ||
         ctx_init(&x, self, "all_reduce") < 0 ||
         read_on_comm(&x, "tensor", a[0], &t) < 0) {
         return NULL;
@@ -392,7 +393,20 @@ pyccl_comm_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     }
     if ((type = pyccl_reduce_type(x.st, x.op, &t)) < 0 ||
         get_stream(&x, a[3], &s) < 0 ||
+        pyccl_read_algo(x.op, a[4], &algo) < 0 ||
         read_op(&x, a[1], &t, type, &redop, &made) < 0) {
+        return NULL;
+    }
+    if (!made) { /* premul_sum ops are NCCL's */
+        int done = pyccl_fastar_all_reduce(x.st, x.c, x.op, algo, &t, &o, redop, s);
+        if (done != 0) {
+            return done < 0 ? NULL : Py_NewRef(Py_None);
+        }
+    } else if (algo == PYCCL_ALGO_ONESHOT || algo == PYCCL_ALGO_TWOSHOT) {
+        x.st->api.ncclRedOpDestroy((ncclRedOp_t)redop, x.c->comm);
+        PyErr_Format(PyExc_ValueError,
+                     "all_reduce: algo='%s' supports SUM, MAX and MIN, not premul_sum",
+                     algo == PYCCL_ALGO_ONESHOT ? "oneshot" : "twoshot");
         return NULL;
     }
     pyccl_task tk;

@@ -82,8 +82,12 @@ pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size, int device)
 /* Destroy with the GIL released: ncclCommDestroy waits for the
  * communicator's outstanding work. */
 static ncclResult_t
-destroy_comm(pyccl_state *st, pyccl_comm *c)
+destroy_comm(pyccl_state *st, pyccl_comm *c, int collective)
 {
+    /* first, while the communicator works: the own all-reduce's peer memory */
+    if (c->comm != NULL) {
+        pyccl_fastar_release(st, c, collective);
+    }
     ncclComm_t comm = c->comm;
     void *scratch = c->scratch;
     ncclResult_t r = ncclSuccess;
@@ -282,7 +286,7 @@ comm_dealloc(PyObject *self)
     if (st != NULL && c->comm != NULL && !Py_IsFinalizing()) {
         /* A failure here has nobody to report to; the memory is gone either
          * way once the process ends. */
-        (void)destroy_comm(st, c);
+        (void)destroy_comm(st, c, 0);
     }
     tp->tp_free(self);
     Py_DECREF(tp);
@@ -316,7 +320,7 @@ comm_destroy(PyObject *self, PyObject *Py_UNUSED(ignored))
                      c->rank, c->size);
         return NULL;
     }
-    ncclResult_t r = destroy_comm(st, c);
+    ncclResult_t r = destroy_comm(st, c, 1);
     if (r != ncclSuccess) {
         pyccl_raise_nccl(st, "destroy", r, NULL);
         return NULL;
@@ -387,8 +391,13 @@ comm_get_destroyed(PyObject *self, void *Py_UNUSED(closure))
 }
 
 PyDoc_STRVAR(all_reduce_doc,
-"all_reduce($self, /, tensor, op=0, *, out=None, stream=None)\n--\n\n"
-"Reduce `tensor` over all ranks; the result lands in `out` (default: in place).");
+"all_reduce($self, /, tensor, op=0, *, out=None, stream=None, algo=None)\n--\n\n"
+"Reduce `tensor` over all ranks; the result lands in `out` (default: in place).\n\n"
+"algo: 'auto' (None), 'nccl', 'oneshot' or 'twoshot'. 'auto' runs pyccl's own\n"
+"peer-memory kernels for float32/float16/bfloat16/int32 SUM/MAX/MIN up to\n"
+"all_reduce_info['twoshot_max'] bytes when every rank shares the host, NCCL\n"
+"otherwise. The first such call sets up peer memory on all ranks together;\n"
+"destroy() is then collective. PYCCL_DISABLE_OWN_KERNELS=1 turns them off.");
 PyDoc_STRVAR(broadcast_doc,
 "broadcast($self, /, tensor, root, *, out=None, stream=None)\n--\n\n"
 "Copy the root's `tensor` to every rank's `out` (default: in place).");
@@ -438,11 +447,38 @@ PyDoc_STRVAR(split_doc,
 #define PYCCL_OP_ENTRY(name)                                                  \
     {#name, (PyCFunction)(void (*)(void))pyccl_comm_##name,                   \
      METH_FASTCALL | METH_KEYWORDS, name##_doc},
+static PyObject *
+comm_get_ar_info(PyObject *self, void *Py_UNUSED(closure))
+{
+    pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
+    return st == NULL ? NULL : pyccl_fastar_info(st, (pyccl_comm *)self);
+}
+
+static PyObject *
+comm_ar_epoch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
+    if (st == NULL || pyccl_comm_alive(st, "_all_reduce_epoch", (pyccl_comm *)self) < 0) {
+        return NULL;
+    }
+    if (nargs > 1) {
+        PyErr_Format(PyExc_TypeError, "_all_reduce_epoch() takes at most 1 argument (%zd given)",
+                     nargs);
+        return NULL;
+    }
+    return pyccl_fastar_epoch(st, (pyccl_comm *)self, nargs ? args[0] : NULL);
+}
+
 static PyMethodDef comm_methods[] = {
     PYCCL_COMM_OPS(PYCCL_OP_ENTRY)
     {"destroy", comm_destroy, METH_NOARGS,
      "destroy()\n--\n\nFree the NCCL communicator now (idempotent). Using it "
-     "afterwards raises RuntimeError."},
+     "afterwards raises RuntimeError. Collective (every rank calls it) once "
+     "all_reduce used pyccl's own kernels: their peer memory is freed after a "
+     "barrier."},
+    {"_all_reduce_epoch", (PyCFunction)(void (*)(void))comm_ar_epoch, METH_FASTCALL,
+     "_all_reduce_epoch(value=None)\n--\n\nTesting aid: every rank's own-kernel epoch "
+     "counter; sets it to value (on all ranks alike, nothing in flight)."},
     {"__enter__", comm_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))comm_exit, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
@@ -453,6 +489,10 @@ static PyGetSetDef comm_getset[] = {
     {"size", comm_get_size, NULL, "Number of ranks.", NULL},
     {"device", comm_get_device, NULL, "CUDA device index.", NULL},
     {"destroyed", comm_get_destroyed, NULL, "True after destroy().", NULL},
+    {"all_reduce_info", comm_get_ar_info, NULL,
+     "How all_reduce picks pyccl's own kernels on this communicator: state "
+     "('not set up', 'ready', 'off'), reason, buffer_bytes, oneshot_max, "
+     "twoshot_max, blocks, threads, timeout, built.", NULL},
     {"handle", comm_get_handle, NULL,
      "The ncclComm_t as an int (0 once destroyed), for other NCCL users.", NULL},
     {NULL, NULL, NULL, NULL, NULL},

@@ -54,6 +54,12 @@ PyDict_GetItemRef(PyObject *d, PyObject *k, PyObject **out)
     X(cudaGetErrorString) X(cudaGetLastError) X(cudaStreamSynchronize)      \
     X(cudaDeviceSynchronize) X(cudaPointerGetAttributes) X(cudaMalloc)      \
     X(cudaFree)
+/* For pyccl's own all-reduce (fastar.c); NULL turns it off with a reason. */
+#define PYCCL_CUDART_OPTIONAL(X)                                            \
+    X(cudaIpcGetMemHandle) X(cudaIpcOpenMemHandle) X(cudaIpcCloseMemHandle) \
+    X(cudaMemset) X(cudaMemcpy) X(cudaHostAlloc) X(cudaFreeHost)            \
+    X(cudaStreamIsCapturing) X(cudaDeviceGetPCIBusId)                       \
+    X(cudaDeviceGetByPCIBusId) X(cudaDeviceCanAccessPeer)
 
 #define PYCCL_DECLARE_FN(name) __typeof__(name) *name;
 typedef struct {
@@ -64,6 +70,7 @@ typedef struct {
     PYCCL_NCCL_REQUIRED(PYCCL_DECLARE_FN)
     PYCCL_NCCL_OPTIONAL(PYCCL_DECLARE_FN)
     PYCCL_CUDART_REQUIRED(PYCCL_DECLARE_FN)
+    PYCCL_CUDART_OPTIONAL(PYCCL_DECLARE_FN)
 } pyccl_api;
 #undef PYCCL_DECLARE_FN
 
@@ -186,6 +193,7 @@ typedef struct {
     int inflight;        /* calls using comm with the GIL released; destroy() refuses meanwhile */
     int pending;         /* split inside pyccl.group(): NCCL writes `comm` at the group's end */
     PyObject *weakreflist;
+    struct pyccl_fastar *fastar; /* own all-reduce state (fastar.c), NULL until first use */
 } pyccl_comm;
 extern PyType_Spec pyccl_comm_spec;
 int pyccl_is_comm(pyccl_state *st, PyObject *obj);
@@ -214,6 +222,24 @@ int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
                                 Py_ssize_t nargs, PyObject *kwnames);
 PYCCL_COMM_OPS(PYCCL_DECLARE_OP)
 #undef PYCCL_DECLARE_OP
+
+/* ---- fastar.c: pyccl's own all-reduce kernels ---- */
+typedef enum { PYCCL_ALGO_AUTO, PYCCL_ALGO_NCCL, PYCCL_ALGO_ONESHOT, PYCCL_ALGO_TWOSHOT } pyccl_algo;
+/* all_reduce's algo= argument (None: auto). */
+int pyccl_read_algo(const char *op, PyObject *obj, pyccl_algo *out);
+/* Run t -> o on the own kernels when `algo` and the arguments allow: 1 when
+ * enqueued, 0 when NCCL should do it, -1 with an exception.  Collective on
+ * the first call that qualifies (it sets up peer memory). */
+int pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op,
+                            pyccl_algo algo, const pyccl_tensor *t,
+                            const pyccl_tensor *o, int redop, cudaStream_t s);
+/* Free what fastar holds; `collective`: all ranks destroy together, so the
+ * exported buffer can be freed after a barrier (else it is kept). */
+void pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective);
+PyObject *pyccl_fastar_info(pyccl_state *st, pyccl_comm *c);
+PyObject *pyccl_fastar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value);
+/* Whether the kernels were compiled in (setup.py found nvcc). */
+int pyccl_fastar_built(void);
 
 /* ---- enqueue.c ---- */
 typedef enum {

@@ -22,6 +22,8 @@ cd "$(dirname "$0")/.."
 cat "$OUT/env.txt"
 
 start=$(date +%s%N)
+# the device has nvcc: a build without pyccl's own kernels is a failure there
+export PYCCL_REQUIRE_KERNELS=1
 if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
   tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
@@ -50,4 +52,8 @@ TO=$($PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout=300")
 timeout 480 $PY -m pytest tests -q -rs -p no:cacheprovider $TO "$@" 2>&1 | tee "$OUT/pytest.log" | tail -60
 rc=$?
 timeout 90 $PY tools/quick_bench.py 2>&1 | tee "$OUT/quick.txt"
+G=$($PY -c 'import torch; print(torch.cuda.device_count())')
+if [ "$G" -ge 2 ]; then
+  timeout 200 $PY tools/fastar_sweep.py -g "$G" -b 8 -e 16M --json "$OUT/fastar.json" 2>&1 | tee "$OUT/fastar.txt"
+fi
 exit $rc

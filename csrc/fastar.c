@@ -1,0 +1,865 @@
+/* pyccl's own intra-node all-reduce: host side.
+ *
+ * The kernels (csrc/kernels/allreduce.cu) are compiled by setup.py into a
+ * fatbin that is embedded here and loaded with the CUDA driver API, found the
+ * same way as NCCL (dlopen, nothing linked).  This file
+ *   - decides per call whether the own kernels run (algo=, dtype, op, size,
+ *     group, capture) - the decision depends only on arguments every rank
+ *     passes alike, so all ranks take the same path;
+ *   - sets up peer memory once per communicator, collectively, at the first
+ *     call that qualifies: a region per rank, CUDA IPC handles exchanged by an
+ *     NCCL all_gather on the communicator itself, peers mapped, a real
+ *     write-then-read probe across every pair, and an agreement (NCCL MIN)
+ *     so that either every rank uses the kernels or none does;
+ *   - launches one kernel per call on the caller's stream (graph capture
+ *     works: the kernels keep their epochs on the device).
+ * Where anything is missing the reason is kept (comm.all_reduce_info) and
+ * logged once, and NCCL does the work. */
+#include "pyccl.h"
+#include "kernels/fastar_abi.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#ifdef PYCCL_FATBIN_PATH
+/* the fatbin setup.py compiled, placed in .rodata by the assembler */
+__asm__(".section .rodata\n"
+        ".balign 64\n"
+        "pyccl_ar_fatbin:\n"
+        ".incbin \"" PYCCL_FATBIN_PATH "\"\n"
+        ".byte 0\n"
+        ".previous\n");
+extern const unsigned char pyccl_ar_fatbin[] __asm__("pyccl_ar_fatbin");
+#endif
+
+int
+pyccl_fastar_built(void)
+{
+#ifdef PYCCL_FATBIN_PATH
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---------------- the driver API, declared here (no cuda.h) ---------------- */
+
+typedef int CUresult;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
+static struct {
+    int tried;
+    char err[200];
+    CUresult (*cuModuleLoadData)(CUmodule *, const void *);
+    CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
+    CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
+                               unsigned, unsigned, unsigned, cudaStream_t, void **,
+                               void **);
+    CUresult (*cuGetErrorString)(CUresult, const char **);
+} drv;
+
+/* kernels: [algo 0 one-shot, 1 two-shot][dtype][op], then the probe */
+enum { K_F32, K_F16, K_BF16, K_I32, K_NTYPES };
+enum { K_SUM, K_MAX, K_MIN, K_NOPS };
+#define K_PROBE (2 * K_NTYPES * K_NOPS)
+#define K_COUNT (K_PROBE + 1)
+static const char *const type_names[K_NTYPES] = {"f32", "f16", "bf16", "i32"};
+static const char *const op_names[K_NOPS] = {"sum", "max", "min"};
+
+#define MAX_DEVICES 64
+static struct {
+    int state; /* 0 untried, 1 loaded, -1 failed */
+    CUfunction fn[K_COUNT];
+} devs[MAX_DEVICES];
+
+static int
+load_driver(char *why, size_t n)
+{
+    if (!drv.tried) {
+        drv.tried = 1;
+        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        if (h == NULL) {
+            h = dlopen("libcuda.so.1", RTLD_NOW);
+        }
+        if (h == NULL) {
+            snprintf(drv.err, sizeof drv.err, "libcuda.so.1 not found: %s", dlerror());
+        } else {
+            *(void **)&drv.cuModuleLoadData = dlsym(h, "cuModuleLoadData");
+            *(void **)&drv.cuModuleGetFunction = dlsym(h, "cuModuleGetFunction");
+            *(void **)&drv.cuLaunchKernel = dlsym(h, "cuLaunchKernel");
+            *(void **)&drv.cuGetErrorString = dlsym(h, "cuGetErrorString");
+            if (!drv.cuModuleLoadData || !drv.cuModuleGetFunction || !drv.cuLaunchKernel ||
+                !drv.cuGetErrorString) {
+                snprintf(drv.err, sizeof drv.err, "libcuda.so.1 lacks the module calls");
+            }
+        }
+    }
+    if (drv.err[0]) {
+        snprintf(why, n, "%s", drv.err);
+        return -1;
+    }
+    return 0;
+}
+
+static const char *
+cu_error(CUresult r)
+{
+    const char *s = NULL;
+    if (drv.cuGetErrorString == NULL || drv.cuGetErrorString(r, &s) != 0 || s == NULL) {
+        return "unknown CUDA driver error";
+    }
+    return s;
+}
+
+/* The kernels of `device` (current), loaded once; -1 with `why`. */
+static int
+load_kernels(int device, char *why, size_t n)
+{
+#ifndef PYCCL_FATBIN_PATH
+    (void)device;
+    snprintf(why, n, "pyccl was built without nvcc, so its kernels are not compiled in");
+    return -1;
+#else
+    if (device < 0 || device >= MAX_DEVICES) {
+        snprintf(why, n, "device index %d is out of pyccl's range", device);
+        return -1;
+    }
+    if (devs[device].state == 1) {
+        return 0;
+    }
+    if (load_driver(why, n) < 0) {
+        return -1;
+    }
+    CUmodule mod;
+    CUresult r = drv.cuModuleLoadData(&mod, pyccl_ar_fatbin);
+    if (r != 0) {
+        snprintf(why, n, "loading the kernels on cuda:%d failed: %s (no code for this GPU?)",
+                 device, cu_error(r));
+        return -1;
+    }
+    for (int k = 0; k < K_COUNT; k++) {
+        char name[64];
+        if (k == K_PROBE) {
+            snprintf(name, sizeof name, "pyccl_ar_probe");
+        } else {
+            snprintf(name, sizeof name, "pyccl_ar_%d_%s_%s", k / (K_NTYPES * K_NOPS) + 1,
+                     type_names[(k / K_NOPS) % K_NTYPES], op_names[k % K_NOPS]);
+        }
+        r = drv.cuModuleGetFunction(&devs[device].fn[k], mod, name);
+        if (r != 0) {
+            snprintf(why, n, "kernel %s missing: %s", name, cu_error(r));
+            return -1;
+        }
+    }
+    devs[device].state = 1;
+    return 0;
+#endif
+}
+
+/* ---------------- per-communicator state ---------------- */
+
+enum { FA_UNTRIED = 0, FA_READY = 1, FA_OFF = -1 };
+
+typedef struct pyccl_fastar {
+    int state;
+    char reason[400];
+    int logged;
+    char *base;                         /* this rank's region (cudaMalloc) */
+    char *peer[PYCCL_AR_MAX_RANKS];     /* every rank's region here; [rank] = base */
+    int *host_err;                      /* pinned, device-visible */
+    size_t half;
+    int blocks, threads;
+    int rank, nranks, device;
+    double timeout;                     /* seconds a wait may take; 0 = forever */
+} pyccl_fastar;
+
+static long
+env_long(const char *name, long dflt, long lo, long hi)
+{
+    const char *v = getenv(name);
+    if (v == NULL || *v == '\0') {
+        return dflt;
+    }
+    char *end;
+    long x = strtol(v, &end, 10);
+    if (*end != '\0' || x < lo || x > hi) {
+        return dflt;
+    }
+    return x;
+}
+
+static size_t
+buffer_bytes(void)
+{
+    return (size_t)env_long("PYCCL_AR_BUFFER_MB", 16, 1, 4096) << 20;
+}
+
+/* Auto thresholds in bytes by world size, from the 2xH200 sweep in
+ * docs/PERFORMANCE.md; PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX (bytes)
+ * override them.  Every rank must see the same values. */
+static void
+thresholds(int nranks, size_t *one, size_t *two)
+{
+    size_t cap = buffer_bytes();
+    size_t o = nranks <= 2 ? ((size_t)2 << 20) : nranks <= 4 ? ((size_t)256 << 10) : ((size_t)128 << 10);
+    size_t t = nranks <= 2 ? ((size_t)2 << 20) : ((size_t)8 << 20);
+    o = (size_t)env_long("PYCCL_AR_ONESHOT_MAX", (long)o, 0, 1L << 40);
+    t = (size_t)env_long("PYCCL_AR_TWOSHOT_MAX", (long)t, 0, 1L << 40);
+    *one = o < cap ? o : cap;
+    *two = t < cap ? t : cap;
+}
+
+int
+pyccl_read_algo(const char *op, PyObject *obj, pyccl_algo *out)
+{
+    static const char *const names[] = {"auto", "nccl", "oneshot", "twoshot"};
+    *out = PYCCL_ALGO_AUTO;
+    if (obj == NULL || obj == Py_None) {
+        return 0;
+    }
+    if (PyUnicode_Check(obj)) {
+        for (int i = 0; i < 4; i++) {
+            if (PyUnicode_CompareWithASCIIString(obj, names[i]) == 0) {
+                *out = (pyccl_algo)i;
+                return 0;
+            }
+        }
+        PyErr_Format(PyExc_ValueError,
+                     "%s: algo must be 'auto', 'nccl', 'oneshot' or 'twoshot', got %R", op, obj);
+        return -1;
+    }
+    PyErr_Format(PyExc_TypeError,
+                 "%s: algo must be a str ('auto', 'nccl', 'oneshot' or 'twoshot'), got %.200s",
+                 op, Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
+static const char *
+algo_name(pyccl_algo a)
+{
+    return a == PYCCL_ALGO_ONESHOT ? "oneshot" : "twoshot";
+}
+
+static void
+log_once(pyccl_fastar *f)
+{
+    if (f->logged || getenv("PYCCL_QUIET")) {
+        return;
+    }
+    f->logged = 1;
+    PySys_FormatStderr("pyccl: rank %d of %d uses NCCL for all_reduce: %s\n", f->rank,
+                       f->nranks, f->reason);
+}
+
+static uint64_t
+host_id(void)
+{
+    char buf[512] = "";
+    gethostname(buf, 256);
+    FILE *fp = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (fp != NULL) {
+        size_t len = strlen(buf);
+        if (fgets(buf + len, (int)(sizeof buf - len), fp) == NULL) {
+            buf[len] = '\0';
+        }
+        fclose(fp);
+    }
+    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
+    for (const char *p = buf; *p; p++) {
+        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+    }
+    return h;
+}
+
+/* What each rank tells the others at set-up (NCCL all_gather of the bytes). */
+typedef struct {
+    cudaIpcMemHandle_t handle;
+    char busid[32];
+    uint64_t host;
+    uint64_t half;
+    int32_t pid;
+    int32_t ok;
+    int32_t blocks;
+    int32_t threads;
+    uint32_t magic;
+    char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 16 - 20];
+} fa_record;
+
+/* NCCL all_reduce(MIN) of one int through `dev` (a device int), synchronous.
+ * Also the barrier of the set-up and of destroy. */
+static ncclResult_t
+agree(const pyccl_api *a, ncclComm_t comm, int *dev, int *value, cudaStream_t s)
+{
+    if (a->cudaMemcpy(dev, value, sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess) {
+        return ncclUnhandledCudaError;
+    }
+    ncclResult_t r = a->ncclAllReduce(dev, dev, 1, ncclInt32, ncclMin, comm, s);
+    if (r != ncclSuccess) {
+        return r;
+    }
+    if (a->cudaStreamSynchronize(s) != cudaSuccess ||
+        a->cudaMemcpy(value, dev, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) {
+        return ncclUnhandledCudaError;
+    }
+    return ncclSuccess;
+}
+
+static void
+free_local(const pyccl_api *a, pyccl_fastar *f, int free_base)
+{
+    for (int r = 0; r < PYCCL_AR_MAX_RANKS; r++) {
+        if (f->peer[r] != NULL && f->peer[r] != f->base && a->cudaIpcCloseMemHandle) {
+            a->cudaIpcCloseMemHandle(f->peer[r]);
+        }
+        f->peer[r] = NULL;
+    }
+    if (f->base != NULL && free_base) {
+        a->cudaFree(f->base);
+    }
+    f->base = NULL;
+    if (f->host_err != NULL && a->cudaFreeHost) {
+        a->cudaFreeHost(f->host_err);
+    }
+    f->host_err = NULL;
+}
+
+#define WHY(...) snprintf(f->reason, sizeof f->reason, __VA_ARGS__)
+
+/* Collective.  Called without the GIL, current device = the comm's. Returns
+ * the NCCL result of the exchange (a failure there is the caller's error);
+ * f->state says whether the kernels are usable. */
+static ncclResult_t
+setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
+{
+    const int n = f->nranks, me = f->rank;
+    int ok = 1;
+    fa_record mine;
+    memset(&mine, 0, sizeof mine);
+    const char *off = getenv("PYCCL_DISABLE_OWN_KERNELS");
+    if (off != NULL && *off != '\0' && strcmp(off, "0") != 0) {
+        ok = 0;
+        WHY("PYCCL_DISABLE_OWN_KERNELS is set");
+    } else if (n < 2 || n > PYCCL_AR_MAX_RANKS) {
+        ok = 0;
+        WHY("the own kernels serve 2 to %d ranks, this communicator has %d",
+            PYCCL_AR_MAX_RANKS, n);
+    } else if (!a->cudaIpcGetMemHandle || !a->cudaIpcOpenMemHandle || !a->cudaMemset ||
+               !a->cudaMemcpy || !a->cudaHostAlloc || !a->cudaDeviceGetPCIBusId) {
+        ok = 0;
+        WHY("the loaded CUDA runtime lacks the IPC calls");
+    } else if (load_kernels(f->device, f->reason, sizeof f->reason) < 0) {
+        ok = 0;
+    }
+    size_t total = PYCCL_AR_DATA_OFF + 2 * f->half;
+    if (ok) {
+        cudaError_t e = a->cudaMalloc((void **)&f->base, total);
+        if (e == cudaSuccess) {
+            e = a->cudaMemset(f->base, 0, PYCCL_AR_DATA_OFF);
+        }
+        if (e == cudaSuccess) {
+            e = a->cudaIpcGetMemHandle(&mine.handle, f->base);
+        }
+        if (e == cudaSuccess) {
+            e = a->cudaHostAlloc((void **)&f->host_err, sizeof(int), cudaHostAllocMapped);
+        }
+        if (e == cudaSuccess) {
+            e = a->cudaDeviceGetPCIBusId(mine.busid, sizeof mine.busid, f->device);
+        }
+        if (e != cudaSuccess) {
+            ok = 0;
+            WHY("setting up %zu bytes of peer memory on cuda:%d failed: %s", total, f->device,
+                a->cudaGetErrorString(e));
+            a->cudaGetLastError();
+        } else {
+            *f->host_err = 0;
+        }
+    }
+    mine.host = host_id();
+    mine.half = f->half;
+    mine.pid = (int32_t)getpid();
+    mine.ok = ok;
+    mine.blocks = f->blocks;
+    mine.threads = f->threads;
+    mine.magic = (uint32_t)(host_id() ^ (uint64_t)getpid() * 2654435761u);
+
+    /* exchange: n records + one int for agreements, in one scratch buffer */
+    char *dev = NULL;
+    fa_record *all = NULL;
+    ncclResult_t r = ncclSuccess;
+    if (a->cudaMalloc((void **)&dev, (size_t)n * sizeof(fa_record) + 64) != cudaSuccess ||
+        (all = malloc((size_t)n * sizeof(fa_record))) == NULL) {
+        a->cudaGetLastError();
+        r = ncclSystemError;
+        goto out;
+    }
+    int *flag = (int *)(dev + (size_t)n * sizeof(fa_record));
+    if (a->cudaMemcpy(dev + (size_t)me * sizeof(fa_record), &mine, sizeof mine,
+                      cudaMemcpyHostToDevice) != cudaSuccess) {
+        r = ncclUnhandledCudaError;
+        goto out;
+    }
+    r = a->ncclAllGather(dev + (size_t)me * sizeof(fa_record), dev, sizeof(fa_record), ncclUint8,
+                         comm, s);
+    if (r != ncclSuccess) {
+        goto out;
+    }
+    if (a->cudaStreamSynchronize(s) != cudaSuccess ||
+        a->cudaMemcpy(all, dev, (size_t)n * sizeof(fa_record), cudaMemcpyDeviceToHost) !=
+            cudaSuccess) {
+        r = ncclUnhandledCudaError;
+        goto out;
+    }
+    for (int p = 0; p < n && ok; p++) {
+        if (!all[p].ok) {
+            ok = 0;
+            WHY("rank %d cannot use them", p);
+        } else if (all[p].host != mine.host) {
+            ok = 0;
+            WHY("rank %d is on another host", p);
+        } else if (p != me && all[p].pid == mine.pid) {
+            ok = 0;
+            WHY("ranks %d and %d share a process (CUDA IPC works between processes)", me, p);
+        } else if (p != me && strcmp(all[p].busid, mine.busid) == 0) {
+            ok = 0;
+            WHY("ranks %d and %d share GPU %s", me, p, mine.busid);
+        } else if (all[p].half != all[0].half || all[p].blocks != all[0].blocks ||
+                   all[p].threads != all[0].threads) {
+            ok = 0;
+            WHY("ranks disagree on PYCCL_AR_BUFFER_MB / PYCCL_AR_BLOCKS / PYCCL_AR_THREADS");
+        }
+    }
+    for (int p = 0; p < n && ok; p++) {
+        if (p == me) {
+            f->peer[p] = f->base;
+            continue;
+        }
+        int pd = -1, can = 1;
+        if (a->cudaDeviceGetByPCIBusId && a->cudaDeviceCanAccessPeer &&
+            a->cudaDeviceGetByPCIBusId(&pd, all[p].busid) == cudaSuccess) {
+            if (a->cudaDeviceCanAccessPeer(&can, f->device, pd) != cudaSuccess) {
+                can = 0;
+            }
+        }
+        a->cudaGetLastError(); /* a peer GPU this process does not see is fine */
+        if (!can) {
+            ok = 0;
+            WHY("cuda:%d has no peer access to cuda:%d (rank %d)", f->device, pd, p);
+            break;
+        }
+        void *ptr = NULL;
+        cudaError_t e = a->cudaIpcOpenMemHandle(&ptr, all[p].handle,
+                                                cudaIpcMemLazyEnablePeerAccess);
+        if (e != cudaSuccess) {
+            ok = 0;
+            WHY("mapping rank %d's memory failed: %s", p, a->cudaGetErrorString(e));
+            a->cudaGetLastError();
+            break;
+        }
+        f->peer[p] = ptr;
+    }
+    /* everyone mapped everyone, or nobody goes on */
+    if ((r = agree(a, comm, flag, &ok, s)) != ncclSuccess) {
+        goto out;
+    }
+    if (!ok) {
+        if (f->reason[0] == '\0') {
+            WHY("another rank could not map its peers");
+        }
+        goto out;
+    }
+    /* the probe: stage 0 writes into every peer; the agreement is the barrier
+     * before stage 1 reads back */
+    {
+        pyccl_ar_params prm;
+        memset(&prm, 0, sizeof prm);
+        for (int p = 0; p < n; p++) {
+            prm.base[p] = f->peer[p];
+        }
+        prm.out = flag + 4;
+        prm.rank = me;
+        prm.nranks = n;
+        prm.magic = all[0].magic;
+        CUfunction fn = devs[f->device].fn[K_PROBE];
+        int zero = 0, stage = 0;
+        void *args[] = {&prm, &stage};
+        int okp = 1;
+        if (a->cudaMemcpy(flag + 4, &zero, sizeof zero, cudaMemcpyHostToDevice) != cudaSuccess ||
+            drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
+            a->cudaStreamSynchronize(s) != cudaSuccess) {
+            okp = 0;
+        }
+        if ((r = agree(a, comm, flag, &okp, s)) != ncclSuccess) {
+            goto out;
+        }
+        int failed = 0;
+        if (okp) {
+            stage = 1;
+            if (drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
+                a->cudaStreamSynchronize(s) != cudaSuccess ||
+                a->cudaMemcpy(&failed, flag + 4, sizeof failed, cudaMemcpyDeviceToHost) !=
+                    cudaSuccess) {
+                okp = 0;
+                WHY("the peer-memory probe kernel failed");
+            } else if (failed) {
+                okp = 0;
+                WHY("the write-then-read probe failed with peer mask 0x%x", failed);
+            }
+        } else {
+            WHY("the peer-memory probe could not run on every rank");
+        }
+        a->cudaGetLastError();
+        if ((r = agree(a, comm, flag, &okp, s)) != ncclSuccess) {
+            goto out;
+        }
+        if (!okp && f->reason[0] == '\0') {
+            WHY("the write-then-read probe failed on another rank");
+        }
+        ok = okp;
+    }
+out:
+    if (dev != NULL) {
+        a->cudaFree(dev);
+    }
+    free(all);
+    if (r != ncclSuccess) {
+        ok = 0;
+        WHY("the set-up exchange failed");
+    }
+    if (ok) {
+        f->state = FA_READY;
+        f->reason[0] = '\0';
+    } else {
+        f->state = FA_OFF;
+        free_local(a, f, 1); /* nobody mapped it for use: safe to free */
+    }
+    return r;
+}
+
+static int
+kernel_type(int dtype_row_nccl)
+{
+    switch (dtype_row_nccl) {
+    case ncclFloat32: return K_F32;
+    case ncclFloat16: return K_F16;
+    case ncclBfloat16: return K_BF16;
+    case ncclInt32: return K_I32;
+    default: return -1;
+    }
+}
+
+static int
+kernel_op(int redop)
+{
+    return redop == ncclSum ? K_SUM : redop == ncclMax ? K_MAX : redop == ncclMin ? K_MIN : -1;
+}
+
+static pyccl_fastar *
+fastar_of(pyccl_comm *c)
+{
+    if (c->fastar == NULL) {
+        pyccl_fastar *f = PyMem_RawCalloc(1, sizeof *f);
+        if (f == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        f->rank = c->rank;
+        f->nranks = c->size;
+        f->device = c->device;
+        f->half = buffer_bytes();
+        f->blocks = (int)env_long("PYCCL_AR_BLOCKS", 32, 1, PYCCL_AR_MAX_BLOCKS);
+        f->threads = (int)env_long("PYCCL_AR_THREADS", 512, 32, 1024) & ~31;
+        const char *to = getenv("PYCCL_AR_TIMEOUT");
+        f->timeout = to ? atof(to) : 0.0;
+        c->fastar = f;
+    }
+    return c->fastar;
+}
+
+/* Make `device` current on this thread (its primary context too, which the
+ * driver-API launch needs); *prev gets the device to restore. */
+static int
+enter_device(const pyccl_api *a, int device, int *prev)
+{
+    static _Thread_local int bound = -1;
+    if (a->cudaGetDevice(prev) != cudaSuccess) {
+        return -1;
+    }
+    if (*prev != device || bound != device) {
+        if (a->cudaSetDevice(device) != cudaSuccess) {
+            return -1;
+        }
+        bound = device;
+    }
+    return 0;
+}
+
+int
+pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo algo,
+                        const pyccl_tensor *t, const pyccl_tensor *o, int redop,
+                        cudaStream_t s)
+{
+    if (algo == PYCCL_ALGO_NCCL || t->numel == 0) {
+        return 0;
+    }
+    const int forced = algo != PYCCL_ALGO_AUTO;
+    const int kt = t->dtype >= 0 ? kernel_type(pyccl_dtype_table[t->dtype].nccl) : -1;
+    const int ko = kernel_op(redop);
+    const size_t nbytes = (size_t)t->numel * (size_t)t->itemsize;
+    if (kt < 0 || ko < 0) {
+        if (forced) {
+            PyObject *name = pyccl_dtype_name(t);
+            if (name != NULL) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: algo='%s' supports float32, float16, bfloat16 and int32 "
+                             "with SUM, MAX or MIN; got %U with op=%s",
+                             op, algo_name(algo), name,
+                             redop >= 0 && redop <= 4
+                                 ? (const char *[]){"SUM", "PROD", "MAX", "MIN", "AVG"}[redop]
+                                 : "?");
+                Py_DECREF(name);
+            }
+            return -1;
+        }
+        return 0;
+    }
+    if (pyccl_group_depth() > 0) {
+        if (forced) {
+            PyErr_Format(PyExc_RuntimeError, "%s: algo='%s' cannot run inside pyccl.group()",
+                         op, algo_name(algo));
+            return -1;
+        }
+        return 0;
+    }
+    size_t one, two;
+    thresholds(c->size, &one, &two);
+    const size_t cap = buffer_bytes();
+    if (forced && nbytes > cap) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: algo='%s' handles up to %zu bytes (PYCCL_AR_BUFFER_MB), got %zu",
+                     op, algo_name(algo), cap, nbytes);
+        return -1;
+    }
+    if (!forced) {
+        if (nbytes <= one) {
+            algo = PYCCL_ALGO_ONESHOT;
+        } else if (nbytes <= two) {
+            algo = PYCCL_ALGO_TWOSHOT;
+        } else {
+            return 0; /* NCCL: no set-up needed */
+        }
+    }
+    pyccl_fastar *f = fastar_of(c);
+    if (f == NULL) {
+        return -1;
+    }
+    const pyccl_api *a = &st->api;
+    if (f->state == FA_UNTRIED) {
+        enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        if (a->cudaStreamIsCapturing && a->cudaStreamIsCapturing(s, &cs) != cudaSuccess) {
+            a->cudaGetLastError();
+        }
+        if (cs != cudaStreamCaptureStatusNone) {
+            if (forced) {
+                PyErr_Format(PyExc_RuntimeError,
+                             "%s: algo='%s' sets up peer memory on its first call, which "
+                             "cannot happen during CUDA graph capture; make one eager call "
+                             "first", op, algo_name(algo));
+                return -1;
+            }
+            return 0;
+        }
+        int prev;
+        ncclResult_t r;
+        char last[512] = "";
+        c->inflight++;
+        Py_BEGIN_ALLOW_THREADS
+        if (enter_device(a, f->device, &prev) < 0) {
+            r = ncclUnhandledCudaError;
+        } else {
+            r = setup(a, f, c->comm, s);
+            if (prev != f->device) {
+                a->cudaSetDevice(prev);
+            }
+        }
+        if (r != ncclSuccess && a->ncclGetLastError) {
+            strncpy(last, a->ncclGetLastError(c->comm), sizeof last - 1);
+        }
+        Py_END_ALLOW_THREADS
+        c->inflight--;
+        if (r != ncclSuccess) {
+            f->state = FA_OFF;
+            pyccl_raise_nccl(st, op, r, last);
+            return -1;
+        }
+        if (f->state != FA_READY) {
+            log_once(f);
+        }
+    }
+    if (f->state != FA_READY) {
+        if (forced) {
+            PyErr_Format(PyExc_RuntimeError, "%s: algo='%s' is unavailable on rank %d: %s", op,
+                         algo_name(algo), f->rank, f->reason);
+            return -1;
+        }
+        return 0;
+    }
+    if (*(volatile int *)f->host_err) {
+        f->state = FA_OFF;
+        WHY("a wait gave up after %g s", f->timeout);
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: rank %d of %d: pyccl's all-reduce kernel gave up waiting for a peer "
+                     "after %g s (PYCCL_AR_TIMEOUT); the results of that call are invalid and "
+                     "this communicator's peers may be gone",
+                     op, f->rank, f->nranks, f->timeout);
+        return -1;
+    }
+    pyccl_ar_params prm;
+    memset(&prm, 0, sizeof prm);
+    prm.in = t->ptr;
+    prm.out = o->ptr;
+    memcpy(prm.base, f->peer, sizeof prm.base);
+    prm.host_error = f->host_err;
+    prm.nbytes = nbytes;
+    prm.half = f->half;
+    prm.timeout_ns = (unsigned long long)(f->timeout * 1e9);
+    prm.rank = f->rank;
+    prm.nranks = f->nranks;
+    prm.aligned = (((uintptr_t)t->ptr | (uintptr_t)o->ptr) & 15u) == 0;
+    int k = (algo == PYCCL_ALGO_TWOSHOT) * K_NTYPES * K_NOPS + kt * K_NOPS + ko;
+    void *args[] = {&prm};
+    int prev;
+    CUresult r = 0;
+    int bad_device = 0;
+    if (enter_device(a, f->device, &prev) < 0) {
+        bad_device = 1;
+    } else {
+        r = drv.cuLaunchKernel(devs[f->device].fn[k], (unsigned)f->blocks, 1, 1,
+                               (unsigned)f->threads, 1, 1, 0, s, args, NULL);
+        if (prev != f->device) {
+            a->cudaSetDevice(prev);
+        }
+    }
+    if (bad_device || r != 0) {
+        PyErr_Format(st->CudaError, "%s: launching pyccl's all-reduce kernel on cuda:%d failed: %s",
+                     op, f->device, bad_device ? "cannot make the device current" : cu_error(r));
+        return -1;
+    }
+    return 1;
+}
+
+void
+pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective)
+{
+    pyccl_fastar *f = c->fastar;
+    if (f == NULL) {
+        return;
+    }
+    c->fastar = NULL;
+    const pyccl_api *a = &st->api;
+    if (f->state == FA_READY && !st->exiting && a->loaded) {
+        /* Peers may read this rank's region until they closed their mapping:
+         * free it only after a barrier that follows every rank's close.  Without
+         * a collective destroy the region is kept (leaked) instead. */
+        int prev, ok = 1;
+        int free_base = 0;
+        Py_BEGIN_ALLOW_THREADS
+        if (enter_device(a, f->device, &prev) == 0) {
+            a->cudaDeviceSynchronize();
+            char *base = f->base;
+            f->base = NULL; /* free_local: close the peers' mappings only */
+            free_local(a, f, 0);
+            f->base = base;
+            if (collective) {
+                int *dev = NULL;
+                if (a->cudaMalloc((void **)&dev, sizeof(int)) == cudaSuccess) {
+                    free_base = agree(a, c->comm, dev, &ok, NULL) == ncclSuccess;
+                    a->cudaFree(dev);
+                }
+                a->cudaGetLastError();
+            }
+            if (free_base) {
+                a->cudaFree(f->base);
+            }
+            if (prev != f->device) {
+                a->cudaSetDevice(prev);
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_RawFree(f);
+}
+
+PyObject *
+pyccl_fastar_info(pyccl_state *st, pyccl_comm *c)
+{
+    (void)st;
+    pyccl_fastar *f = c->fastar;
+    size_t one, two;
+    thresholds(c->size > 0 ? c->size : 2, &one, &two);
+    const char *state = f == NULL || f->state == FA_UNTRIED ? "not set up"
+                        : f->state == FA_READY            ? "ready"
+                                                          : "off";
+    const char *reason = f != NULL && f->state == FA_OFF ? f->reason
+                         : pyccl_fastar_built()          ? ""
+                                                         : "built without nvcc";
+    return Py_BuildValue("{s:s,s:s,s:n,s:n,s:n,s:i,s:i,s:d,s:O}", "state", state, "reason",
+                         reason, "buffer_bytes", (Py_ssize_t)buffer_bytes(), "oneshot_max",
+                         (Py_ssize_t)one, "twoshot_max", (Py_ssize_t)two, "blocks",
+                         f ? f->blocks : (int)env_long("PYCCL_AR_BLOCKS", 32, 1, PYCCL_AR_MAX_BLOCKS),
+                         "threads", f ? f->threads : (int)env_long("PYCCL_AR_THREADS", 512, 32, 1024) & ~31,
+                         "timeout", f ? f->timeout : 0.0, "built",
+                         pyccl_fastar_built() ? Py_True : Py_False);
+}
+
+/* Testing aid: read or set every block's epoch counter (all ranks alike, with
+ * no all_reduce in flight), e.g. just below 2^32 to cross the wrap-around. */
+PyObject *
+pyccl_fastar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value)
+{
+    pyccl_fastar *f = c->fastar;
+    if (f == NULL || f->state != FA_READY) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "_all_reduce_epoch: the own kernels are not set up on this communicator");
+        return NULL;
+    }
+    const pyccl_api *a = &st->api;
+    uint32_t counters[PYCCL_AR_MAX_BLOCKS];
+    unsigned long v = 0;
+    if (value != NULL && value != Py_None) {
+        v = PyLong_AsUnsignedLong(value);
+        if (PyErr_Occurred() || v > 0xffffffffUL) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "_all_reduce_epoch: value must fit in 32 bits, got %R",
+                         value);
+            return NULL;
+        }
+        for (int b = 0; b < PYCCL_AR_MAX_BLOCKS; b++) {
+            counters[b] = (uint32_t)v;
+        }
+    }
+    int prev;
+    cudaError_t e = cudaErrorInvalidDevice;
+    Py_BEGIN_ALLOW_THREADS
+    if (enter_device(a, f->device, &prev) == 0) {
+        e = a->cudaDeviceSynchronize();
+        if (e == cudaSuccess) {
+            e = value != NULL && value != Py_None
+                    ? a->cudaMemcpy(f->base + PYCCL_AR_COUNTER_OFF, counters, sizeof counters,
+                                    cudaMemcpyHostToDevice)
+                    : a->cudaMemcpy(counters, f->base + PYCCL_AR_COUNTER_OFF, sizeof counters,
+                                    cudaMemcpyDeviceToHost);
+        }
+        if (prev != f->device) {
+            a->cudaSetDevice(prev);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (e != cudaSuccess) {
+        pyccl_raise_cuda(st, "_all_reduce_epoch", "cudaMemcpy", e);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(counters[0]);
+}

@@ -1,0 +1,416 @@
+// pyccl's own intra-node all-reduce over CUDA-IPC peer memory.
+//
+// Built by setup.py into a fatbin embedded in pyccl._C and loaded with the
+// driver API (cuModuleLoadData), so the extension links no CUDA library.
+// The only C++ of the project; everything the host sees is extern "C".
+//
+// Each rank owns one registered region (layout in fastar_abi.h) that every
+// other rank has mapped.  A call is:
+//   1. copy the input into this rank's data half (eager and graph mode alike:
+//      no separate memcpy launch);
+//   2. per-block barrier: block b of every rank tells block b of every rank
+//      that its part is in place (release store into the peer's flag slot),
+//      then waits for the same from all of them (acquire loads on its own
+//      slots: remote writes, local polling);
+//   3. one-shot: every rank reduces everything, reading all ranks' halves in
+//      rank order 0..n-1.  two-shot: rank r reduces slice r only, writes it
+//      back into its own half, second barrier, then copies the other slices
+//      from their owners.
+// Both sum in rank order with float accumulation for 16-bit types, so every
+// rank ends with the same bits.
+//
+// Block b of every rank handles the same vectors (fixed grid, grid-stride), so
+// a barrier between equal block indices is enough: no grid-wide sync.
+// Epochs: block b's counter says how many calls it ended.  The grid is the same
+// for every call, so all blocks share one epoch sequence; its parity picks the
+// data half and the flag slots.  Why two halves suffice: a rank writes half h
+// again two calls later, and in between it passed the next call's barrier,
+// which needs every peer to have started that call, so their kernels of the
+// call that read half h have ended (same stream order on each rank).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "fastar_abi.h"
+
+namespace {
+
+enum { OP_SUM = 0, OP_MAX = 1, OP_MIN = 2 };
+
+__device__ __forceinline__ uint32_t flag_value(uint32_t epoch)
+{
+    // never 0 (the initial slot contents), different for consecutive epochs
+    // across the 2^32 wrap
+    return (epoch << 1) | 1u;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t *p, uint32_t v)
+{
+    // release at system scope: the block's earlier writes (made visible to
+    // this thread by the preceding __syncthreads) are visible to the peer GPU
+    // before this flag is
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t *p)
+{
+    // acquire at system scope: once the peer's flag is seen, its data written
+    // before the flag is visible to the loads that follow (after the block's
+    // __syncthreads, to every thread of the block)
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t now_ns()
+{
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// The block's barrier with block blockIdx.x of every rank, for `phase` of the
+// call with `epoch`.  False when a wait gave up (timeout); the whole block
+// then leaves the kernel.
+__device__ bool block_barrier(const pyccl_ar_params &p, uint32_t epoch, int phase,
+                              int *gaveup)
+{
+    __syncthreads(); // this block's part of the data is written
+    const int t = threadIdx.x;
+    const size_t slot =
+        ((size_t)((epoch & 1u) * 2u + (uint32_t)phase) * PYCCL_AR_MAX_BLOCKS + blockIdx.x) *
+        PYCCL_AR_MAX_RANKS;
+    if (t < p.nranks) {
+        const uint32_t want = flag_value(epoch);
+        uint32_t *theirs = (uint32_t *)(p.base[t] + PYCCL_AR_FLAGS_OFF) + slot + p.rank;
+        st_release_sys(theirs, want);
+        const uint32_t *mine =
+            (const uint32_t *)(p.base[p.rank] + PYCCL_AR_FLAGS_OFF) + slot + t;
+        if (ld_acquire_sys(mine) != want) {
+            const uint64_t start = p.timeout_ns ? now_ns() : 0;
+            unsigned spins = 0;
+            while (ld_acquire_sys(mine) != want) {
+                if (p.timeout_ns && (++spins & 63u) == 0 && now_ns() - start > p.timeout_ns) {
+                    *gaveup = 1; // shared; read after the barrier below
+                    break;
+                }
+            }
+        }
+    }
+    __syncthreads(); // every peer's part is visible to the whole block
+    return *gaveup == 0;
+}
+
+__device__ void give_up(const pyccl_ar_params &p)
+{
+    if (threadIdx.x == 0) {
+        // the device word stops later calls of this rank at once; the host
+        // word is what the host polls without synchronizing
+        *(volatile int *)(p.base[p.rank] + PYCCL_AR_DEVERR_OFF) = 1;
+        *(volatile int *)p.host_error = 1;
+        __threadfence_system(); // push both out before the kernel ends
+    }
+}
+
+template <typename T> struct Acc;
+template <> struct Acc<float> {
+    typedef float type;
+    static __device__ float in(float x) { return x; }
+    static __device__ float out(float x) { return x; }
+};
+template <> struct Acc<__half> {
+    typedef float type;
+    static __device__ float in(__half x) { return __half2float(x); }
+    static __device__ __half out(float x) { return __float2half_rn(x); }
+};
+template <> struct Acc<__nv_bfloat16> {
+    typedef float type;
+    static __device__ float in(__nv_bfloat16 x) { return __bfloat162float(x); }
+    static __device__ __nv_bfloat16 out(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct Acc<int32_t> {
+    typedef int32_t type;
+    static __device__ int32_t in(int32_t x) { return x; }
+    static __device__ int32_t out(int32_t x) { return x; }
+};
+
+template <int OP> __device__ __forceinline__ float combine(float a, float b)
+{
+    return OP == OP_SUM ? a + b : OP == OP_MAX ? fmaxf(a, b) : fminf(a, b);
+}
+template <int OP> __device__ __forceinline__ int32_t combine(int32_t a, int32_t b)
+{
+    // sums wrap like NCCL's (two's complement), without signed overflow
+    return OP == OP_SUM ? (int32_t)((uint32_t)a + (uint32_t)b) : OP == OP_MAX ? max(a, b)
+                                                                               : min(a, b);
+}
+
+// Reduce one 16-byte vector at byte offset `off` of every rank's region, in
+// rank order.  The loads are issued together (unrolled, predicated).
+template <typename T, int OP>
+__device__ __forceinline__ uint4 reduce_vec(const pyccl_ar_params &p, size_t off)
+{
+    typedef typename Acc<T>::type A;
+    constexpr int N = 16 / sizeof(T);
+    union Vec {
+        uint4 u;
+        T e[N];
+    };
+    Vec v[PYCCL_AR_MAX_RANKS];
+#pragma unroll
+    for (int r = 0; r < PYCCL_AR_MAX_RANKS; r++) {
+        if (r < p.nranks) {
+            // .cg: served by the owner's L2, never by this SM's L1, which
+            // could hold the previous call's bytes of the same address
+            v[r].u = __ldcg((const uint4 *)(p.base[r] + off));
+        }
+    }
+    A acc[N];
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        acc[i] = Acc<T>::in(v[0].e[i]);
+    }
+#pragma unroll
+    for (int r = 1; r < PYCCL_AR_MAX_RANKS; r++) {
+        if (r < p.nranks) {
+#pragma unroll
+            for (int i = 0; i < N; i++) {
+                acc[i] = combine<OP>(acc[i], Acc<T>::in(v[r].e[i]));
+            }
+        }
+    }
+    Vec res;
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        res.e[i] = Acc<T>::out(acc[i]);
+    }
+    return res.u;
+}
+
+// The bytes after the last whole vector (fewer than 16), element by element.
+template <typename T, int OP>
+__device__ void reduce_tail(const pyccl_ar_params &p, size_t data_off, size_t vbytes)
+{
+    typedef typename Acc<T>::type A;
+    const size_t n = (p.nbytes - vbytes) / sizeof(T);
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const size_t off = data_off + vbytes + i * sizeof(T);
+        A acc = Acc<T>::in(__ldcg((const T *)(p.base[0] + off)));
+        for (int r = 1; r < p.nranks; r++) {
+            acc = combine<OP>(acc, Acc<T>::in(__ldcg((const T *)(p.base[r] + off))));
+        }
+        ((T *)((char *)p.out + vbytes))[i] = Acc<T>::out(acc);
+    }
+}
+
+// One 16-byte vector of `in`/`out`, element by element when the caller's
+// pointers are not 16-byte aligned (a view at an odd offset); the registered
+// halves always are.
+template <typename T> union Vec16 {
+    uint4 u;
+    T e[16 / sizeof(T)];
+};
+
+template <typename T>
+__device__ __forceinline__ uint4 load_in(const pyccl_ar_params &p, size_t v)
+{
+    if (p.aligned) {
+        return ((const uint4 *)p.in)[v];
+    }
+    Vec16<T> x;
+#pragma unroll
+    for (int i = 0; i < 16 / (int)sizeof(T); i++) {
+        x.e[i] = ((const T *)p.in)[v * (16 / sizeof(T)) + i];
+    }
+    return x.u;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_out(const pyccl_ar_params &p, size_t v, uint4 val)
+{
+    if (p.aligned) {
+        ((uint4 *)p.out)[v] = val;
+        return;
+    }
+    Vec16<T> x;
+    x.u = val;
+#pragma unroll
+    for (int i = 0; i < 16 / (int)sizeof(T); i++) {
+        ((T *)p.out)[v * (16 / sizeof(T)) + i] = x.e[i];
+    }
+}
+
+// Step 1 of both kernels: this block's vectors (and, block 0, the tail) of the
+// input into this rank's half.
+template <typename T>
+__device__ __forceinline__ void copy_in(const pyccl_ar_params &p, char *half, size_t nvec)
+{
+    uint4 *dst = (uint4 *)half;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t v = (size_t)blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += stride) {
+        dst[v] = load_in<T>(p, v);
+    }
+    if (blockIdx.x == 0) {
+        const size_t vbytes = nvec * 16;
+        const size_t n = (p.nbytes - vbytes) / sizeof(T);
+        for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+            ((T *)(half + vbytes))[i] = ((const T *)((const char *)p.in + vbytes))[i];
+        }
+    }
+}
+
+__device__ __forceinline__ uint32_t begin(const pyccl_ar_params &p, int *gaveup, bool *stop)
+{
+    if (threadIdx.x == 0) {
+        *gaveup = 0;
+    }
+    char *mine = p.base[p.rank];
+    *stop = *(volatile int *)(mine + PYCCL_AR_DEVERR_OFF) != 0;
+    return *(volatile uint32_t *)((uint32_t *)(mine + PYCCL_AR_COUNTER_OFF) + blockIdx.x) + 1u;
+}
+
+__device__ __forceinline__ void end(const pyccl_ar_params &p, uint32_t epoch)
+{
+    if (threadIdx.x == 0) {
+        ((uint32_t *)(p.base[p.rank] + PYCCL_AR_COUNTER_OFF))[blockIdx.x] = epoch;
+    }
+}
+
+template <typename T, int OP> __device__ void oneshot(const pyccl_ar_params &p)
+{
+    __shared__ int gaveup;
+    bool stop;
+    const uint32_t epoch = begin(p, &gaveup, &stop);
+    if (stop) {
+        return;
+    }
+    const size_t data_off = PYCCL_AR_DATA_OFF + (size_t)(epoch & 1u) * p.half;
+    const size_t nvec = p.nbytes / 16;
+    copy_in<T>(p, p.base[p.rank] + data_off, nvec);
+    if (!block_barrier(p, epoch, 0, &gaveup)) {
+        give_up(p);
+        return;
+    }
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t v = (size_t)blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += stride) {
+        store_out<T>(p, v, reduce_vec<T, OP>(p, data_off + v * 16));
+    }
+    if (blockIdx.x == 0) {
+        reduce_tail<T, OP>(p, data_off, nvec * 16);
+    }
+    end(p, epoch);
+}
+
+template <typename T, int OP> __device__ void twoshot(const pyccl_ar_params &p)
+{
+    __shared__ int gaveup;
+    bool stop;
+    const uint32_t epoch = begin(p, &gaveup, &stop);
+    if (stop) {
+        return;
+    }
+    const size_t data_off = PYCCL_AR_DATA_OFF + (size_t)(epoch & 1u) * p.half;
+    const size_t nvec = p.nbytes / 16;
+    char *mine = p.base[p.rank] + data_off;
+    copy_in<T>(p, mine, nvec);
+    if (!block_barrier(p, epoch, 0, &gaveup)) {
+        give_up(p);
+        return;
+    }
+    // slice r = vectors [r*per, min((r+1)*per, nvec)); within a slice, block b
+    // takes the same positions on every rank
+    const size_t per = (nvec + p.nranks - 1) / p.nranks;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    {
+        const size_t lo = (size_t)p.rank * per;
+        const size_t hi = min(lo + per, nvec);
+        for (size_t v = lo + first; v < hi; v += stride) {
+            const uint4 r = reduce_vec<T, OP>(p, data_off + v * 16);
+            // only this rank reads slice `rank` of its own half in this phase,
+            // so the sum can replace it for the peers to fetch
+            ((uint4 *)mine)[v] = r;
+            store_out<T>(p, v, r);
+        }
+    }
+    if (blockIdx.x == 0) {
+        // the tail stays outside the slices and was never overwritten
+        reduce_tail<T, OP>(p, data_off, nvec * 16);
+    }
+    if (!block_barrier(p, epoch, 1, &gaveup)) {
+        give_up(p);
+        return;
+    }
+    for (int k = 1; k < p.nranks; k++) {
+        const int s = (p.rank + k) % p.nranks; // spread the load over the peers
+        const size_t lo = (size_t)s * per;
+        const size_t hi = min(lo + per, nvec);
+        const char *theirs = p.base[s] + data_off;
+        for (size_t v = lo + first; v < hi; v += stride) {
+            store_out<T>(p, v, __ldcg((const uint4 *)theirs + v));
+        }
+    }
+    end(p, epoch);
+}
+
+} // namespace
+
+#define PYCCL_AR_KERNELS(tname, T)                                                            \
+    extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_1_##tname##_sum(const __grid_constant__ pyccl_ar_params p) \
+    {                                                                                          \
+        oneshot<T, OP_SUM>(p);                                                                 \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_1_##tname##_max(const __grid_constant__ pyccl_ar_params p) \
+    {                                                                                          \
+        oneshot<T, OP_MAX>(p);                                                                 \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_1_##tname##_min(const __grid_constant__ pyccl_ar_params p) \
+    {                                                                                          \
+        oneshot<T, OP_MIN>(p);                                                                 \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_2_##tname##_sum(const __grid_constant__ pyccl_ar_params p) \
+    {                                                                                          \
+        twoshot<T, OP_SUM>(p);                                                                 \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_2_##tname##_max(const __grid_constant__ pyccl_ar_params p) \
+    {                                                                                          \
+        twoshot<T, OP_MAX>(p);                                                                 \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_2_##tname##_min(const __grid_constant__ pyccl_ar_params p) \
+    {                                                                                          \
+        twoshot<T, OP_MIN>(p);                                                                 \
+    }
+
+PYCCL_AR_KERNELS(f32, float)
+PYCCL_AR_KERNELS(f16, __half)
+PYCCL_AR_KERNELS(bf16, __nv_bfloat16)
+PYCCL_AR_KERNELS(i32, int32_t)
+
+// The set-up's write-then-read probe, one thread per peer.
+// stage 0: write a value naming (me, peer) into each peer's PROBE[0][me]
+//          (remote write), and one naming me into my own PROBE[1][me].
+// stage 1 (after a host-side barrier): check PROBE[0][peer] in my region
+//          (written by the peer) and PROBE[1][peer] in the peer's region
+//          (a remote read).  out: int bit mask of the peers that failed.
+extern "C" __global__ void pyccl_ar_probe(const __grid_constant__ pyccl_ar_params p, int stage)
+{
+    const int r = threadIdx.x;
+    if (r >= p.nranks) {
+        return;
+    }
+    uint32_t *mine = (uint32_t *)(p.base[p.rank] + PYCCL_AR_PROBE_OFF);
+    uint32_t *theirs = (uint32_t *)(p.base[r] + PYCCL_AR_PROBE_OFF);
+    if (stage == 0) {
+        *(volatile uint32_t *)&theirs[p.rank] = p.magic ^ (uint32_t)(p.rank * 16 + r);
+        if (r == p.rank) {
+            *(volatile uint32_t *)&mine[PYCCL_AR_MAX_RANKS + r] = p.magic + (uint32_t)r;
+        }
+        __threadfence_system(); // visible to the peers before the kernel ends
+        return;
+    }
+    const uint32_t wrote = *(volatile uint32_t *)&mine[r];
+    const uint32_t read = *(volatile uint32_t *)&theirs[PYCCL_AR_MAX_RANKS + r];
+    if (wrote != (p.magic ^ (uint32_t)(r * 16 + p.rank)) || read != p.magic + (uint32_t)r) {
+        atomicOr((int *)p.out, 1 << r);
+    }
+}

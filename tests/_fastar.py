@@ -1,0 +1,230 @@
+"""Per-rank scenarios of pyccl's own all-reduce kernels (run in spawned processes).
+
+Each returns what the parent asserts on as well; the bitwise checks happen here, in the rank.
+"""
+import os
+
+import torch
+
+import pyccl
+from _data import MAX, MIN, OP_NAMES, SUM, rank_values, reduce_ref, same_bits, to_dtype
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32]
+OPS = [SUM, MAX, MIN]
+# element counts: 16-byte multiples and not (tails of 1..15 bytes), one-block
+# and many-block sizes, up to 4 MiB of float32
+COUNTS = [1, 3, 7, 8, 9, 1023, 4097, 65536 + 5, (1 << 20) + 3]
+ALGOS = ["oneshot", "twoshot"]
+
+
+def _check(got, want, *what):
+    torch.cuda.synchronize()
+    assert same_bits(got, want), (what, got.flatten()[:8], want.flatten()[:8])
+
+
+def exact(comm):
+    """Integer-valued data: own kernels bitwise equal to the reference and to NCCL,
+    in and out of place, aligned and at an odd offset, every dtype/op/size."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    checks = 0
+    for dtype in DTYPES:
+        for op in OPS:
+            for count in COUNTS:
+                vals = [rank_values(k, count, dtype, op, W) for k in range(W)]
+                ref = reduce_ref(vals, op, dtype)
+                mine = to_dtype(vals[r], dtype).to(dev)
+                nccl = mine.clone()
+                comm.all_reduce(nccl, op, algo="nccl")
+                _check(nccl, ref, "nccl", dtype, OP_NAMES[op], count)
+                for algo in ALGOS:
+                    t = mine.clone()
+                    comm.all_reduce(t, op, algo=algo)
+                    _check(t, nccl, algo, "in place", dtype, OP_NAMES[op], count)
+                    out = torch.full_like(mine, 3)
+                    comm.all_reduce(mine, op, out=out, algo=algo)
+                    _check(out, ref, algo, "out of place", dtype, OP_NAMES[op], count)
+                    _check(mine, to_dtype(vals[r], dtype), "input kept")
+                    # a view one element in: not 16-byte aligned (in and out)
+                    big = torch.empty(count + 1, dtype=dtype, device=dev)
+                    big[1:] = mine
+                    view = big[1:]
+                    comm.all_reduce(view, op, algo=algo)
+                    _check(view, ref, algo, "odd offset", dtype, OP_NAMES[op], count)
+                    checks += 3
+                # auto picks by size; still exact
+                t = mine.clone()
+                comm.all_reduce(t, op)
+                _check(t, ref, "auto", dtype, OP_NAMES[op], count)
+    return checks, comm.all_reduce_info
+
+
+def random_data(comm):
+    """Random normal data against a float64 reference, and every rank holds the same
+    bits (fixed accumulation order)."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+    out = {}
+    for dtype, rtol in tol.items():
+        for algo in ALGOS:
+            for count in (1000, 12345, 300001):
+                g = [torch.Generator().manual_seed(1000 * k + count) for k in range(W)]
+                vals = [torch.randn(count, generator=g[k], dtype=torch.float64) for k in range(W)]
+                want = torch.stack([v.to(dtype).to(torch.float64) for v in vals]).sum(0)
+                t = vals[r].to(dtype).to(dev)
+                comm.all_reduce(t, algo=algo)
+                got = t.to(torch.float64).cpu()
+                err = ((got - want).abs() / (want.abs() + 1)).max().item()
+                assert err <= rtol, (dtype, algo, count, err)
+                # all ranks' results, bit for bit
+                allr = torch.empty(W * count, dtype=dtype, device=dev)
+                comm.all_gather(t, allr)
+                torch.cuda.synchronize()
+                rows = allr.view(W, count).view(torch.uint8 if dtype.itemsize == 1 else torch.int16
+                                                 if dtype.itemsize == 2 else torch.int32)
+                assert all(torch.equal(rows[0], rows[k]) for k in range(W)), (dtype, algo, count)
+                out[(str(dtype), algo, count)] = err
+    return out
+
+
+def many_calls(comm, n=10000):
+    """n back-to-back calls (no sync in between) with the epoch counters set just below
+    2^32, so they wrap around in the middle; every result checked at the end."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    warm = torch.ones(16, device=dev)
+    comm.all_reduce(warm, algo="oneshot")  # sets up
+    torch.cuda.synchronize()
+    comm.barrier()
+    torch.cuda.synchronize()
+    start = 0xFFFFFFFF - n // 2
+    comm._all_reduce_epoch(start)
+    comm.barrier()
+    torch.cuda.synchronize()
+    count = 37  # 148 bytes: whole vectors and a tail
+    i = torch.arange(n, dtype=torch.int32, device=dev).view(n, 1)
+    j = torch.arange(count, dtype=torch.int32, device=dev).view(1, count)
+    x = (i * 3 + j * 5 + r * 11) % 1000  # rank, call and position all matter
+    out = torch.full_like(x, -1)
+    for k in range(n):
+        comm.all_reduce(x[k], out=out[k], algo="oneshot" if k % 3 else "twoshot")
+    torch.cuda.synchronize()
+    want = sum((i * 3 + j * 5 + q * 11) % 1000 for q in range(W))
+    bad = (out != want).any(1).nonzero().flatten().tolist()
+    assert not bad, f"{len(bad)} wrong calls, first {bad[:5]}"
+    end = comm._all_reduce_epoch()
+    assert end == (start + n) % (1 << 32), (start, end)
+    return start, end
+
+
+def graphs(comm, replays=50):
+    """Capture one-shot and two-shot calls in a CUDA graph, replay with new inputs
+    each time; results right every time."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    a = torch.zeros(1000, dtype=torch.float32, device=dev)
+    b = torch.zeros(70001, dtype=torch.bfloat16, device=dev)
+    ao = torch.empty_like(a)
+    # eager first: sets up peer memory (not possible during capture)
+    comm.all_reduce(a.clone(), algo="oneshot")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch asks before capture
+        comm.all_reduce(a, out=ao, algo="oneshot")
+        comm.all_reduce(b, algo="twoshot")
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        comm.all_reduce(a, out=ao, algo="oneshot")
+        comm.all_reduce(b, algo="twoshot")
+        comm.all_reduce(ao, op=pyccl.MAX, algo="oneshot")
+    for k in range(replays):
+        va = torch.arange(1000, dtype=torch.float32) * (k + 1) + r
+        vb = (torch.arange(70001) % 50 + k + r).to(torch.bfloat16)
+        a.copy_(va)
+        b.copy_(vb)
+        g.replay()
+        torch.cuda.synchronize()
+        wa = sum(torch.arange(1000, dtype=torch.float32) * (k + 1) + q for q in range(W))
+        wb = sum((torch.arange(70001) % 50 + k + q).to(torch.float64) for q in range(W)).to(torch.bfloat16)
+        assert torch.equal(ao.cpu(), wa), k   # max over equal values is the sum itself
+        assert torch.equal(b.cpu(), wb), k
+    return replays
+
+
+def off_on_one_rank(comm):
+    """PYCCL_DISABLE_OWN_KERNELS on the last rank only: all ranks agree to use NCCL,
+    forced algos raise the same way everywhere, results stay right."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    if r == W - 1:
+        os.environ["PYCCL_DISABLE_OWN_KERNELS"] = "1"
+    t = torch.arange(100, dtype=torch.float32, device=dev) + r
+    comm.all_reduce(t)  # auto: the set-up happens here, collectively
+    _check(t, sum(torch.arange(100, dtype=torch.float32) + q for q in range(W)), "auto off")
+    info = comm.all_reduce_info
+    assert info["state"] == "off", info
+    msg = None
+    try:
+        comm.all_reduce(t, algo="oneshot")
+    except RuntimeError as e:
+        msg = str(e)
+    assert msg is not None and msg.startswith(f"all_reduce: algo='oneshot' is unavailable on rank {r}: "), msg
+    return info["reason"], msg
+
+
+def errors(comm):
+    """Argument errors of algo=, each followed by a working call."""
+    dev = f"cuda:{comm.device}"
+    t = torch.arange(10, dtype=torch.float32, device=dev)
+    cases = [
+        (dict(algo="fast"), ValueError,
+         "all_reduce: algo must be 'auto', 'nccl', 'oneshot' or 'twoshot', got 'fast'"),
+        (dict(algo=1), TypeError,
+         "all_reduce: algo must be a str ('auto', 'nccl', 'oneshot' or 'twoshot'), got int"),
+        (dict(tensor=t.double(), algo="oneshot"), ValueError,
+         "all_reduce: algo='oneshot' supports float32, float16, bfloat16 and int32 with SUM, MAX "
+         "or MIN; got torch.float64 with op=SUM"),
+        (dict(op=pyccl.PROD, algo="twoshot"), ValueError,
+         "all_reduce: algo='twoshot' supports float32, float16, bfloat16 and int32 with SUM, MAX "
+         "or MIN; got torch.float32 with op=PROD"),
+        (dict(op=pyccl.premul_sum(2.0), algo="oneshot"), ValueError,
+         "all_reduce: algo='oneshot' supports SUM, MAX and MIN, not premul_sum"),
+        (dict(tensor=torch.zeros((16 << 20) // 4 + 1, device=dev), algo="oneshot"), ValueError,
+         f"all_reduce: algo='oneshot' handles up to {16 << 20} bytes (PYCCL_AR_BUFFER_MB), "
+         f"got {(16 << 20) + 4}"),
+    ]
+    seen = []
+    for kw, exc, msg in cases:
+        kw = dict(kw)
+        tensor = kw.pop("tensor", t)
+        try:
+            comm.all_reduce(tensor, **kw)
+        except exc as e:
+            assert str(e) == msg, (str(e), msg)
+            seen.append(type(e).__name__)
+        else:
+            raise AssertionError(f"no error for {kw}")
+        u = t.clone()
+        comm.all_reduce(u, algo="oneshot")
+        _check(u, t.cpu() * comm.size, "after", msg)
+    with pyccl.group():
+        try:
+            comm.all_reduce(t.clone(), algo="oneshot")
+        except RuntimeError as e:
+            assert str(e) == "all_reduce: algo='oneshot' cannot run inside pyccl.group()", str(e)
+            seen.append("group")
+        u = t.clone()
+        comm.all_reduce(u)  # auto inside a group: NCCL's, grouped
+    _check(u, t.cpu() * comm.size, "auto in group")
+    return seen
+
+
+def destroy_collective(comm):
+    """After the own kernels ran, destroy() (collective) frees them; a fresh communicator
+    made afterwards sets up again and works."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    t = torch.arange(64, dtype=torch.int32, device=dev) + r
+    comm.all_reduce(t, algo="oneshot")
+    _check(t, sum(torch.arange(64, dtype=torch.int32) + q for q in range(W)), "before destroy")
+    before = torch.cuda.mem_get_info(comm.device)[0]
+    comm.destroy()
+    after = torch.cuda.mem_get_info(comm.device)[0]
+    return before, after

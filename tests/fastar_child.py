@@ -1,0 +1,27 @@
+"""One rank of a short own-kernel run, for compute-sanitizer: fastar_child.py RANK WORLD UID_HEX."""
+import sys
+
+import torch
+
+import pyccl
+
+
+def main():
+    rank, world, uid = int(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+    torch.cuda.set_device(rank)
+    comm = pyccl.Communicator(world, uid, rank)
+    dev = f"cuda:{rank}"
+    for algo in ("oneshot", "twoshot"):
+        for count in (5, 1000, 40000 + 3):
+            for dtype in (torch.float32, torch.bfloat16, torch.int32):
+                x = (torch.arange(count) % 100 + rank).to(dtype).to(dev)
+                comm.all_reduce(x, algo=algo)
+                want = sum((torch.arange(count) % 100 + q).to(torch.float64) for q in range(world)).to(dtype)
+                torch.cuda.synchronize()
+                assert torch.equal(x.cpu(), want), (algo, count, dtype)
+    comm.destroy()
+    print("FASTAR CHILD OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""GPU tier of pyccl's own all-reduce kernels (csrc/kernels/allreduce.cu).
+
+2 processes (or every GPU of the machine), one GPU each; each scenario in _fastar.py checks
+its own results bitwise and the parent checks what they return.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import _fastar as fa
+from _ranks import run_ranks
+from conftest import gpu_count, needs_gpus
+
+W = max(2, min(gpu_count(), 8))
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+needs_kernels = pytest.mark.skipif(
+    not __import__("pyccl")._C._fastar_built(), reason="pyccl was built without nvcc: no own kernels")
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_exact_every_dtype_op_size_alignment():
+    res = run_ranks(fa.exact, W, timeout=400)
+    for r in range(W):
+        checks, info = res[r]
+        assert checks == len(fa.DTYPES) * len(fa.OPS) * len(fa.COUNTS) * 2 * 3
+        assert info["state"] == "ready", info
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_random_data_float64_reference_and_same_bits_everywhere():
+    res = run_ranks(fa.random_data, W)
+    assert len(res[0]) == 3 * 2 * 3
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_10000_calls_across_the_epoch_wrap():
+    res = run_ranks(fa.many_calls, W)
+    start, end = res[0]
+    assert start > end  # it wrapped
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_cuda_graph_capture_and_replay():
+    res = run_ranks(fa.graphs, W)
+    assert all(res[r] == 50 for r in range(W))
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_disabled_on_one_rank_means_nccl_everywhere():
+    res = run_ranks(fa.off_on_one_rank, W, env={"PYCCL_QUIET": "1"})
+    assert res[W - 1][0] == "PYCCL_DISABLE_OWN_KERNELS is set"
+    assert res[0][0] == f"rank {W - 1} cannot use them"
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_algo_argument_errors_then_working_calls():
+    res = run_ranks(fa.errors, W)
+    assert res[0] == ["ValueError", "TypeError", "ValueError", "ValueError", "ValueError",
+                      "ValueError", "group"]
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_destroy_after_own_kernels():
+    run_ranks(fa.destroy_collective, W)
+
+
+@needs_gpus(2)
+@needs_kernels
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not found")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_clean(tool, tmp_path):
+    import pyccl
+    uid = pyccl.unique_id().hex()
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE) + os.pathsep + HERE)
+    procs = [subprocess.Popen(
+        ["compute-sanitizer", "--tool", tool, "--error-exitcode", "9", "--target-processes", "all",
+         sys.executable, os.path.join(HERE, "fastar_child.py"), str(r), "2", uid],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        (tmp_path / f"rank{r}.txt").write_text(out)
+        assert p.returncode == 0 and "FASTAR CHILD OK" in out, f"rank {r} rc={p.returncode}:\n{out[-3000:]}"
+        assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out[-3000:]

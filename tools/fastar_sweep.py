@@ -1,0 +1,167 @@
+"""All-reduce latency of pyccl's own kernels against NCCL, eager and CUDA-graph, one run.
+
+    python tools/fastar_sweep.py [-g NGPUS] [-b 8] [-e 16M] [--blocks 16,32,64] [--json FILE]
+
+One process per GPU.  For each size (x4 steps, float32 sum, in place) and algo (nccl, oneshot,
+twoshot, auto): eager = CUDA events around `iters` back-to-back calls / iters; graph = `iters`
+calls captured in one CUDA graph, replayed, / iters.  Each figure is the median of 5 loops of
+the maximum over ranks.  NCCL runs on the same communicator (algo='nccl'), so the columns are
+side by side from one run.  --blocks repeats the own-kernel columns for several grid sizes
+(PYCCL_AR_BLOCKS, a fresh communicator each) to find the best.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+import torch
+import torch.multiprocessing as mp
+
+ALGOS = ["nccl", "oneshot", "twoshot", "auto"]
+
+
+def _parse_size(s):
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult else int(s)
+
+
+def _time(comm, fn, iters, graph):
+    """us per call on this rank (median of 5 loops)."""
+    dev = comm.device
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize(dev)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                fn()
+        run = g.replay
+    else:
+        def run():
+            for _ in range(iters):
+                fn()
+    run()  # warm-up
+    out = []
+    for _ in range(5):
+        comm.barrier()
+        torch.cuda.synchronize(dev)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1000.0 / iters)
+    return out
+
+
+def _rank(rank, world, uid, cfg, q):
+    try:
+        import pyccl
+        torch.cuda.set_device(rank)
+        comm = pyccl.Communicator(world, uid, rank)
+        res = {}
+        variants = [(None, comm)]
+        comm.all_reduce(torch.ones(4, device=f"cuda:{rank}"), algo="oneshot")  # set up: default grid
+        for b in cfg["blocks"]:
+            os.environ["PYCCL_AR_BLOCKS"] = str(b)  # read at a communicator's set-up
+            sub = comm.split(0)
+            sub.all_reduce(torch.ones(4, device=f"cuda:{rank}"), algo="oneshot")
+            assert sub.all_reduce_info["blocks"] == b, sub.all_reduce_info
+            variants.append((b, sub))
+        for size in cfg["sizes"]:
+            x = torch.randn(size // 4, device=f"cuda:{rank}")
+            for blocks, c in variants:
+                for algo in (ALGOS if blocks is None else ["oneshot", "twoshot"]):
+                    if algo in ("oneshot", "twoshot") and size > c.all_reduce_info["buffer_bytes"]:
+                        continue
+                    for graph in (False, True):
+                        iters = cfg["iters"] if size <= (1 << 20) else max(5, cfg["iters"] // 10)
+                        t = _time(c, lambda: c.all_reduce(x, algo=algo), iters, graph)
+                        res[(size, algo, blocks, graph)] = t
+        info = comm.all_reduce_info
+        for _, c in variants:
+            c.destroy()
+        q.put((rank, "ok", (res, info)))
+    except BaseException:
+        import traceback
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-g", "--ngpus", type=int, default=torch.cuda.device_count())
+    p.add_argument("-b", "--minbytes", default="8")
+    p.add_argument("-e", "--maxbytes", default="16M")
+    p.add_argument("-n", "--iters", type=int, default=100)
+    p.add_argument("--blocks", default="", help="comma list of PYCCL_AR_BLOCKS to try as well")
+    p.add_argument("--json")
+    args = p.parse_args()
+    if args.ngpus < 2:
+        sys.exit("fastar_sweep: needs 2 GPUs or more")
+    sizes, s = [], _parse_size(args.minbytes)
+    while s <= _parse_size(args.maxbytes):
+        sizes.append(max(4, s))
+        s *= 4
+    cfg = {"sizes": sizes, "iters": args.iters,
+           "blocks": [int(b) for b in args.blocks.split(",") if b]}
+    import pyccl
+    uid = pyccl.unique_id()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, args.ngpus, uid, cfg, q)) for r in range(args.ngpus)]
+    for pr in procs:
+        pr.start()
+    got = {}
+    try:
+        for _ in procs:
+            r, status, out = q.get(timeout=500)
+            if status != "ok":
+                sys.exit(f"rank {r} failed:\n{out}")
+            got[r] = out
+    finally:
+        for pr in procs:
+            pr.join(timeout=30)
+            if pr.is_alive():
+                pr.kill()
+    info = got[0][1]
+    keys = got[0][0].keys()
+    # max over ranks per loop, then the median of the loops
+    t = {k: statistics.median(max(got[r][0][k][i] for r in got) for i in range(5)) for k in keys}
+    print(f"# all_reduce float32 sum in place, {args.ngpus} ranks, us per call "
+          f"(median of 5 loops of the max over ranks); own kernels: {info}")
+    print(f"# command: python tools/fastar_sweep.py -g {args.ngpus} -b {args.minbytes} "
+          f"-e {args.maxbytes} -n {args.iters}" + (f" --blocks {args.blocks}" if args.blocks else ""))
+    for graph in (False, True):
+        print(f"\n## {'CUDA graph' if graph else 'eager'}")
+        head = f"{'bytes':>10} " + " ".join(f"{a:>9}" for a in ALGOS) + "  best-own/nccl"
+        extra = [(b, a) for b in cfg["blocks"] for a in ("oneshot", "twoshot")]
+        head += "".join(f" {a[:3]}@{b:<4}" for b, a in extra)
+        print(head)
+        for size in sizes:
+            row = [t.get((size, a, None, graph)) for a in ALGOS]
+            own = [v for v in row[1:3] if v is not None]
+            ratio = f"{row[0] / min(own):13.2f}x" if own else f"{'-':>14}"
+            line = f"{size:>10} " + " ".join(f"{v:9.2f}" if v is not None else f"{'-':>9}" for v in row)
+            line += "  " + ratio
+            for b, a in extra:
+                v = t.get((size, a, b, graph))
+                line += f" {v:8.2f}" if v is not None else f" {'-':>8}"
+            print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ngpus": args.ngpus, "info": info,
+                       "rows": [{"bytes": k[0], "algo": k[1], "blocks": k[2], "graph": k[3], "us": v}
+                                for k, v in t.items()]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
