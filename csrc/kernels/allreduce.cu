@@ -353,6 +353,152 @@ template <typename T, int OP> __device__ void twoshot(const pyccl_ar_params &p)
     end(p, epoch);
 }
 
+// ---- one-shot for small sizes, LL: 8 payload bytes per 16-byte line ----
+
+template <typename T> union Vec8 {
+    uint2 u;
+    T e[8 / sizeof(T)];
+};
+
+// Payload line l of `in` (zero past the end).
+template <typename T> __device__ __forceinline__ uint2 ll_load(const pyccl_ar_params &p, size_t l)
+{
+    constexpr int N = 8 / sizeof(T);
+    if (p.aligned && (l + 1) * 8 <= p.nbytes) {
+        return ((const uint2 *)p.in)[l];
+    }
+    Vec8<T> x;
+    x.u = make_uint2(0, 0);
+    const size_t n = p.nbytes / sizeof(T);
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        if (l * N + i < n) {
+            x.e[i] = ((const T *)p.in)[l * N + i];
+        }
+    }
+    return x.u;
+}
+
+template <typename T>
+__device__ __forceinline__ void ll_store(const pyccl_ar_params &p, size_t l, uint2 v)
+{
+    constexpr int N = 8 / sizeof(T);
+    if (p.aligned && (l + 1) * 8 <= p.nbytes) {
+        ((uint2 *)p.out)[l] = v;
+        return;
+    }
+    Vec8<T> x;
+    x.u = v;
+    const size_t n = p.nbytes / sizeof(T);
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        if (l * N + i < n) {
+            ((T *)p.out)[l * N + i] = x.e[i];
+        }
+    }
+}
+
+template <typename T, int OP>
+__device__ __forceinline__ void ll_combine(typename Acc<T>::type *acc, uint2 v, bool first)
+{
+    constexpr int N = 8 / sizeof(T);
+    Vec8<T> x;
+    x.u = v;
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        acc[i] = first ? Acc<T>::in(x.e[i]) : combine<OP>(acc[i], Acc<T>::in(x.e[i]));
+    }
+}
+
+template <typename T, int OP> __device__ void oneshot_ll(const pyccl_ar_params &p)
+{
+    typedef typename Acc<T>::type A;
+    constexpr int N = 8 / sizeof(T);
+    char *mine = p.base[p.rank];
+    if (*(volatile int *)(mine + PYCCL_AR_DEVERR_OFF) != 0) {
+        return;
+    }
+    const uint32_t epoch =
+        *(volatile uint32_t *)((uint32_t *)(mine + PYCCL_AR_COUNTER_OFF) + blockIdx.x) + 1u;
+    const uint32_t flag = flag_value(epoch);
+    // [parity][source rank][line]
+    const size_t par_off = PYCCL_AR_DATA_OFF + 2 * p.half +
+                           (size_t)(epoch & 1u) * (size_t)p.nranks * p.ll_slot;
+    const size_t lines = (p.nbytes + 7) / 8;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    __shared__ int gaveup;
+    if (threadIdx.x == 0) {
+        gaveup = 0;
+    }
+    __syncthreads();
+    bool ok = true;
+    for (size_t l = (size_t)blockIdx.x * blockDim.x + threadIdx.x; l < lines && ok; l += stride) {
+        const uint2 v = ll_load<T>(p, l);
+        const size_t at = par_off + (size_t)p.rank * p.ll_slot + l * 16;
+        for (int r = 0; r < p.nranks; r++) {
+            if (r != p.rank) {
+                // data and flag share each 8-byte half of the line: a reader
+                // that sees the flag in a half sees that half's data (NVLink
+                // keeps aligned 8-byte stores whole), so no fence is needed
+                asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(
+                                 p.base[r] + at),
+                             "r"(v.x), "r"(flag), "r"(v.y), "r"(flag)
+                             : "memory");
+            }
+        }
+        A acc[N];
+        for (int r = 0; r < p.nranks && ok; r++) {
+            uint2 x;
+            if (r == p.rank) {
+                x = v;
+            } else {
+                const char *src = mine + par_off + (size_t)r * p.ll_slot + l * 16;
+                uint32_t d0, f0, d1, f1;
+                uint64_t start = 0;
+                unsigned spins = 0;
+                for (;;) {
+                    // volatile: every poll reaches memory (L2), never L1
+                    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(d0), "=r"(f0), "=r"(d1), "=r"(f1)
+                                 : "l"(src)
+                                 : "memory");
+                    if (f0 == flag && f1 == flag) {
+                        break;
+                    }
+                    if (p.timeout_ns && (++spins & 63u) == 0) {
+                        const uint64_t t = now_ns();
+                        if (start == 0) {
+                            start = t;
+                        } else if (t - start > p.timeout_ns) {
+                            ok = false;
+                            break;
+                        }
+                    }
+                }
+                x = make_uint2(d0, d1);
+            }
+            ll_combine<T, OP>(acc, x, r == 0);
+        }
+        if (ok) {
+            Vec8<T> res;
+#pragma unroll
+            for (int i = 0; i < N; i++) {
+                res.e[i] = Acc<T>::out(acc[i]);
+            }
+            ll_store<T>(p, l, res.u);
+        }
+    }
+    if (!ok) {
+        gaveup = 1;
+    }
+    __syncthreads(); // the counter moves once every thread of the block is done
+    if (gaveup) {
+        give_up(p);
+        return;
+    }
+    end(p, epoch);
+}
+
 } // namespace
 
 #define PYCCL_AR_KERNELS(tname, T)                                                            \
@@ -379,6 +525,18 @@ template <typename T, int OP> __device__ void twoshot(const pyccl_ar_params &p)
     extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_2_##tname##_min(const __grid_constant__ pyccl_ar_params p) \
     {                                                                                          \
         twoshot<T, OP_MIN>(p);                                                                 \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(512) pyccl_ar_0_##tname##_sum(const __grid_constant__ pyccl_ar_params p) \
+    {                                                                                          \
+        oneshot_ll<T, OP_SUM>(p);                                                              \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(512) pyccl_ar_0_##tname##_max(const __grid_constant__ pyccl_ar_params p) \
+    {                                                                                          \
+        oneshot_ll<T, OP_MAX>(p);                                                              \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(512) pyccl_ar_0_##tname##_min(const __grid_constant__ pyccl_ar_params p) \
+    {                                                                                          \
+        oneshot_ll<T, OP_MIN>(p);                                                              \
     }
 
 PYCCL_AR_KERNELS(f32, float)

@@ -15,7 +15,11 @@
  *   DEVERR   int32: 1 once a wait on this rank gave up; every later call
  *            returns at once (the host reports it and stops using the kernels)
  *   PROBE    uint32 [2][MAX_RANKS]: the set-up's write-then-read probe
- *   DATA     two halves of `half` bytes each, used by alternate calls */
+ *   DATA     two halves of `half` bytes each, used by alternate calls
+ *   LL       at DATA + 2 * half: [2 parity][MAX_RANKS? no: nranks src][ll_slot]
+ *            16-byte lines {data, flag, data, flag} pushed by each source
+ *            rank (the one-shot kernel for small sizes, "LL": the flag travels
+ *            with every 4 bytes of data, so no separate barrier) */
 #define PYCCL_AR_FLAGS_OFF 0
 #define PYCCL_AR_COUNTER_OFF 8192
 #define PYCCL_AR_DEVERR_OFF 8448
@@ -32,6 +36,7 @@ typedef struct {
     unsigned long long timeout_ns;  /* a wait gives up after this; 0 = never */
     unsigned int magic;             /* probe only */
     int aligned;                    /* in and out are 16-byte aligned */
+    unsigned long long ll_slot;     /* bytes of one source rank's LL slot (2x the payload) */
     int rank;
     int nranks;
 } pyccl_ar_params;
