@@ -590,9 +590,9 @@ def test_gloo_host_overhead():
 def test_a_silent_rank_is_killed_not_waited_for_and_its_stacks_are_dumped(capfd):
     t0 = time.monotonic()
     with pytest.raises(runner.BenchError) as e:
-        runner.run_sweep(runner.CPU_SYSTEM, 2, _cfg(timeout=5.0, _hang_rank=1))
+        runner.run_sweep(runner.CPU_SYSTEM, 2, _cfg(timeout=10.0, _hang_rank=1))
     assert time.monotonic() - t0 < 90
-    # the parent's kill, or rank 0's gloo timeout (the same 5 s) if it comes first
+    # the parent's kill (rank 0's gloo timeout is twice as long)
     assert str(e.value).startswith(runner.CPU_SYSTEM + ": ")
     assert not multiprocessing.active_children()
     err = capfd.readouterr().err  # the children's stderr is the parent's

@@ -6,6 +6,7 @@ failed system), or pyccl gives wrong results (a peer's wrong results are only re
 bad command line; 130 when interrupted.
 """
 import argparse
+import os
 import socket
 import sys
 import time
@@ -79,6 +80,9 @@ def build_parser():
     a("--repeats", type=int, default=5, help="timed loops per size; the median is reported (default 5)")
     a("--api", choices=("comm", "nccl"), default="comm",
       help="pyccl API: comm = per-rank Communicator (default), nccl = torch.cuda.nccl drop-in")
+    a("--algo", choices=("auto", "nccl", "oneshot", "twoshot"), default="auto",
+      help="pyccl all_reduce algorithm (per-rank API): auto = pyccl's own kernels where they "
+           "win, else NCCL (default auto)")
     a("--compare", action="store_true",
       help="also run torch.distributed and torch.cuda.nccl and print pyccl/peer ratios")
     a("--host-overhead", action="store_true",
@@ -108,7 +112,7 @@ def make_config(args):
             "stepfactor": args.stepfactor, "iters": args.iters, "warmup": args.warmup_iters,
             "repeats": args.repeats, "check": args.check, "graph": args.cudagraph,
             "blocking": bool(args.blocking), "average": args.average, "timeout": args.timeout,
-            "host_iters": args.host_iters}
+            "host_iters": args.host_iters, "algo": args.algo}
 
 
 class _Progress:
@@ -155,7 +159,8 @@ class _Printer:
         c, self.coll = self.cfg, None
         step = (c["stepfactor"], "factor") if c["stepfactor"] > 1 else (c["stepbytes"], "bytes")
         ngpus = nranks if system in runner.SINGLE else 1
-        lines = [f"# pyccl.bench: {system} ({_DESCRIBE[system]}), {nranks} ranks",
+        lines = [f"# pyccl.bench: {system} ({_DESCRIBE[system]}), {nranks} ranks"
+                 + (f", all_reduce algo={c.get('algo', 'auto')}" if system == "pyccl" else ""),
                  "# nThread 1 nGpus %d minBytes %d maxBytes %d step: %d(%s) warmup iters: %d "
                  "iters: %d agg iters: 1 validation: %d graph: %d" % (
                      ngpus, c["minbytes"], c["maxbytes"], step[0], step[1], c["warmup"],
@@ -188,6 +193,7 @@ def main(argv=None):
         cfg = make_config(args)
     except ValueError as e:
         parser.error(str(e))
+    os.environ["PYCCL_BENCH_ALGO"] = args.algo  # read by the spawned pyccl processes
     avail = runner.cuda_device_count()
     if avail == 0:
         print("pyccl.bench: no CUDA GPU found", file=sys.stderr)

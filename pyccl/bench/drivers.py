@@ -94,7 +94,20 @@ class _PycclComm(_Driver):
         (inp, out), = bufs
         c, o, ip = self.comm, self.ops.get(op), placement == "in-place"
         if coll == "all_reduce":
-            return (lambda: c.all_reduce(inp, o)) if ip else (lambda: c.all_reduce(inp, o, out=out))
+            # --algo: auto (pyccl's choice), nccl, oneshot or twoshot; the forced own kernels
+            # read N/A where they do not apply (dtype, op, size over their buffer)
+            algo = os.environ.get("PYCCL_BENCH_ALGO", "auto")
+            if algo in ("oneshot", "twoshot"):
+                info = c.all_reduce_info
+                fits = inp.numel() * inp.element_size() <= info["buffer_bytes"]
+                kinds = (self.pyccl.SUM, self.pyccl.MAX, self.pyccl.MIN)
+                ok_dtype = str(inp.dtype) in ("torch.float32", "torch.float16", "torch.bfloat16",
+                                              "torch.int32")
+                if not (fits and ok_dtype and o in kinds):
+                    return None
+            if ip:
+                return lambda: c.all_reduce(inp, o, algo=algo)
+            return lambda: c.all_reduce(inp, o, out=out, algo=algo)
         if coll == "broadcast":
             return (lambda: c.broadcast(inp, root)) if ip else (lambda: c.broadcast(inp, root, out=out))
         if coll == "reduce":
@@ -133,8 +146,10 @@ class _TorchDist(_Driver):
         import torch.distributed as dist
         super().__init__([rank], nranks, barrier, timeout)
         extra = {"device_id": self.place(rank)} if self.backend == "nccl" else {}
+        # twice the benchmark's no-progress timeout: a silent peer is reported (with its
+        # stacks) and killed by the parent's watchdog, not by this rank's own timeout first
         dist.init_process_group(self.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=nranks, timeout=datetime.timedelta(seconds=timeout),
+                                world_size=nranks, timeout=datetime.timedelta(seconds=2 * timeout),
                                 **extra)
         self.dist, self.rank = dist, rank
         ro = dist.ReduceOp
