@@ -1138,3 +1138,100 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     }
     return pyccl_comm_new(x.st, nc, rank, size, x.c->device);
 }
+
+/* all_reduce_coalesced(tensors, op=SUM, *, algo=None): pack, one collective,
+ * unpack.  The pack and unpack are torch's kernels (torch.cat and
+ * torch._foreach_copy_, one launch each for up to ~100 tensors), on the
+ * current stream, which is also where the collective goes. */
+PyObject *
+pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                PyObject *kwnames)
+{
+    static const char *const names[] = {"tensors", "op", "algo"};
+    const char *op = "all_reduce_coalesced";
+    PyObject *a[3];
+    call_ctx x;
+    if (parse_args(op, args, nargs, kwnames, names, 3, 2, 1, a) < 0 ||
+        ctx_init(&x, self, op) < 0) {
+        return NULL;
+    }
+    if (!PyList_Check(a[0]) && !PyTuple_Check(a[0])) {
+        PyErr_Format(PyExc_TypeError, "%s: tensors must be a list or tuple of tensors, got %.200s",
+                     op, Py_TYPE(a[0])->tp_name);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(a[0]);
+    if (n == 0) {
+        Py_RETURN_NONE;
+    }
+    pyccl_tensor first, t;
+    PyObject *flats = PyList_New(n), *sizes = PyList_New(n);
+    PyObject *torch = NULL, *flat = NULL, *parts = NULL, *r = NULL;
+    if (flats == NULL || sizes == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char name[64];
+        PyOS_snprintf(name, sizeof name, "tensors[%zd]", i);
+        PyObject *item = PySequence_Fast_GET_ITEM(a[0], i);
+        if (!pyccl_is_tensor(x.st, item)) {
+            PyErr_Format(PyExc_TypeError, "%s: %s must be a torch.Tensor, got %.200s", op, name,
+                         Py_TYPE(item)->tp_name);
+            goto done;
+        }
+        if (read_on_comm(&x, name, item, i ? &t : &first) < 0 ||
+            (i && same_dtype(&x, name, &t, "tensors[0]", &first) < 0)) {
+            goto done;
+        }
+        PyObject *v = PyObject_CallMethod(item, "view", "i", -1);
+        PyObject *numel = PyLong_FromLongLong(i ? t.numel : first.numel);
+        if (v == NULL || numel == NULL) {
+            Py_XDECREF(v);
+            Py_XDECREF(numel);
+            goto done;
+        }
+        PyList_SET_ITEM(flats, i, v);
+        PyList_SET_ITEM(sizes, i, numel);
+    }
+    if (pyccl_reduce_type(x.st, op, &first) < 0 || (torch = PyImport_ImportModule("torch")) == NULL ||
+        (flat = PyObject_CallMethod(torch, "cat", "O", flats)) == NULL) {
+        goto done;
+    }
+    {
+        PyObject *call[4] = {self, flat, a[1] ? a[1] : NULL, NULL};
+        PyObject *kw = NULL;
+        Py_ssize_t np = a[1] ? 3 : 2;
+        if (a[2] != NULL) {
+            call[np] = a[2];
+            kw = Py_BuildValue("(s)", "algo");
+            if (kw == NULL) {
+                goto done;
+            }
+        }
+        PyObject *name = PyUnicode_FromString("all_reduce");
+        if (name == NULL) {
+            Py_XDECREF(kw);
+            goto done;
+        }
+        r = PyObject_VectorcallMethod(name, call, (size_t)np, kw);
+        Py_DECREF(name);
+        Py_XDECREF(kw);
+        if (r == NULL) {
+            goto done;
+        }
+        Py_CLEAR(r);
+    }
+    if ((parts = PyObject_CallMethod(flat, "split", "O", sizes)) == NULL ||
+        (r = PyObject_CallMethod(torch, "_foreach_copy_", "OO", flats, parts)) == NULL) {
+        goto done;
+    }
+    Py_CLEAR(r);
+    r = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(flats);
+    Py_XDECREF(sizes);
+    Py_XDECREF(torch);
+    Py_XDECREF(flat);
+    Py_XDECREF(parts);
+    return r;
+}

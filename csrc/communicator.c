@@ -444,6 +444,13 @@ PyDoc_STRVAR(split_doc,
 "A new Communicator of the ranks that passed the same color, ordered by key "
 "(default: this rank). color < 0: not a member; returns None.");
 
+PyDoc_STRVAR(all_reduce_coalesced_doc,
+"all_reduce_coalesced($self, /, tensors, op=0, *, algo=None)\n--\n\n"
+"all_reduce of many tensors (one dtype, this device) in place as one collective: "
+"one pack kernel (torch.cat) into a flat buffer, one all_reduce (algo= as in "
+"all_reduce), one unpack kernel (torch._foreach_copy_), all on the current stream. "
+"For many small gradients, where a call per tensor is latency-bound.");
+
 #define PYCCL_OP_ENTRY(name)                                                  \
     {#name, (PyCFunction)(void (*)(void))pyccl_comm_##name,                   \
      METH_FASTCALL | METH_KEYWORDS, name##_doc},

@@ -218,7 +218,7 @@ int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
 #define PYCCL_COMM_OPS(X)                                                     \
     X(all_reduce) X(broadcast) X(reduce) X(all_gather) X(reduce_scatter)      \
     X(send) X(recv) X(all_to_all) X(all_to_all_single) X(gather) X(scatter)   \
-    X(barrier) X(split)
+    X(barrier) X(split) X(all_reduce_coalesced)
 #define PYCCL_DECLARE_OP(name)                                                \
     PyObject *pyccl_comm_##name(PyObject *self, PyObject *const *args,        \
                                 Py_ssize_t nargs, PyObject *kwnames);

@@ -228,3 +228,29 @@ def destroy_collective(comm):
     comm.destroy()
     after = torch.cuda.mem_get_info(comm.device)[0]
     return before, after
+
+
+def coalesced(comm):
+    """all_reduce_coalesced of many small tensors of odd sizes (and shapes), three dtypes,
+    own kernels and NCCL, bitwise; errors name the argument."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    sizes = [1, 3, 17, 100, 1000, 4097, 2, 555] * 6
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):
+        for algo in (None, "nccl", "twoshot"):
+            vals = [[rank_values(k + 3 * i, n, dtype, SUM, W) for i, n in enumerate(sizes)]
+                    for k in range(W)]
+            ts = [to_dtype(v, dtype).to(dev) for v in vals[r]]
+            ts[5] = ts[5].view(17, 241)  # any shape, contiguous
+            comm.all_reduce_coalesced(ts, algo=algo)
+            for i, t in enumerate(ts):
+                want = reduce_ref([vals[k][i] for k in range(W)], SUM, dtype)
+                _check(t.flatten(), want, "coalesced", dtype, algo, i)
+    t = torch.ones(4, device=dev)
+    msgs = []
+    for bad, exc in (([t, t.double()], TypeError), (t, TypeError), ([t, 5], TypeError)):
+        try:
+            comm.all_reduce_coalesced(bad)
+        except exc as e:
+            msgs.append(str(e))
+    comm.all_reduce_coalesced([])  # nothing to do
+    return msgs

@@ -78,6 +78,17 @@ def test_algo_argument_errors_then_working_calls():
 
 @needs_gpus(2)
 @needs_kernels
+def test_all_reduce_coalesced():
+    msgs = run_ranks(fa.coalesced, W)[0]
+    assert len(msgs) == 3, msgs
+    assert msgs[1] == "all_reduce_coalesced: tensors must be a list or tuple of tensors, got Tensor"
+    assert msgs[2] == "all_reduce_coalesced: tensors[1] must be a torch.Tensor, got int"
+    assert msgs[0] == ("all_reduce_coalesced: tensors[1] has dtype torch.float64 but tensors[0] "
+                       "has torch.float32")
+
+
+@needs_gpus(2)
+@needs_kernels
 def test_destroy_after_own_kernels():
     run_ranks(fa.destroy_collective, W)
 

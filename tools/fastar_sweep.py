@@ -92,6 +92,14 @@ def _rank(rank, world, uid, cfg, q):
                         iters = cfg["iters"] if size <= (1 << 20) else max(5, cfg["iters"] // 10)
                         t = _time(c, lambda: c.all_reduce(x, algo=algo), iters, graph)
                         res[(size, algo, blocks, graph)] = t
+        # many small gradients: one coalesced call against a call per tensor
+        grads = [torch.randn(n, device=f"cuda:{rank}") for n in cfg["grads"]]
+        for algo in ("auto", "nccl"):
+            def loop():
+                for g_ in grads:
+                    comm.all_reduce(g_, algo=algo)
+            res[("loop", algo)] = _time(comm, loop, 5, False)
+            res[("coalesced", algo)] = _time(comm, lambda: comm.all_reduce_coalesced(grads, algo=algo), 5, False)
         info = comm.all_reduce_info
         for _, c in variants:
             c.destroy()
@@ -119,6 +127,7 @@ def main():
         sizes.append(max(4, s))
         s *= 4
     cfg = {"sizes": sizes, "iters": args.iters,
+           "grads": [(1 << (8 + k % 8)) + k for k in range(100)],
            "blocks": [b for b in args.variants.split(",") if b]}
     import pyccl
     uid = pyccl.unique_id()
@@ -143,6 +152,12 @@ def main():
     keys = got[0][0].keys()
     # max over ranks per loop, then the median of the loops
     t = {k: statistics.median(max(got[r][0][k][i] for r in got) for i in range(5)) for k in keys}
+    nb = sum(cfg["grads"]) * 4
+    print(f"# {len(cfg['grads'])} float32 tensors of 256..32K elements ({nb} bytes), us per step "
+          f"(all of them once): per-tensor loop vs all_reduce_coalesced")
+    for algo in ("auto", "nccl"):
+        lo, co = t.pop(("loop", algo)), t.pop(("coalesced", algo))
+        print(f"#   algo={algo:5}: loop {lo:9.1f}   coalesced {co:8.1f}   ({lo / co:.1f}x)")
     print(f"# all_reduce float32 sum in place, {args.ngpus} ranks, us per call "
           f"(median of 5 loops of the max over ranks); own kernels: {info}")
     print(f"# command: python tools/fastar_sweep.py -g {args.ngpus} -b {args.minbytes} "
