@@ -623,14 +623,14 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
     if (algo == PYCCL_ALGO_NCCL || t->numel == 0) {
         return 0;
     }
-    if (c->size < 2) {
+    if (c->size < 2 || c->size > PYCCL_AR_MAX_RANKS) {
         if (algo != PYCCL_ALGO_AUTO) {
             PyErr_Format(PyExc_RuntimeError,
                          "%s: algo='%s' needs 2 to %d ranks, this communicator has %d", op,
                          algo_name(algo), PYCCL_AR_MAX_RANKS, c->size);
             return -1;
         }
-        return 0; /* one rank: NCCL's copy is all there is to do */
+        return 0; /* one rank: NCCL's copy is all there is to do; > 8: NCCL's */
     }
     const int forced = algo != PYCCL_ALGO_AUTO;
     const int kt = t->dtype >= 0 ? kernel_type(pyccl_dtype_table[t->dtype].nccl) : -1;
