@@ -146,7 +146,7 @@ def test_argument_error(comm, case):
 def test_tensor_on_another_device(comm):
     with raises(ValueError, "all_reduce: tensor is on cuda:1 but the communicator (rank 0) is on cuda:0"):
         comm.all_reduce(torch.ones(2, device="cuda:1"))
-    with raises(ValueError, "all_reduce: stream is a stream of cuda:1 but its tensor is on cuda:0"):
+    with raises(ValueError, "all_reduce: stream is a stream of cuda:1 but the communicator (rank 0) is on cuda:0"):
         comm.all_reduce(torch.ones(2, **F), stream=torch.cuda.Stream(device=1))
     still_works(comm)
 
