@@ -8,6 +8,7 @@
  * send/recv rows, so they stay zero-copy. */
 #include "pyccl.h"
 
+#include <limits.h>
 #include <string.h>
 
 /* ---------------- argument parsing ---------------- */
@@ -133,6 +134,43 @@ numel_is(call_ctx *x, const char *what, const pyccl_tensor *t, int64_t want,
     return 0;
 }
 
+/* out= and tensor: the same buffer (in place) or apart. */
+static int
+same_or_apart(call_ctx *x, const pyccl_tensor *out, const pyccl_tensor *t)
+{
+    return pyccl_check_overlap(x->op, "out", out, "tensor", t, 0,
+                               "the same memory");
+}
+
+/* The small side of all_gather (input) / reduce_scatter (output) against the
+ * big side: one array (small exactly at this rank's slot, or apart), or a
+ * list (small is list[rank] itself, or apart from every item). */
+static int
+slot_or_apart(call_ctx *x, const char *small_what, const pyccl_tensor *small,
+              const char *big_what, const pyccl_tensor *big,
+              const pyccl_tensor *list)
+{
+    char what[64], tail[160];
+    int me = x->c->rank;
+    if (list == NULL) {
+        PyOS_snprintf(tail, sizeof tail, "rank %d's slot of it", me);
+        return pyccl_check_overlap(x->op, small_what, small, big_what, big,
+                                   (int64_t)me * small->numel * small->itemsize,
+                                   tail);
+    }
+    for (int r = 0; r < x->c->size; r++) {
+        PyOS_snprintf(what, sizeof what, "%s[%d]", big_what, r);
+        PyOS_snprintf(tail, sizeof tail, "only %s[%d] may share memory with "
+                      "%s (in place)", big_what, me, small_what);
+        if (pyccl_check_overlap(x->op, small_what, small, what, &list[r],
+                                r == me ? 0 : -1,
+                                r == me ? "the same memory" : tail) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static int
 read_rank(call_ctx *x, const char *what, PyObject *obj, int *out)
 {
@@ -160,7 +198,9 @@ read_rank(call_ctx *x, const char *what, PyObject *obj, int *out)
 static int
 get_stream(call_ctx *x, PyObject *stream, cudaStream_t *out)
 {
-    return pyccl_stream(x->st, x->op, "stream", stream, x->c->device, out);
+    char owner[48];
+    PyOS_snprintf(owner, sizeof owner, "the communicator (rank %d)", x->c->rank);
+    return pyccl_stream(x->st, x->op, "stream", stream, x->c->device, owner, out);
 }
 
 /* IEEE half and bfloat16 from float, round to nearest even. */
@@ -216,15 +256,16 @@ read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
         return 0;
     }
     if (PyLong_Check(obj) && !PyBool_Check(obj)) {
-        long v = PyLong_AsLong(obj);
+        int overflow;
+        long v = PyLong_AsLongAndOverflow(obj, &overflow);
         if (v == -1 && PyErr_Occurred()) {
             return -1;
         }
-        if (v < 0 || v > ncclAvg) {
+        if (overflow || v < 0 || v > ncclAvg) {
             PyErr_Format(PyExc_ValueError,
-                         "%s: op=%ld is not a reduction op (SUM=0, PROD=1, "
+                         "%s: op=%S is not a reduction op (SUM=0, PROD=1, "
                          "MAX=2, MIN=3, AVG=4, or pyccl.premul_sum(x))",
-                         x->op, v);
+                         x->op, obj);
             return -1;
         }
         *redop = (int)v;
@@ -244,6 +285,32 @@ read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
     double v = PyFloat_AsDouble(scalar);
     Py_DECREF(scalar);
     if (v == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    /* An integer dtype is scaled by an integer: a fraction, NaN or a value
+     * out of the dtype's range would be truncated (or undefined in C). */
+    long long lo = 0;
+    unsigned long long hi = 0;
+    double end = 0; /* 2^bits (unsigned) or 2^(bits-1): exact doubles */
+    switch (type) {
+    case ncclInt8: lo = INT8_MIN; hi = INT8_MAX; end = 128.0; break;
+    case ncclUint8: hi = UINT8_MAX; end = 256.0; break;
+    case ncclInt32: lo = INT32_MIN; hi = INT32_MAX; end = 2147483648.0; break;
+    case ncclUint32: hi = UINT32_MAX; end = 4294967296.0; break;
+    case ncclInt64: lo = INT64_MIN; hi = INT64_MAX; end = 9223372036854775808.0; break;
+    case ncclUint64: hi = UINT64_MAX; end = 18446744073709551616.0; break;
+    default: break;
+    }
+    if (end > 0 &&
+        !(v >= (double)lo && v < end &&
+          (type == ncclUint64 ? (double)(uint64_t)v : (double)(int64_t)v) == v)) {
+        PyObject *name = pyccl_dtype_name(t);
+        if (name != NULL) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: %R needs a whole-number scalar from %lld to %llu "
+                         "for %U", x->op, obj, lo, hi, name);
+            Py_DECREF(name);
+        }
         return -1;
     }
     union {
@@ -388,7 +455,8 @@ pyccl_comm_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     if (a[2] != NULL && a[2] != Py_None &&
         (read_on_comm(&x, "out", a[2], &o) < 0 ||
          same_dtype(&x, "out", &o, "tensor", &t) < 0 ||
-         numel_is(&x, "out", &o, t.numel, "same as tensor") < 0)) {
+         numel_is(&x, "out", &o, t.numel, "same as tensor") < 0 ||
+         same_or_apart(&x, &o, &t) < 0)) {
         return NULL;
     }
     if ((type = pyccl_reduce_type(x.st, x.op, &t)) < 0 ||
@@ -453,7 +521,8 @@ rooted(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     if (outobj != NULL && outobj != Py_None &&
         (read_on_comm(&x, "out", outobj, &o) < 0 ||
          same_dtype(&x, "out", &o, "tensor", &t) < 0 ||
-         numel_is(&x, "out", &o, t.numel, "same as tensor") < 0)) {
+         numel_is(&x, "out", &o, t.numel, "same as tensor") < 0 ||
+         same_or_apart(&x, &o, &t) < 0)) {
         return NULL;
     }
     if (is_reduce) {
@@ -518,12 +587,16 @@ pyccl_comm_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         if (read_on_comm(&x, "output", a[1], &out) < 0 ||
             same_dtype(&x, "output", &out, "input", &in) < 0 ||
             numel_is(&x, "output", &out, in.numel * x.c->size,
-                     "input size x world size") < 0) {
+                     "input size x world size") < 0 ||
+            slot_or_apart(&x, "input", &in, "output", &out, NULL) < 0) {
             return NULL;
         }
         pyccl_task tk;
         task(&tk, PYCCL_ALL_GATHER, in.ptr, out.ptr, count, type, 0, &x, s);
         return finish(&x, &tk, count > 0, 0, 0);
+    }
+    if (slot_or_apart(&x, "input", &in, "output", NULL, list) < 0) {
+        goto done;
     }
     tasks = PyMem_Calloc((size_t)x.c->size, sizeof(pyccl_task));
     if (tasks == NULL) {
@@ -569,11 +642,14 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
          same_dtype(&x, "output", &out, "input", &in) < 0 ||
          numel_is(&x, "input", &in, out.numel * x.c->size,
                   "output size x world size") < 0)) {
-        return NULL;
+        goto done;
+    }
+    if (slot_or_apart(&x, "output", &out, "input", &in, list) < 0) {
+        goto done;
     }
     if ((type = pyccl_reduce_type(x.st, x.op, &out)) < 0 ||
         read_op(&x, a[2], &out, type, &redop, &made) < 0) {
-        return NULL;
+        goto done;
     }
     size_t count = (size_t)out.numel;
     if (list == NULL) {
@@ -783,15 +859,28 @@ read_splits(call_ctx *x, const char *what, PyObject *obj, int64_t rows,
     }
     int64_t total = 0;
     for (int r = 0; r < x->c->size; r++) {
-        long long n = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, r));
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, r);
+        if (!PyLong_Check(item) || PyBool_Check(item)) {
+            PyErr_Format(PyExc_TypeError,
+                         "all_to_all_single: %s[%d] must be an int, got %.200s",
+                         what, r, Py_TYPE(item)->tp_name);
+            Py_DECREF(seq);
+            PyMem_Free(v);
+            return -1;
+        }
+        int overflow;
+        long long n = PyLong_AsLongLongAndOverflow(item, &overflow);
         if (n == -1 && PyErr_Occurred()) {
             Py_DECREF(seq);
             PyMem_Free(v);
             return -1;
         }
-        if (n < 0) {
+        if (overflow > 0) {
+            n = LLONG_MAX; /* more than any dim 0: reported below */
+        }
+        if (n < 0 || overflow < 0) {
             PyErr_Format(PyExc_ValueError,
-                         "all_to_all_single: %s[%d]=%lld is negative", what, r, n);
+                         "all_to_all_single: %s[%d]=%S is negative", what, r, item);
             Py_DECREF(seq);
             PyMem_Free(v);
             return -1;
@@ -1051,13 +1140,17 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                      Py_TYPE(a[0])->tp_name);
         return NULL;
     }
-    long v = PyLong_AsLong(a[0]);
+    int overflow;
+    long v = PyLong_AsLongAndOverflow(a[0], &overflow);
     if (v == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (v > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "split: color=%ld is out of range", v);
+    if (overflow > 0 || v > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "split: color=%S is out of range", a[0]);
         return NULL;
+    }
+    if (overflow < 0) {
+        v = -1; /* any negative color: not a member */
     }
     color = v < 0 ? NCCL_SPLIT_NOCOLOR : (int)v;
     key = x.c->rank;
@@ -1067,11 +1160,12 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                          Py_TYPE(a[1])->tp_name);
             return NULL;
         }
-        long k = PyLong_AsLong(a[1]);
-        if ((k == -1 && PyErr_Occurred()) || k < INT32_MIN || k > INT32_MAX) {
-            if (!PyErr_Occurred()) {
-                PyErr_Format(PyExc_ValueError, "split: key=%ld is out of range", k);
-            }
+        long k = PyLong_AsLongAndOverflow(a[1], &overflow);
+        if (k == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (overflow || k < INT32_MIN || k > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "split: key=%S is out of range", a[1]);
             return NULL;
         }
         key = (int)k;

@@ -174,10 +174,20 @@ int pyccl_reduce_type(pyccl_state *st, const char *op, const pyccl_tensor *t);
 /* NCCL type and count that move t's bytes unchanged. */
 void pyccl_move_type(pyccl_state *st, const pyccl_tensor *t, int *type,
                      size_t *count, size_t numel);
+/* a and b may share memory only as NCCL's in-place form: a exactly at
+ * b + offset bytes (`slot` names that place, e.g. "rank 1's slot of it").
+ * offset < 0: no sharing allowed, and `slot` is the message's tail.  Any
+ * other overlap would have NCCL read bytes it already overwrote: -1 with a
+ * ValueError naming both buffers' addresses and sizes. */
+int pyccl_check_overlap(const char *op, const char *a_what, const pyccl_tensor *a,
+                        const char *b_what, const pyccl_tensor *b,
+                        int64_t offset, const char *slot);
 /* The stream to enqueue on: `stream` (a torch.cuda.Stream or None) checked
- * against `device`; None means torch's current stream of that device. */
+ * against `device`, which belongs to `owner` (named in the error); None
+ * means torch's current stream of that device. */
 int pyccl_stream(pyccl_state *st, const char *op, const char *what,
-                 PyObject *stream, int device, cudaStream_t *out);
+                 PyObject *stream, int device, const char *owner,
+                 cudaStream_t *out);
 PyObject *pyccl_dtype_str(PyObject *dtype_obj);
 /* "torch.float32"-style name of t's dtype (works for rows with no object). */
 PyObject *pyccl_dtype_name(const pyccl_tensor *t);

@@ -100,6 +100,31 @@ typedef struct {
     int in_mult_is_n;   /* reduce_scatter: input = output x N */
 } coll_desc;
 
+/* inputs[i] and outputs[i] may share memory only in NCCL's in-place form:
+ * the same buffer, or (all_gather / reduce_scatter) the small side exactly
+ * at this rank's slot of the big side.  torch does not check this. */
+static int
+check_in_place(const char *op, const coll_desc *d, Py_ssize_t i, int rank,
+               const pyccl_tensor *in, const pyccl_tensor *out)
+{
+    char in_what[32], out_what[32], slot[48] = "";
+    PyOS_snprintf(in_what, sizeof in_what, "inputs[%zd]", i);
+    PyOS_snprintf(out_what, sizeof out_what, "outputs[%zd]", i);
+    if (d->out_mult_is_n || d->in_mult_is_n) {
+        PyOS_snprintf(slot, sizeof slot, "rank %d's slot of it", rank);
+    }
+    if (d->out_mult_is_n) {
+        return pyccl_check_overlap(op, in_what, in, out_what, out,
+                                   (int64_t)rank * in->numel * in->itemsize, slot);
+    }
+    if (d->in_mult_is_n) {
+        return pyccl_check_overlap(op, out_what, out, in_what, in,
+                                   (int64_t)rank * out->numel * out->itemsize, slot);
+    }
+    return pyccl_check_overlap(op, out_what, out, in_what, in, 0,
+                               "the same memory");
+}
+
 static PyObject *
 collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
            PyObject *outputs_obj, PyObject *root_obj, PyObject *redop_obj,
@@ -253,6 +278,9 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
                                 "size_multiplier");
                 goto error;
             }
+            if (check_in_place(op, d, i, rank_i, &tin[i], &tout[i]) < 0) {
+                goto error;
+            }
         }
         else {
             tout[i] = tin[i]; /* in place */
@@ -296,6 +324,13 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
                                     "size_multiplier");
                     goto error;
                 }
+                char in_what[32];
+                PyOS_snprintf(in_what, sizeof in_what, "inputs[%zd]", root_idx);
+                if (pyccl_check_overlap(op, "output", &o, in_what,
+                                        &tin[root_idx], 0,
+                                        "the same memory") < 0) {
+                    goto error;
+                }
                 tout[root_idx] = o;
             }
         }
@@ -321,9 +356,20 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
                                          : PySequence_Fast_GET_ITEM(streams, i);
         char what[32];
         PyOS_snprintf(what, sizeof what, "streams[%zd]", i);
-        if (pyccl_stream(st, op, what, s, tin[i].device, &tasks[i].stream) < 0) {
+        /* nothing to move: check the streams given, ask CUDA for none */
+        if (count == 0 && s == Py_None) {
+            continue;
+        }
+        if (pyccl_stream(st, op, what, s, tin[i].device, "its tensor",
+                         &tasks[i].stream) < 0) {
             goto error;
         }
+    }
+    /* Zero elements: NCCL would do nothing, so neither a clique nor a GPU is
+     * needed (and every rank sees the same count, so every rank skips). */
+    if (count == 0) {
+        result = Py_NewRef(Py_None);
+        goto error;
     }
     PyObject *clique = NULL;
     if (!have_comms) {
@@ -344,22 +390,19 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
         tasks[i].type = type;
         tasks[i].peer = root;
     }
-    /* Every rank sees the same count, so every rank skips alike. */
     /* Two threads on one clique would interleave their groups differently
      * on each device and deadlock: clique calls are serialized. */
-    if (count > 0) {
-        /* user communicators: another thread's destroy() waits for this */
-        for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-            ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight++;
-        }
-        int rc = pyccl_enqueue(st, op, tasks, n, redop,
-                               have_comms ? NULL : st->clique_call_lock);
-        for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-            ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight--;
-        }
-        if (rc < 0) {
-            goto error;
-        }
+    /* user communicators: another thread's destroy() waits for this */
+    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+        ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight++;
+    }
+    int rc = pyccl_enqueue(st, op, tasks, n, redop,
+                           have_comms ? NULL : st->clique_call_lock);
+    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+        ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight--;
+    }
+    if (rc < 0) {
+        goto error;
     }
     result = Py_NewRef(Py_None);
 error:

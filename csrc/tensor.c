@@ -280,8 +280,39 @@ pyccl_move_type(pyccl_state *st, const pyccl_tensor *t, int *type,
 }
 
 int
+pyccl_check_overlap(const char *op, const char *a_what, const pyccl_tensor *a,
+                    const char *b_what, const pyccl_tensor *b,
+                    int64_t offset, const char *slot)
+{
+    uintptr_t a_lo = (uintptr_t)a->ptr, b_lo = (uintptr_t)b->ptr;
+    int64_t a_bytes = a->numel * a->itemsize, b_bytes = b->numel * b->itemsize;
+    if (a_bytes == 0 || b_bytes == 0 || a_lo >= b_lo + (uintptr_t)b_bytes ||
+        b_lo >= a_lo + (uintptr_t)a_bytes) {
+        return 0; /* disjoint */
+    }
+    if (offset < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: %s (%lld bytes at %p) overlaps %s "
+                     "(%lld bytes at %p); %s",
+                     op, a_what, (long long)a_bytes, (void *)a_lo, b_what,
+                     (long long)b_bytes, (void *)b_lo, slot);
+        return -1;
+    }
+    if (a_lo == b_lo + (uintptr_t)offset) {
+        return 0; /* NCCL's in-place form */
+    }
+    PyErr_Format(PyExc_ValueError, "%s: %s (%lld bytes at %p) overlaps %s "
+                 "(%lld bytes at %p) but is not %s; in place, %s must be the "
+                 "%lld bytes at %p",
+                 op, a_what, (long long)a_bytes, (void *)a_lo, b_what,
+                 (long long)b_bytes, (void *)b_lo, slot, a_what,
+                 (long long)a_bytes, (void *)(b_lo + (uintptr_t)offset));
+    return -1;
+}
+
+int
 pyccl_stream(pyccl_state *st, const char *op, const char *what,
-             PyObject *stream, int device, cudaStream_t *out)
+             PyObject *stream, int device, const char *owner,
+             cudaStream_t *out)
 {
     int64_t raw;
     if (stream == NULL || stream == Py_None) {
@@ -319,9 +350,8 @@ pyccl_stream(pyccl_state *st, const char *op, const char *what,
     }
     if (sdev != device) {
         PyErr_Format(PyExc_ValueError,
-                     "%s: %s is a stream of cuda:%lld but its tensor is on "
-                     "cuda:%d",
-                     op, what, (long long)sdev, device);
+                     "%s: %s is a stream of cuda:%lld but %s is on cuda:%d",
+                     op, what, (long long)sdev, owner, device);
         return -1;
     }
     if (read_i64(stream, st->s_cuda_stream, 0, &raw) < 0) {
@@ -370,6 +400,15 @@ typestr_row(const char *ts)
 }
 
 static int
+malformed(const char *op, const char *what, const char *key)
+{
+    PyErr_Format(PyExc_TypeError,
+                 "%s: %s has a malformed __cuda_array_interface__ (%s)", op,
+                 what, key);
+    return -1;
+}
+
+static int
 read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
          PyObject *cai, pyccl_tensor *t)
 {
@@ -400,11 +439,16 @@ read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
     int64_t numel = 1;
     Py_ssize_t nd = PyTuple_GET_SIZE(shape);
     for (Py_ssize_t i = 0; i < nd; i++) {
-        long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        PyObject *item = PyTuple_GET_ITEM(shape, i);
+        if (!PyLong_Check(item)) {
+            return malformed(op, what, "shape");
+        }
+        int overflow;
+        long long d = PyLong_AsLongLongAndOverflow(item, &overflow);
         if (d == -1 && PyErr_Occurred()) {
             return -1;
         }
-        if (d < 0 || (d > 0 && numel > INT64_MAX / d)) {
+        if (overflow || d < 0 || (d > 0 && numel > INT64_MAX / d)) {
             PyErr_Format(PyExc_ValueError, "%s: %s has an invalid shape %R",
                          op, what, shape);
             return -1;
@@ -418,21 +462,25 @@ read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
     }
     if (strides != NULL && strides != Py_None &&
         (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != nd)) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s: %s has a malformed __cuda_array_interface__ (strides)",
-                     op, what);
-        return -1;
+        return malformed(op, what, "strides");
+    }
+    for (Py_ssize_t i = 0; strides != NULL && strides != Py_None && i < nd; i++) {
+        if (!PyLong_Check(PyTuple_GET_ITEM(strides, i))) {
+            return malformed(op, what, "strides");
+        }
     }
     if (strides != NULL && strides != Py_None && numel > 1) {
         /* C-contiguous means each stride is the product of later dims. */
         int64_t expect = itemsize;
         for (Py_ssize_t i = nd - 1; i >= 0; i--) {
+            int overflow;
             long long dim = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
-            long long s = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, i));
+            long long s = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(strides, i),
+                                                       &overflow);
             if (PyErr_Occurred()) {
                 return -1;
             }
-            if (dim != 1 && s != expect) {
+            if (dim != 1 && (overflow || s != expect)) {
                 PyErr_Format(PyExc_ValueError, "%s: %s must be contiguous",
                              op, what);
                 return -1;
@@ -440,9 +488,21 @@ read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
             expect *= dim;
         }
     }
-    unsigned long long ptr = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(data, 0));
-    if (ptr == (unsigned long long)-1 && PyErr_Occurred()) {
+    PyObject *mask = PyDict_GetItemString(cai, "mask");
+    if (mask != NULL && mask != Py_None) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s is a masked array (its __cuda_array_interface__ "
+                     "has a mask), which NCCL cannot honour", op, what);
         return -1;
+    }
+    PyObject *ptr_obj = PyTuple_GET_ITEM(data, 0);
+    if (!PyLong_Check(ptr_obj)) {
+        return malformed(op, what, "data");
+    }
+    unsigned long long ptr = PyLong_AsUnsignedLongLong(ptr_obj);
+    if (ptr == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear(); /* negative or past 64 bits: no address */
+        return malformed(op, what, "data");
     }
     if (ptr == 0 && numel > 0) {
         PyErr_Format(PyExc_ValueError, "%s: %s has a null data pointer", op,

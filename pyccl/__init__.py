@@ -52,7 +52,13 @@ class premul_sum:
     __slots__ = ("premul_scalar",)
 
     def __init__(self, scalar):
-        self.premul_scalar = float(scalar)
+        # float() would also take a string such as "2": only numbers here.
+        if isinstance(scalar, (str, bytes, bytearray)):
+            raise TypeError(f"premul_sum: scalar must be a real number, got {type(scalar).__name__}")
+        try:
+            self.premul_scalar = float(scalar)
+        except (TypeError, ValueError):
+            raise TypeError(f"premul_sum: scalar must be a real number, got {type(scalar).__name__}") from None
 
     def __repr__(self):
         return f"pyccl.premul_sum({self.premul_scalar!r})"

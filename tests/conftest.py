@@ -19,3 +19,31 @@ def gpu_count():
 def needs_gpus(n):
     have = gpu_count()
     return pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPUs, this machine has {have}")
+
+
+class FakeCuda(torch.Tensor):
+    """A host tensor that reports itself as a CUDA tensor on `device`.
+
+    pyccl reads tensors through their Python attributes (is_cuda,
+    get_device(), data_ptr(), ...), so this reaches pyccl.nccl's validation
+    without a GPU.  Its memory is host memory: use it only for calls that must
+    fail validation, or that have nothing to move (zero elements).  Views of
+    one host tensor alias, so overlaps between FakeCuda tensors are real.
+    """
+
+    @staticmethod
+    def __new__(cls, data, device=0):
+        t = torch.Tensor._make_subclass(cls, data)
+        t._fake_device = device
+        return t
+
+    @property
+    def is_cuda(self):
+        return True
+
+    def get_device(self):
+        return self._fake_device
+
+
+def fake(n=4, device=0, dtype=torch.float32):
+    return FakeCuda(torch.arange(n).to(dtype), device)

@@ -3,6 +3,7 @@ import inspect
 import re
 
 import pytest
+import torch
 
 import pyccl
 
@@ -44,8 +45,7 @@ def test_top_level_names():
     assert (pyccl.SUM, pyccl.PROD, pyccl.MAX, pyccl.MIN, pyccl.AVG) == (0, 1, 2, 3, 4)
     assert repr(pyccl.premul_sum(0.25)) == "pyccl.premul_sum(0.25)"
     assert pyccl.premul_sum(3).premul_scalar == 3.0
-    with pytest.raises(ValueError):
-        pyccl.premul_sum("x")
+    assert pyccl.premul_sum(torch.tensor(0.5)).premul_scalar == 0.5
 
 
 def test_communicator_cannot_be_subclassed():
@@ -83,26 +83,6 @@ def test_init_from_env_bad_values(monkeypatch):
     monkeypatch.setenv("RANK", "zero")
     with pytest.raises(ValueError, match=r"^init_from_env: RANK='zero' is not an integer$"):
         pyccl.init_from_env()
-
-
-def test_init_ranks_argument_errors():
-    uid = pyccl.unique_id()
-    with pytest.raises(ValueError, match=r"^init_ranks: ranks and devices must be non-empty and of one length, got 2 and 1$"):
-        pyccl.init_ranks(2, uid, [0, 1], [0])
-    with pytest.raises(RuntimeError, match=r"^invalid unique_id \(expected 128 bytes, got 3\)$"):
-        pyccl.init_ranks(2, b"abc", [0], [0])
-
-
-def test_init_ranks_validates_before_touching_a_gpu():
-    uid = pyccl.unique_id()
-    with pytest.raises(ValueError, match=r"^init_ranks: rank 1 is listed twice \(ranks\[0\] and ranks\[1\]\)$"):
-        pyccl.init_ranks(2, uid, [1, 1], [0, 1])
-    with pytest.raises(ValueError, match=r"^init_ranks: ranks\[1\]=5 is out of range for world_size 2$"):
-        pyccl.init_ranks(2, uid, [0, 5], [0, 1])
-    with pytest.raises(TypeError, match=r"^init_ranks: devices\[0\] must be an int, got str$"):
-        pyccl.init_ranks(2, uid, [0, 1], ["0", 1])
-    with pytest.raises(ValueError, match=r"^init_ranks: world_size must be >= 1, got 0$"):
-        pyccl.init_ranks(0, uid, [0], [0])
 
 
 def test_all_reduce_info_without_a_gpu():
