@@ -352,8 +352,15 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
         for (Py_ssize_t i = 0; have_comms && i < n; i++) {
             ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight++;
         }
-        int rc = pyccl_enqueue(st, op, tasks, n, redop,
-                               have_comms ? NULL : st->clique_call_lock);
+        int timed = 0;
+        for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+            timed |= ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->watch != NULL;
+        }
+        int rc = timed ? pyccl_enqueue_timed(
+                             st, op, tasks, n, redop,
+                             (pyccl_comm *const *)PySequence_Fast_ITEMS(comms), n)
+                       : pyccl_enqueue(st, op, tasks, n, redop,
+                                       have_comms ? NULL : st->clique_call_lock);
         for (Py_ssize_t i = 0; have_comms && i < n; i++) {
             ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight--;
         }
@@ -588,6 +595,12 @@ nccl_group(PyObject *m, int start)
         /* NCCL leaves the group level even when the end fails */
         if (--group_depth == 0) {
             resolve_pending_splits(st);
+            /* communicators with a timeout: poll and track the group's work
+             * (ncclInProgress is how a non-blocking group ends) */
+            if (pyccl_watch_group_end(st, r) < 0) {
+                return NULL;
+            }
+            r = r == ncclInProgress ? ncclSuccess : r;
         }
     }
     if (r != ncclSuccess) {

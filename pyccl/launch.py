@@ -46,8 +46,11 @@ def init_from_env(timeout=300.0, device=None):
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK (default: RANK), MASTER_ADDR and
     MASTER_PORT.  `timeout` (seconds) bounds the wait for the unique id in the
-    store; NCCL's own initialisation is blocking.
+    store and is the communicator's timeout (see Communicator): its init and
+    every collective must finish within it, else pyccl.NcclTimeoutError.
+    timeout=None: NCCL's blocking mode, unwatched (the store waits 300 s).
     """
+    timeout = _C._read_timeout("init_from_env", timeout)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(f"init_from_env: environment variables {', '.join(missing)} are not set "
@@ -65,7 +68,7 @@ def init_from_env(timeout=300.0, device=None):
     # Under torchrun the agent already serves a store on MASTER_PORT.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = TCPStore(addr, port, world, is_master=(rank == 0 and not agent_store),
-                     timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+                     timeout=datetime.timedelta(seconds=timeout or 300.0), wait_for_workers=False)
     key = f"pyccl/unique_id/{next(_generation)}"
     if rank == 0:
         uid = _C._nccl_unique_id()
@@ -74,11 +77,15 @@ def init_from_env(timeout=300.0, device=None):
         uid = store.get(key)
     # Every rank has read the id once NCCL's init returns (it needs all of
     # them), so the store can go with this frame.
-    return _C.Communicator(world, uid, rank, device)
+    return _C.Communicator(world, uid, rank, device, timeout)
 
 
-def init_from_mpi(comm=None, device=None):
-    """This process's Communicator, bootstrapped through mpi4py (MPI.COMM_WORLD by default)."""
+def init_from_mpi(comm=None, device=None, timeout=None):
+    """This process's Communicator, bootstrapped through mpi4py (MPI.COMM_WORLD by default).
+
+    `timeout`: the communicator's (see Communicator); None: NCCL's blocking mode.
+    """
+    timeout = _C._read_timeout("init_from_mpi", timeout)
     try:
         from mpi4py import MPI
     except ImportError as e:
@@ -90,7 +97,7 @@ def init_from_mpi(comm=None, device=None):
     device = _pick_device(local_rank, device)
     uid = _C._nccl_unique_id() if comm.Get_rank() == 0 else None
     uid = comm.bcast(uid, root=0)
-    return _C.Communicator(comm.Get_size(), uid, comm.Get_rank(), device)
+    return _C.Communicator(comm.Get_size(), uid, comm.Get_rank(), device, timeout)
 
 
 def init_ranks(world_size, unique_id, ranks, devices):

@@ -31,8 +31,9 @@ def test_method_signature(name):
 
 
 def test_constructor_and_properties():
-    assert str(inspect.signature(pyccl.Communicator)) == "(world_size, unique_id, rank, device=None)"
-    for prop in ("rank", "size", "device", "handle", "destroyed"):
+    assert str(inspect.signature(pyccl.Communicator)) == \
+        "(world_size, unique_id, rank, device=None, timeout=None)"
+    for prop in ("rank", "size", "device", "handle", "destroyed", "timeout"):
         assert isinstance(getattr(pyccl.Communicator, prop), property) or \
             type(getattr(pyccl.Communicator, prop)).__name__ == "getset_descriptor", prop
     assert hasattr(pyccl.Communicator, "__enter__") and hasattr(pyccl.Communicator, "__exit__")
