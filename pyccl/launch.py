@@ -1,15 +1,18 @@
 """Bootstrap helpers: get every rank the same NCCL unique id, then a Communicator.
 
 - init_from_env(): torchrun / Slurm-style variables, the id exchanged through
-  torch.distributed.TCPStore (rank 0 hosts it at MASTER_ADDR:MASTER_PORT, or
-  torchrun's agent does).
+  torch.distributed.TCPStore (rank 0 hosts it at MASTER_ADDR:MASTER_PORT,
+  listening on that address only, or torchrun's agent does).
 - init_from_mpi(): mpi4py broadcasts the id.
 - The mp.spawn pattern needs neither: the parent calls pyccl.unique_id() and
   passes it to its children (see examples/01_all_reduce.py).
 """
 import datetime
+import errno
 import itertools
 import os
+import socket
+import warnings
 
 import torch
 
@@ -41,6 +44,29 @@ def _pick_device(local_rank, device):
     return device
 
 
+def _listen_fd(addr, port):
+    """A socket listening on MASTER_ADDR:MASTER_PORT only, as a file descriptor
+    for TCPStore's master_listen_fd (the store then owns it).  torch's own
+    store listens on every interface; None (with a warning) when this host
+    cannot bind MASTER_ADDR, e.g. an address behind NAT: then it does that."""
+    last = None
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM):
+        s = socket.socket(family, kind, proto)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(sockaddr)
+            s.listen(socket.SOMAXCONN)
+            return s.detach()
+        except OSError as e:
+            s.close()
+            last = e
+    if getattr(last, "errno", None) == errno.EADDRINUSE:
+        raise RuntimeError(f"init_from_env: MASTER_PORT={port} is in use on {addr} ({last})")
+    warnings.warn(f"init_from_env: cannot listen on MASTER_ADDR={addr} ({last}); the rendezvous "
+                  f"store listens on port {port} of every interface instead", RuntimeWarning, stacklevel=3)
+    return None
+
+
 def init_from_env(timeout=300.0, device=None):
     """This process's Communicator of a torchrun-style job.
 
@@ -67,8 +93,20 @@ def init_from_env(timeout=300.0, device=None):
 
     # Under torchrun the agent already serves a store on MASTER_PORT.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = TCPStore(addr, port, world, is_master=(rank == 0 and not agent_store),
-                     timeout=datetime.timedelta(seconds=timeout or 300.0), wait_for_workers=False)
+    is_master = rank == 0 and not agent_store
+    # The store is unauthenticated: serve it on MASTER_ADDR only.
+    fd = _listen_fd(addr, port) if is_master else None
+    try:
+        store = TCPStore(addr, port, world, is_master=is_master,
+                         timeout=datetime.timedelta(seconds=timeout or 300.0), wait_for_workers=False,
+                         **({} if fd is None else {"master_listen_fd": fd}))
+    except BaseException:
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the store took it before failing
+        raise
     key = f"pyccl/unique_id/{next(_generation)}"
     if rank == 0:
         uid = _C._nccl_unique_id()

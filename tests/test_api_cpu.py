@@ -1,6 +1,9 @@
 """CPU tier of the per-rank API: surface, signatures and the launchers' errors."""
+import datetime
 import inspect
 import re
+import socket
+import warnings
 
 import pytest
 
@@ -104,3 +107,43 @@ def test_init_ranks_validates_before_touching_a_gpu():
         pyccl.init_ranks(2, uid, [0, 1], ["0", 1])
     with pytest.raises(ValueError, match=r"^init_ranks: world_size must be >= 1, got 0$"):
         pyccl.init_ranks(0, uid, [0], [0])
+
+
+def test_init_from_env_store_listens_on_master_addr_only():
+    """torch's TCPStore listens on every interface; init_from_env's on MASTER_ADDR."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    from pyccl.launch import _listen_fd
+
+    fd = _listen_fd("127.0.0.1", 0)
+    s = socket.socket(fileno=fd)
+    addr, port = s.getsockname()
+    s.detach()
+    assert addr == "127.0.0.1"
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10), master_listen_fd=fd)
+    client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))
+    store.set("pyccl/k", b"v")
+    assert client.get("pyccl/k") == b"v"
+    # another local address reaches nothing (a wildcard listener would answer)
+    with socket.socket() as probe:
+        probe.settimeout(5)
+        assert probe.connect_ex(("127.0.0.2", port)) != 0
+    del client, store
+
+
+def test_init_from_env_store_address_errors():
+    from pyccl.launch import _listen_fd
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"^init_from_env: MASTER_PORT={port} is in use on 127\.0\.0\.1 "):
+            _listen_fd("127.0.0.1", port)
+    # an address this host does not have (TEST-NET-1): torch's wildcard listener, with a warning
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert _listen_fd("192.0.2.1", 0) is None
+    assert any("init_from_env: cannot listen on MASTER_ADDR=192.0.2.1" in str(w.message) for w in seen)
