@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 
-
 from conftest import needs_gpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
