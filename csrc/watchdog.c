@@ -338,14 +338,13 @@ fail_interrupted(struct pyccl_watch *w, const char *op)
          op, w->rank, w->size);
 }
 
-/* The watchdog's look at one communicator nobody is using. */
+/* The watchdog's look at one communicator nobody is using (its device is
+ * current). */
 static void
 check(struct pyccl_watch *w, double now)
 {
     const char *bad_op = "a collective";
-    int prev = dev_enter(w->api, w->device);
     cudaError_t e = retire(w, 1, &bad_op);
-    dev_leave(w->api, w->device, prev);
     if (e != cudaSuccess) {
         fail_cuda(w, bad_op, e);
         return;
@@ -368,7 +367,7 @@ watchdog_main(void *arg)
 {
     struct pyccl_watchdog *wd = arg;
     const pyccl_api *a = wd->api;
-    int capture_mode_set = 0;
+    int capture_mode_set = 0, device = -1;
     pthread_mutex_lock(&wd->mu);
     while (!wd->stop) {
         double now = now_s();
@@ -378,13 +377,18 @@ watchdog_main(void *arg)
             }
             if (!w->failed && w->comm != NULL && !w->busy && !w->in_group &&
                 !w->closing) {
+                /* Only ever the devices of watched communicators: going
+                 * "back" to device 0 would give a process that does not use
+                 * it a CUDA context there. */
+                if (device != w->device) {
+                    a->cudaSetDevice(w->device);
+                    device = w->device;
+                }
                 if (!capture_mode_set) {
                     /* Relaxed: event queries here must not invalidate a
                      * graph capture running in another thread. */
-                    int prev = dev_enter(a, w->device);
                     enum cudaStreamCaptureMode m = cudaStreamCaptureModeRelaxed;
                     a->cudaThreadExchangeStreamCaptureMode(&m);
-                    dev_leave(a, w->device, prev);
                     capture_mode_set = 1;
                 }
                 check(w, now);

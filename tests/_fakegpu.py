@@ -482,6 +482,25 @@ def threads_share_comm():
     return get("ops")
 
 
+def second_device_only():
+    """A rank on cuda:1 that never touches cuda:0: nor does the watchdog."""
+    fake.fake_device_used.restype = ctypes.c_int
+    fake.cudaSetDevice(1)   # torch.cuda.set_device(1), as a rank on cuda:1 does
+    c = pyccl.Communicator(2, pyccl.unique_id(), 1, timeout=0.3)
+    assert c.device == 1
+    a = Array([1.0, 2.0])
+    c.all_reduce(a)
+    c.wait()
+    put("peer_dead", 1)
+    c.all_reduce(a)
+    time.sleep(0.8)
+    assert get("aborts") == 1
+    assert fake.fake_device_used(1) == 1
+    assert fake.fake_device_used(0) == 0, "a context was made on cuda:0"
+    clean()
+    return "ok"
+
+
 def sigint_in_wait():
     c = new(timeout=60)
     c.all_reduce(Array([1.0]))

@@ -149,6 +149,7 @@ def run_fake(lib, scenario, timeout=60):
     "abort_from_thread",       # abort() from another thread ends a wait() at once
     "drop_in",                 # pyccl.nccl with comms=[timed communicator]
     "threads_share_comm",      # four threads on one communicator: never two inside NCCL
+    "second_device_only",      # the watchdog makes no CUDA context on a device the rank does not use
 ])
 def test_fake_gpu(fakegpu, scenario):
     run_fake(fakegpu, scenario)

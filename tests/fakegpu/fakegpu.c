@@ -579,6 +579,10 @@ ncclGroupEnd(void)
 
 cudaError_t cudaGetDevice(int *d) { *d = cur_dev; return cudaSuccess; }
 
+/* Devices made current in this process: as with CUDA >= 12, making one
+ * current creates its context (a cost the watchdog must not add). */
+static int device_used[64];
+
 cudaError_t
 cudaSetDevice(int d)
 {
@@ -587,7 +591,18 @@ cudaSetDevice(int d)
         return last_error = cudaErrorInvalidValue;
     }
     cur_dev = d;
+    pthread_mutex_lock(&mu);
+    if (d < 64) {
+        device_used[d] = 1;
+    }
+    pthread_mutex_unlock(&mu);
     return cudaSuccess;
+}
+
+int
+fake_device_used(int d)
+{
+    return d >= 0 && d < 64 ? device_used[d] : 0;
 }
 
 cudaError_t
