@@ -35,7 +35,12 @@
  * Back-pressure: a communicator holds at most PYCCL_MAX_PENDING unfinished
  * events; the next enqueue waits for room.  So the host never runs far
  * ahead of a stuck GPU into NCCL's or CUDA's own blocking queues, where no
- * lock could be released for the watchdog. */
+ * lock could be released for the watchdog.  Other work can still fill the
+ * stream's launch queue behind a stuck kernel, so an NCCL launch or event
+ * record may block while its lock is held: when such a call has been stuck
+ * for the timeout plus PYCCL_STUCK_GRACE, the watchdog claims it and aborts
+ * the handle without the lock (the abort is what lets the call return),
+ * and the caller, once released, only marks the communicator failed. */
 #include "pyccl.h"
 
 #include <pthread.h>
@@ -51,6 +56,7 @@
 #define PYCCL_MAX_PENDING 64
 #define PYCCL_WATCH_PERIOD_NS 10000000L /* the watchdog's look every 10 ms */
 #define PYCCL_SIGNAL_PERIOD 0.02        /* s between signal checks in waits */
+#define PYCCL_STUCK_GRACE 1.0           /* s past the timeout for a call stuck in NCCL */
 
 typedef struct {
     cudaEvent_t ev;
@@ -70,6 +76,10 @@ struct pyccl_watch {
     int busy;                 /* a thread polls an NCCL call in progress */
     int in_group;             /* threads with it in an open pyccl.group() */
     int closing;              /* destroy() is finalizing it */
+    /* A thread is inside an NCCL/CUDA call on it (under mu) since this
+     * (monotonic ns); 0: none; -1: the watchdog gave up on that call and
+     * aborted the handle (see force_abort). */
+    int64_t call_since;
     pending_event *q;         /* unfinished events, oldest first */
     int nq, capq;
     cudaEvent_t *pool;        /* finished events, for reuse */
@@ -93,6 +103,14 @@ struct pyccl_watchdog {
     const pyccl_api *api;
     struct pyccl_watch *head;
 };
+
+static int64_t
+now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
 static double
 now_s(void)
@@ -293,11 +311,62 @@ fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...)
     w->code = code;
     __atomic_store_n(&w->failed, kind, __ATOMIC_RELEASE);
     ncclComm_t comm = w->comm;
-    w->comm = NULL;
+    __atomic_store_n(&w->comm, NULL, __ATOMIC_RELEASE);
     if (comm != NULL) {
         w->api->ncclCommAbort(comm);
     }
     drop_events(w);
+}
+
+/* Around an NCCL/CUDA call that may block (a launch, an event record),
+ * under w->mu.  call_end: 0, or 1 when the watchdog gave up on the call
+ * meanwhile and aborted the handle (then w is failed, its handle gone). */
+static void
+call_begin(struct pyccl_watch *w)
+{
+    __atomic_store_n(&w->call_since, now_ns(), __ATOMIC_RELEASE);
+}
+
+static int
+call_end(struct pyccl_watch *w, const char *op)
+{
+    int64_t mine = __atomic_load_n(&w->call_since, __ATOMIC_ACQUIRE);
+    if (mine > 0 && __atomic_compare_exchange_n(&w->call_since, &mine, 0, 0,
+                                                __ATOMIC_ACQ_REL,
+                                                __ATOMIC_ACQUIRE)) {
+        return 0;
+    }
+    __atomic_store_n(&w->call_since, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&w->comm, NULL, __ATOMIC_RELEASE); /* the watchdog aborted it */
+    char t[32];
+    fmt_seconds(t, sizeof t, w->timeout);
+    fail(w, PYCCL_FAIL_TIMEOUT, 0,
+         "%s: rank %d of %d timed out after %s s waiting for its peers (the "
+         "call itself was stuck in NCCL or CUDA, e.g. behind a full launch "
+         "queue); the communicator was aborted",
+         op, w->rank, w->size, t);
+    return 1;
+}
+
+/* The watchdog, on a communicator whose lock is held: if the holder has
+ * been stuck inside one call for the timeout plus the grace, claim the call
+ * and abort the handle (its abort flag ends the kernels the call waits
+ * behind).  The holder does not touch the handle while in the call, and
+ * finds out in call_end. */
+static void
+force_abort(struct pyccl_watch *w, int64_t now)
+{
+    int64_t since = __atomic_load_n(&w->call_since, __ATOMIC_ACQUIRE);
+    if (since <= 0 ||
+        (double)(now - since) * 1e-9 <= w->timeout + PYCCL_STUCK_GRACE) {
+        return;
+    }
+    ncclComm_t comm = __atomic_load_n(&w->comm, __ATOMIC_ACQUIRE);
+    if (__atomic_compare_exchange_n(&w->call_since, &since, -1, 0,
+                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE) &&
+        comm != NULL) {
+        w->api->ncclCommAbort(comm);
+    }
 }
 
 static void
@@ -373,7 +442,8 @@ watchdog_main(void *arg)
         double now = now_s();
         for (struct pyccl_watch *w = wd->head; w != NULL; w = w->next) {
             if (pthread_mutex_trylock(&w->mu) != 0) {
-                continue; /* in use: look again next round */
+                force_abort(w, now_ns()); /* in use: unless stuck, next round */
+                continue;
             }
             if (!w->failed && w->comm != NULL && !w->busy && !w->in_group &&
                 !w->closing) {
@@ -989,12 +1059,18 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
     waiter_start(&wt, 1);
     got = acquire_all(&wt, ws, nw, !in_group, &which);
     if (got == 0) {
+        for (int j = 0; j < nw; j++) {
+            call_begin(ws[j]);
+        }
         r = pyccl_enqueue_calls(a, tasks, n, redop, last, sizeof last);
+        for (int j = 0; j < nw; j++) {
+            call_end(ws[j], op);
+        }
         if (in_group) {
             /* NCCL launches nothing before the group's end */
             r = r == ncclInProgress ? ncclSuccess : r;
             for (int j = 0; j < nw; j++) {
-                ws[j]->in_group += r == ncclSuccess && fresh[j];
+                ws[j]->in_group += r == ncclSuccess && fresh[j] && !ws[j]->failed;
                 pthread_mutex_unlock(&ws[j]->mu);
             }
         }
@@ -1079,7 +1155,12 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
                                    tasks[k].stream == tasks[i].stream;
                         }
                         if (!dup) {
+                            call_begin(w);
                             rec_err = record(w, tasks[i].stream, op);
+                            if (call_end(w, op)) {
+                                rec_err = cudaSuccess;
+                                break;
+                            }
                         }
                     }
                 }
@@ -1213,7 +1294,11 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
         for (int k = i; k < n && rec_err == cudaSuccess; k++) {
             if (g[k].w == w && w->comm != NULL &&
                 (r == ncclSuccess || r == ncclInProgress)) {
+                call_begin(w);
                 rec_err = record(w, g[k].stream, g[k].op);
+                if (call_end(w, g[k].op)) {
+                    rec_err = cudaSuccess;
+                }
             }
         }
         w->in_group--;
@@ -1365,7 +1450,9 @@ pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
     waiter_start(&wt, 1);
     int got = acquire_all(&wt, &w, 1, 1, &which);
     if (got == 0) {
+        call_begin(w);
         e = record(w, s, op);
+        got = call_end(w, op); /* 1: failed meanwhile */
         pthread_mutex_unlock(&w->mu);
     }
     waiter_finish(&wt);

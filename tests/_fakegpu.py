@@ -482,6 +482,31 @@ def threads_share_comm():
     return get("ops")
 
 
+def launch_queue_full():
+    """The launch itself blocks behind a stuck kernel while holding the
+    communicator's lock: the watchdog gives up on it after timeout + 1 s."""
+    c = new(timeout=0.5)
+    a = Array([1.0])
+    c.all_reduce(a)
+    c.wait()
+    put("launch_block", 1)
+    put("peer_dead", 1)
+    c.all_reduce(a)          # stuck on the GPU
+    dt, err = timed(lambda: c.all_reduce(a))   # stuck in the launch
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert str(err) == ("all_reduce: rank 0 of 2 timed out after 0.5 s waiting for its peers (the call "
+                        "itself was stuck in NCCL or CUDA, e.g. behind a full launch queue); the "
+                        "communicator was aborted"), str(err)
+    assert 1.4 < dt < 2.5, dt
+    assert get("aborts") == 1 and get("misuse") == 0
+    assert get("concurrent") == 1   # that abort, while the launch was inside NCCL
+    put("concurrent", 0)
+    assert c.destroyed
+    c.destroy()
+    clean()
+    return dt
+
+
 def second_device_only():
     """A rank on cuda:1 that never touches cuda:0: nor does the watchdog."""
     fake.fake_device_used.restype = ctypes.c_int

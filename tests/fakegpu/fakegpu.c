@@ -83,6 +83,7 @@ static __thread int group_nops;
 /* controls and counters */
 #define KEYS(X) X(init_delay) X(init_hang) X(connect_delay) X(connect_hang) \
     X(split_delay) X(split_hang) X(finalize_hang) X(peer_dead) X(op_time)   \
+    X(launch_block)                                                         \
     X(async_error) X(capturing) X(ndev)                                     \
     X(inits) X(aborts) X(destroys) X(finalizes) X(ops) X(misuse)            \
     X(concurrent) X(events_live) X(event_records) X(event_queries)          \
@@ -461,6 +462,14 @@ coll(struct fcomm *c, cudaStream_t s, const void *send, void *recv, size_t n,
         group_ops[k].bytes = bytes;
     }
     else {
+        /* a launch queue full behind stuck work blocks the launch itself
+         * until that work ends */
+        fstream *f = stream_of(s);
+        while (launch_block && f->blocker != NULL && !f->blocker->aborted) {
+            pthread_mutex_unlock(&mu);
+            usleep(1000);
+            pthread_mutex_lock(&mu);
+        }
         run_op(c, (uintptr_t)s, send, recv, n, bytes, f32sum);
         if (!c->blocking && !c->connected) {
             c->connected = 1;
