@@ -1123,7 +1123,8 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
             }
             for (int j = 0; j < nw; j++) {
                 struct pyccl_watch *w = ws[j];
-                if (polled > 0 && j == which) {
+                if (polled > 0) {
+                    /* one NCCL group: the others cannot finish alone */
                     fail_timeout(w, op, "its peers");
                 }
                 else if (polled < 0) {

@@ -85,9 +85,10 @@ class Tensor(sys.modules["torch"].Tensor):
 
     is_cuda = True
 
-    def __init__(self, values):
+    def __init__(self, values, device=0):
         import torch
         self.array = Array(values)
+        self.device = device
         self.layout, self.dtype = torch.strided, torch.float32
 
     def is_contiguous(self):
@@ -97,7 +98,7 @@ class Tensor(sys.modules["torch"].Tensor):
         return len(self.array.buf)
 
     def get_device(self):
-        return 0
+        return self.device
 
     def data_ptr(self):
         return ctypes.addressof(self.array.buf)
@@ -453,6 +454,31 @@ def drop_in():
     time.sleep(0.8)
     _, err = timed(lambda: pyccl.nccl.all_reduce([a], comms=[c]))
     assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    clean()
+    return "ok"
+
+
+def two_comms_one_call():
+    """One drop-in call over two watched communicators (one NCCL group)."""
+    c0 = pyccl.Communicator(2, pyccl.unique_id(), 0, device=0, timeout=0.5)
+    c1 = pyccl.Communicator(2, pyccl.unique_id(), 0, device=1, timeout=0.5)
+    t0, t1 = Tensor([1.0, 2.0], 0), Tensor([3.0, 4.0], 1)
+    before = get("event_records")
+    pyccl.nccl.all_reduce([t0, t1], comms=[c0, c1])
+    assert get("event_records") == before + 2
+    c0.wait()
+    c1.wait()
+    assert t0.tolist() == [2.0, 4.0] and t1.tolist() == [6.0, 8.0]
+    # a group whose connection hangs: both fail, whichever was polled
+    c2 = pyccl.Communicator(2, pyccl.unique_id(), 0, device=0, timeout=0.5)
+    c3 = pyccl.Communicator(2, pyccl.unique_id(), 0, device=1, timeout=0.5)
+    put("connect_hang", 1)
+    dt, err = timed(lambda: pyccl.nccl.all_reduce([t0, t1], comms=[c2, c3]))
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert dt < 1.5 and c2.destroyed and c3.destroyed, (dt, c2, c3)
+    assert not c0.destroyed and not c1.destroyed
+    for c in (c0, c1, c2, c3):
+        c.destroy()
     clean()
     return "ok"
 

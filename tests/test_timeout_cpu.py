@@ -148,6 +148,7 @@ def run_fake(lib, scenario, timeout=60):
     "connect_slow_and_hung",   # ncclInProgress on first use: polled, bounded
     "abort_from_thread",       # abort() from another thread ends a wait() at once
     "drop_in",                 # pyccl.nccl with comms=[timed communicator]
+    "two_comms_one_call",      # pyccl.nccl over two watched communicators in one NCCL group
     "threads_share_comm",      # four threads on one communicator: never two inside NCCL
     "second_device_only",      # the watchdog makes no CUDA context on a device the rank does not use
     "launch_queue_full",       # a launch blocked behind the stuck kernel: aborted after timeout + 1 s
