@@ -187,6 +187,10 @@ retire(struct pyccl_watch *w, int all, const char **bad_op)
     const pyccl_api *a = w->api;
     cudaError_t bad = cudaSuccess;
     int k = 0, i = 0, not_ready = 0;
+    /* Relaxed: a query must not invalidate a CUDA graph capture that this
+     * thread (or, in global mode, any thread) has going on. */
+    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    a->cudaThreadExchangeStreamCaptureMode(&mode);
     for (; i < w->nq; i++) {
         cudaError_t e = a->cudaEventQuery(w->q[i].ev);
         if (e == cudaSuccess) {
@@ -210,6 +214,7 @@ retire(struct pyccl_watch *w, int all, const char **bad_op)
         w->q[k++] = w->q[i];
     }
     w->nq = k;
+    a->cudaThreadExchangeStreamCaptureMode(&mode);
     if (not_ready) {
         /* cudaErrorNotReady is kept as the thread's last error: clear it, or
          * torch's next launch check would report it. */
@@ -436,7 +441,7 @@ watchdog_main(void *arg)
 {
     struct pyccl_watchdog *wd = arg;
     const pyccl_api *a = wd->api;
-    int capture_mode_set = 0, device = -1;
+    int device = -1;
     pthread_mutex_lock(&wd->mu);
     while (!wd->stop) {
         double now = now_s();
@@ -453,13 +458,6 @@ watchdog_main(void *arg)
                 if (device != w->device) {
                     a->cudaSetDevice(w->device);
                     device = w->device;
-                }
-                if (!capture_mode_set) {
-                    /* Relaxed: event queries here must not invalidate a
-                     * graph capture running in another thread. */
-                    enum cudaStreamCaptureMode m = cudaStreamCaptureModeRelaxed;
-                    a->cudaThreadExchangeStreamCaptureMode(&m);
-                    capture_mode_set = 1;
                 }
                 check(w, now);
             }

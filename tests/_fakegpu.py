@@ -382,13 +382,21 @@ def split_child():
 
 
 def graph_capture():
-    c = new(timeout=1)
+    c = new(timeout=5)
+    a = Array([1.0])
+    c.all_reduce(a)
+    c.wait()
+    put("op_time", 0.2)
+    for _ in range(12):      # unfinished: the next enqueue looks at them
+        c.all_reduce(a)
     put("capturing", 1)
     before = get("event_records")
-    c.all_reduce(Array([1.0]))
+    c.all_reduce(a)
     assert get("event_records") == before, "event recorded into a capturing stream"
-    c.wait()
+    time.sleep(0.1)          # the watchdog looks meanwhile
+    assert get("capture_violations") == 0, "an event query would invalidate the capture"
     put("capturing", 0)
+    c.wait()
     clean()
     return "ok"
 

@@ -77,6 +77,7 @@ static int nstreams;
 static __thread int cur_dev;
 static __thread cudaError_t last_error;
 static __thread int group_depth;
+static __thread int capture_mode; /* cudaStreamCaptureModeGlobal = 0, Relaxed = 2 */
 static __thread struct { struct fcomm *c; uintptr_t s; int bytes; void *recv; const void *send; size_t n; } group_ops[256];
 static __thread int group_nops;
 
@@ -87,7 +88,8 @@ static __thread int group_nops;
     X(async_error) X(capturing) X(ndev)                                     \
     X(inits) X(aborts) X(destroys) X(finalizes) X(ops) X(misuse)            \
     X(concurrent) X(events_live) X(event_records) X(event_queries)          \
-    X(capture_mode_calls) X(stream_syncs) X(splits) X(redops)
+    X(capture_mode_calls) X(capture_violations) X(stream_syncs) X(splits)   \
+    X(redops)
 #define DECL(k) static double k;
 KEYS(DECL)
 #undef DECL
@@ -744,6 +746,9 @@ cudaEventQuery(struct fevent *ev)
     }
     else {
         event_queries++;
+        if (capturing && capture_mode != 2) {
+            capture_violations++; /* would invalidate the capture */
+        }
         e = (ev->blocker == NULL || ev->blocker->aborted) && now() >= ev->done_at
                 ? cudaSuccess
                 : cudaErrorNotReady;
@@ -769,6 +774,8 @@ cudaThreadExchangeStreamCaptureMode(int *mode)
     pthread_mutex_lock(&mu);
     capture_mode_calls++;
     pthread_mutex_unlock(&mu);
-    *mode = 0;
+    int old = capture_mode;
+    capture_mode = *mode;
+    *mode = old;
     return cudaSuccess;
 }
