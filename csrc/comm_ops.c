@@ -324,9 +324,12 @@ finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop, int made)
     int rc = 0;
     if (n > 0) {
         x->c->inflight++; /* another thread's destroy() must wait for this */
-        rc = x->c->watch == NULL
-                 ? pyccl_enqueue(x->st, x->op, tasks, n, redop, NULL)
-                 : pyccl_enqueue_timed(x->st, x->op, tasks, n, redop, &x->c, 1);
+        if (x->c->watch != NULL) {
+            rc = pyccl_enqueue_timed(x->st, x->op, tasks, n, redop, &x->c, 1);
+        }
+        else if ((rc = pyccl_comm_note_stream(x->c, tasks[0].stream)) == 0) {
+            rc = pyccl_enqueue(x->st, x->op, tasks, n, redop, NULL);
+        }
         x->c->inflight--;
     }
     if (made) {

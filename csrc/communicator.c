@@ -333,6 +333,7 @@ comm_dealloc(PyObject *self)
          * way once the process ends. */
         (void)destroy_comm(st, c, 0);
     }
+    PyMem_Free(c->streams);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -528,10 +529,12 @@ static PyMethodDef comm_methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "wait($self, /, timeout=None)\n--\n\nBlock (GIL released; Ctrl-C "
      "interrupts) until the work enqueued on this communicator so far has "
-     "finished on the GPU. timeout: seconds, default the communicator's. "
-     "Raises NcclTimeoutError if it does not finish in time (the "
-     "communicator is aborted once its own timeout passed), or the error "
-     "that aborted it. Needs a communicator created with timeout=."},
+     "finished on the GPU. timeout: seconds, default the communicator's "
+     "(none: wait as long as it takes). Raises NcclTimeoutError if it does "
+     "not finish in time (the communicator is aborted once its own timeout "
+     "passed), or the error that aborted it. Without a timeout of its own "
+     "it waits for everything enqueued so far on the streams it was used "
+     "on."},
     {"get_async_error", pyccl_comm_get_async_error, METH_NOARGS,
      "get_async_error()\n--\n\nNone while all is well, else the exception "
      "(not raised) that the next call would raise: an NcclTimeoutError or "

@@ -219,6 +219,11 @@ typedef struct {
      * then nothing below costs anything per call. */
     struct pyccl_watch *watch;
     double timeout;      /* seconds, 0 for none; kept after destroy() */
+    /* Without a watch: the streams it was used on, for wait() (which records
+     * an event on each then).  last_stream makes noting one a compare. */
+    cudaStream_t last_stream;
+    cudaStream_t *streams;   /* PyMem_Malloc'd */
+    int nstreams;
 } pyccl_comm;
 extern PyType_Spec pyccl_comm_spec;
 int pyccl_is_comm(pyccl_state *st, PyObject *obj);
@@ -309,10 +314,22 @@ double pyccl_comm_timeout(const pyccl_comm *c);
  * pyccl's own kernels, when one reports that it gave up). */
 void pyccl_comm_mark_failed(pyccl_comm *c, const char *reason);
 /* After work of c's that is not an NCCL call (pyccl's own kernels) was
- * launched on stream s: track it as an NCCL call would be (no-op without
- * timeout).  -1 with an exception.  GIL held. */
+ * launched on stream s: track it as an NCCL call would be (an event with a
+ * timeout, else the stream noted for wait()).  -1 with an exception.  GIL
+ * held. */
 int pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
                      cudaStream_t s);
+/* A communicator without timeout was used on stream s (for wait()): a
+ * compare when s is its last stream again.  -1 with MemoryError. */
+int pyccl_comm_add_stream(pyccl_comm *c, cudaStream_t s);
+static inline int
+pyccl_comm_note_stream(pyccl_comm *c, cudaStream_t s)
+{
+    if (c->nstreams > 0 && s == c->last_stream) {
+        return 0;
+    }
+    return pyccl_comm_add_stream(c, s);
+}
 
 /* None -> 0; an int or float > 0 -> seconds; else TypeError/ValueError
  * naming op and "timeout". */

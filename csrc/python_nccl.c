@@ -354,7 +354,17 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
         }
         int timed = 0;
         for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-            timed |= ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->watch != NULL;
+            pyccl_comm *c = (pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i);
+            timed |= c->watch != NULL;
+            if (c->watch == NULL && pyccl_comm_note_stream(c, tasks[i].stream) < 0) {
+                timed = -1;
+            }
+        }
+        if (timed < 0) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight--;
+            }
+            goto error;
         }
         int rc = timed ? pyccl_enqueue_timed(
                              st, op, tasks, n, redop,

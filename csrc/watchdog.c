@@ -1418,12 +1418,143 @@ pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
 }
 
 int
+pyccl_comm_add_stream(pyccl_comm *c, cudaStream_t s)
+{
+    c->last_stream = s;
+    for (int i = 0; i < c->nstreams; i++) {
+        if (c->streams[i] == s) {
+            return 0;
+        }
+    }
+    cudaStream_t *v = PyMem_Realloc(c->streams,
+                                    (size_t)(c->nstreams + 1) * sizeof *v);
+    if (v == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    v[c->nstreams++] = s;
+    c->streams = v;
+    return 0;
+}
+
+/* wait() of a communicator without timeout: an event recorded now on each
+ * stream it was used on covers its work there (and whatever came before
+ * it).  `limit` 0: no limit. */
+static int
+wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
+{
+    const pyccl_api *a = &st->api;
+    int n = c->nstreams, status = 0; /* 1 limit passed, -1 interrupted */
+    cudaError_t e = cudaSuccess;
+    const char *call = "cudaEventRecord";
+    if (n == 0) {
+        return 0;
+    }
+    /* a snapshot: another thread may add streams meanwhile */
+    cudaStream_t *streams = PyMem_RawMalloc((size_t)n * sizeof *streams);
+    cudaEvent_t *evs = PyMem_RawCalloc((size_t)n, sizeof *evs);
+    if (streams == NULL || evs == NULL) {
+        PyMem_RawFree(streams);
+        PyMem_RawFree(evs);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(streams, c->streams, (size_t)n * sizeof *streams);
+    int device = c->device;
+    double start = now_s();
+    waiter wt;
+    /* no c->inflight: the handle is not used, and abort() from another
+     * thread is how a wait on a communicator without timeout ends early */
+    waiter_start(&wt, 1);
+    int prev = dev_enter(a, device);
+    for (int i = 0; i < n && e == cudaSuccess; i++) {
+        enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        if (a->cudaStreamIsCapturing(streams[i], &cs) != cudaSuccess ||
+            cs != cudaStreamCaptureStatusNone) {
+            a->cudaGetLastError();
+            continue; /* captured work runs when the graph does */
+        }
+        e = a->cudaEventCreateWithFlags(&evs[i], cudaEventDisableTiming);
+        if (e == cudaSuccess) {
+            e = a->cudaEventRecord(evs[i], streams[i]);
+        }
+    }
+    dev_leave(a, device, prev);
+    while (e == cudaSuccess) {
+        int left = 0;
+        enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+        a->cudaThreadExchangeStreamCaptureMode(&mode);
+        for (int i = 0; i < n && e == cudaSuccess; i++) {
+            if (evs[i] == NULL) {
+                continue;
+            }
+            cudaError_t q = a->cudaEventQuery(evs[i]);
+            if (q == cudaErrorNotReady) {
+                a->cudaGetLastError();
+                left = 1;
+            }
+            else if (q != cudaSuccess) {
+                e = q;
+                call = "cudaEventQuery";
+            }
+        }
+        a->cudaThreadExchangeStreamCaptureMode(&mode);
+        if (!left || e != cudaSuccess) {
+            break;
+        }
+        if (limit > 0 && now_s() - start > limit) {
+            status = 1;
+            break;
+        }
+        if (waiter_pause(&wt) < 0) {
+            status = -1;
+            break;
+        }
+    }
+    prev = dev_enter(a, device);
+    for (int i = 0; i < n; i++) {
+        if (evs[i] != NULL) {
+            a->cudaEventDestroy(evs[i]);
+        }
+    }
+    dev_leave(a, device, prev);
+    waiter_finish(&wt);
+    PyMem_RawFree(streams);
+    PyMem_RawFree(evs);
+    if (status < 0) {
+        return -1;
+    }
+    if (e != cudaSuccess) {
+        pyccl_raise_cuda(st, op, call, e);
+        return -1;
+    }
+    if (status > 0) {
+        char t[32];
+        fmt_seconds(t, sizeof t, limit);
+        char reason[300];
+        snprintf(reason, sizeof reason,
+                 "rank %d of %d: the work enqueued on the communicator did not "
+                 "finish within %s s; it has no timeout of its own, so it was "
+                 "not aborted",
+                 c->rank, c->size, t);
+        PyObject *exc = pyccl_failure_exception(st, op, PYCCL_FAIL_TIMEOUT, 0,
+                                                reason, limit);
+        if (exc != NULL) {
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+            Py_DECREF(exc);
+        }
+        return -1;
+    }
+    return 0;
+}
+
+int
 pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
                  cudaStream_t s)
 {
     struct pyccl_watch *w = c->watch;
     if (w == NULL) {
-        return 0;
+        return pyccl_comm_note_stream(c, s);
     }
     if (pyccl_watch_check(st, op, c) < 0) {
         return -1;
@@ -1798,13 +1929,11 @@ pyccl_comm_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     if (c->watch == NULL) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "wait: the communicator (rank %d of %d) was created "
-                     "without timeout=, so pyccl does not track its work; "
-                     "synchronize its stream instead (or create it with a "
-                     "timeout)",
-                     c->rank, c->size);
-        return NULL;
+        /* no timeout of its own: without a limit, as long as it takes */
+        if (wait_streams(st, "wait", c, limit) < 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
     }
     if (limit == 0.0) {
         limit = c->watch->timeout;

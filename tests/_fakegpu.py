@@ -401,18 +401,48 @@ def graph_capture():
     return "ok"
 
 
+def stream(handle):
+    """A torch.cuda.Stream as pyccl reads one (device_index, cuda_stream)."""
+    import torch
+    s = torch.cuda.Stream.__new__(torch.cuda.Stream)
+    s.device_index, s.cuda_stream = 0, handle
+    return s
+
+
 def untimed():
     c = pyccl.Communicator(2, pyccl.unique_id(), 0)
     assert c.timeout is None
     a = Array([1.0])
+    put("op_time", 0.3)
     c.all_reduce(a)
+    c.all_reduce(a, stream=stream(0x5555))
+    c.all_reduce(a, stream=stream(0x5555))
     assert get("event_records") == 0 and get("capture_mode_calls") == 0, "untimed work was tracked"
-    assert threading.active_count() == 1
+    assert threading.active_count() == 1, "a watchdog thread without any timeout"
     assert c.get_async_error() is None
-    _, err = timed(c.wait)
-    assert type(err) is RuntimeError and str(err) == (
-        "wait: the communicator (rank 0 of 2) was created without timeout=, so pyccl does not track "
-        "its work; synchronize its stream instead (or create it with a timeout)"), err
+    # wait(): as long as it takes, on every stream it used (0.6 s on the side one)
+    dt, err = timed(c.wait)
+    assert err is None and 0.55 <= dt < 1.5, (err, dt)
+    assert get("event_records") == 2 and get("events_live") == 0
+    put("op_time", 0)
+    put("peer_dead", 1)
+    c.all_reduce(a)
+    dt, err = timed(lambda: c.wait(timeout=0.3))
+    assert type(err) is pyccl.NcclTimeoutError and str(err) == (
+        "wait: rank 0 of 2: the work enqueued on the communicator did not finish within 0.3 s; it has "
+        "no timeout of its own, so it was not aborted"), err
+    assert 0.3 <= dt < 1.0 and get("aborts") == 0 and not c.destroyed
+    # abort() from another thread is how such a wait ends early
+    threading.Timer(0.3, c.abort).start()
+    dt, err = timed(c.wait)
+    assert err is None and 0.3 <= dt < 1.0, (err, dt)
+    assert get("aborts") == 1 and c.destroyed
+    _, err = timed(lambda: c.all_reduce(a))
+    assert type(err) is RuntimeError and str(err) == \
+        "all_reduce: the communicator (rank 0 of 2) has been aborted", err
+    c.destroy()
+    put("peer_dead", 0)
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0)
     put("async_error", 6)
     e = c.get_async_error()
     assert type(e) is pyccl.NcclError and e.code == 6 and str(e) == (
@@ -420,7 +450,7 @@ def untimed():
         "a network error)"), e
     put("async_error", 0)
     c.abort()
-    assert c.destroyed and get("aborts") == 1
+    assert c.destroyed and get("aborts") == 2
     c.abort()
     _, err = timed(lambda: c.all_reduce(a))
     assert type(err) is RuntimeError and str(err) == \
