@@ -350,8 +350,13 @@ read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
         return -1;
     }
     ncclRedOp_t op;
+    /* with a timeout: not while the watchdog may abort the handle */
+    if (pyccl_comm_enter(x->st, x->op, x->c) < 0) {
+        return -1;
+    }
     ncclResult_t r = x->st->api.ncclRedOpCreatePreMulSum(
         &op, &buf, (ncclDataType_t)type, ncclScalarHostImmediate, x->c->comm);
+    pyccl_comm_leave(x->c);
     if (r != ncclSuccess) {
         pyccl_raise_nccl(x->st, x->op, r,
                          x->st->api.ncclGetLastError
@@ -364,18 +369,38 @@ read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
     return 0;
 }
 
+/* ncclRedOpDestroy of a premul_sum op made for this call (NCCL allows it
+ * once the call that used it returned); not on an aborted handle. */
+static void
+destroy_op(call_ctx *x, int redop)
+{
+    PyObject *exc = PyErr_GetRaisedException();
+    if (pyccl_comm_enter(x->st, x->op, x->c) == 0) {
+        if (x->c->comm != NULL) {
+            x->st->api.ncclRedOpDestroy((ncclRedOp_t)redop, x->c->comm);
+        }
+        pyccl_comm_leave(x->c);
+    }
+    PyErr_Clear();
+    PyErr_SetRaisedException(exc);
+}
+
 static PyObject *
 finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop, int made)
 {
     int rc = 0;
     if (n > 0) {
         x->c->inflight++; /* another thread's destroy() must wait for this */
-        rc = pyccl_enqueue(x->st, x->op, tasks, n, redop, NULL);
+        if (x->c->watch != NULL) {
+            rc = pyccl_enqueue_timed(x->st, x->op, tasks, n, redop, &x->c, 1);
+        }
+        else if ((rc = pyccl_comm_note_stream(x->c, tasks[0].stream)) == 0) {
+            rc = pyccl_enqueue(x->st, x->op, tasks, n, redop, NULL);
+        }
         x->c->inflight--;
     }
     if (made) {
-        /* NCCL allows destroying the op once the call that used it returned */
-        x->st->api.ncclRedOpDestroy((ncclRedOp_t)redop, x->c->comm);
+        destroy_op(x, redop);
     }
     if (rc < 0) {
         return NULL;
@@ -670,7 +695,7 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
     made = 0;
 done:
     if (made) {
-        x.st->api.ncclRedOpDestroy((ncclRedOp_t)redop, x.c->comm);
+        destroy_op(&x, redop);
     }
     PyMem_Free(tasks);
     PyMem_Free(list);
@@ -1100,6 +1125,17 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     }
     pyccl_task tk;
     task(&tk, PYCCL_ALL_REDUCE, c->scratch, c->scratch, 1, ncclFloat32, 0, &x, s);
+    if (c->watch != NULL) {
+        /* enqueue and wait like any call on it: bounded, interruptible */
+        c->inflight++;
+        int rc = pyccl_enqueue_timed(x.st, "barrier", &tk, 1, ncclSum, &c, 1);
+        c->inflight--;
+        if (rc < 0 || pyccl_watch_wait(x.st, "barrier", c,
+                                       pyccl_comm_timeout(c)) < 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
     c->inflight++;
     int rc = pyccl_enqueue(x.st, "barrier", &tk, 1, ncclSum, NULL);
     c->inflight--;
@@ -1174,6 +1210,9 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     if (api->ncclCommSplit == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "split: needs NCCL >= 2.18");
         return NULL;
+    }
+    if (x.c->watch != NULL) {
+        return pyccl_watch_split(x.st, x.c, color, key); /* the child too */
     }
     if (pyccl_group_depth() > 0) {
         /* NCCL writes the child's handle when the group ends, so it goes

@@ -5,7 +5,9 @@
  * devices of one process (ncclCommInitAll) cached per ordered device tuple.
  * destroy() frees it at once, garbage collection frees it otherwise, and at
  * interpreter exit nothing is freed: the CUDA runtime may already be going
- * away, and a leak there is harmless while a crash is not. */
+ * away, and a leak there is harmless while a crash is not.  With timeout=
+ * it is an NCCL non-blocking communicator under the watchdog (watchdog.c),
+ * which then owns its handle. */
 #include "pyccl.h"
 
 #include <string.h>
@@ -19,7 +21,9 @@ pyccl_is_comm(pyccl_state *st, PyObject *obj)
 int
 pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
 {
-    (void)st;
+    if (c->watch != NULL && pyccl_watch_check(st, op, c) < 0) {
+        return -1; /* timed out or aborted */
+    }
     if (c->pending) {
         PyErr_Format(PyExc_RuntimeError,
                      "%s: the communicator is not ready: it was created inside "
@@ -80,25 +84,44 @@ pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size, int device)
 }
 
 /* Destroy with the GIL released: ncclCommDestroy waits for the
- * communicator's outstanding work. */
+ * communicator's outstanding work.  With a watch: ncclInProgress means the
+ * exception (NcclTimeoutError, ...) is set when may_raise. */
 static ncclResult_t
-destroy_comm(pyccl_state *st, pyccl_comm *c, int collective)
+destroy_comm(pyccl_state *st, pyccl_comm *c, int may_raise)
 {
     /* first, while the communicator works: the own all-reduce's peer memory */
     if (c->comm != NULL) {
-        pyccl_fastar_release(st, c, collective);
+        /* with a timeout the barrier could outlive a dead peer: keep it */
+        pyccl_fastar_release(st, c, may_raise && pyccl_comm_timeout(c) == 0);
     }
     ncclComm_t comm = c->comm;
     void *scratch = c->scratch;
     ncclResult_t r = ncclSuccess;
+    if (st->exiting || !st->api.loaded) {
+        c->comm = NULL;
+        c->scratch = NULL;
+        return r; /* leaked, watch included */
+    }
+    if (c->watch != NULL) {
+        /* finalized within the timeout, else aborted (watchdog.c) */
+        if (pyccl_watch_destroy(st, "destroy", c, may_raise) < 0) {
+            if (c->watch != NULL) {
+                return ncclInProgress; /* refused: in use; nothing done */
+            }
+            r = ncclInProgress; /* the exception is set */
+        }
+        comm = NULL;
+    }
     c->comm = NULL;
     c->scratch = NULL;
-    if (comm == NULL || st->exiting || !st->api.loaded) {
+    if (comm == NULL && scratch == NULL) {
         return r;
     }
     const pyccl_api *a = &st->api;
     Py_BEGIN_ALLOW_THREADS
-    r = a->ncclCommDestroy(comm);
+    if (comm != NULL) {
+        r = a->ncclCommDestroy(comm);
+    }
     if (scratch != NULL) {
         int prev = -1;
         a->cudaGetDevice(&prev);
@@ -161,9 +184,11 @@ pyccl_read_int(const char *op, const char *what, PyObject *obj, int *out)
 /* Shared by Communicator() and _nccl_init_rank(). */
 static PyObject *
 comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
-          PyObject *uid_obj, PyObject *rank_obj, PyObject *device_obj)
+          PyObject *uid_obj, PyObject *rank_obj, PyObject *device_obj,
+          PyObject *timeout_obj)
 {
     int nranks, rank, device = -1, ndev = 0, prev = -1;
+    double timeout = 0.0;
     ncclUniqueId uid;
     if (pyccl_read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
         read_unique_id(op, uid_obj, &uid) < 0 ||
@@ -172,6 +197,9 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
     }
     if (device_obj != NULL && device_obj != Py_None &&
         pyccl_read_int(op, "device", device_obj, &device) < 0) {
+        return NULL;
+    }
+    if (pyccl_read_timeout(op, timeout_obj, &timeout) < 0) {
         return NULL;
     }
     if (nranks < 1) {
@@ -220,6 +248,25 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
     ncclComm_t comm = NULL;
     ncclResult_t r;
     char last[512] = "";
+    if (timeout > 0) {
+        /* non-blocking, bounded by the timeout, interruptible */
+        if (pyccl_watch_init(st, op, &comm, nranks, &uid, rank, device,
+                             timeout) < 0) {
+            return NULL;
+        }
+        PyObject *c = pyccl_comm_new(st, comm, rank, nranks, device);
+        if (c == NULL) {
+            Py_BEGIN_ALLOW_THREADS
+            a->ncclCommAbort(comm);
+            Py_END_ALLOW_THREADS
+            return NULL;
+        }
+        if (pyccl_watch_attach(st, op, (pyccl_comm *)c, timeout) < 0) {
+            Py_DECREF(c);
+            return NULL;
+        }
+        return c;
+    }
     Py_BEGIN_ALLOW_THREADS
     ce = a->cudaSetDevice(device);
     if (ce == cudaSuccess) {
@@ -254,23 +301,25 @@ PyObject *
 pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
                 PyObject *rank)
 {
-    return comm_init(st, "init_rank", nranks, uid, rank, NULL);
+    return comm_init(st, "init_rank", nranks, uid, rank, NULL, NULL);
 }
 
 static PyObject *
 comm_tp_new(PyTypeObject *tp, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"world_size", "unique_id", "rank", "device", NULL};
-    PyObject *n, *uid, *rank, *device = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O:Communicator",
-                                     kwlist, &n, &uid, &rank, &device)) {
+    static char *kwlist[] = {"world_size", "unique_id", "rank", "device",
+                             "timeout", NULL};
+    PyObject *n, *uid, *rank, *device = Py_None, *timeout = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|OO:Communicator",
+                                     kwlist, &n, &uid, &rank, &device,
+                                     &timeout)) {
         return NULL;
     }
     pyccl_state *st = pyccl_state_of_type(tp);
     if (st == NULL) {
         return NULL;
     }
-    return comm_init(st, "Communicator", n, uid, rank, device);
+    return comm_init(st, "Communicator", n, uid, rank, device, timeout);
 }
 
 static void
@@ -283,11 +332,13 @@ comm_dealloc(PyObject *self)
         PyObject_ClearWeakRefs(self);
     }
     pyccl_state *st = PyType_GetModuleState(tp);
-    if (st != NULL && c->comm != NULL && !Py_IsFinalizing()) {
+    if (st != NULL && (c->comm != NULL || c->watch != NULL) &&
+        !Py_IsFinalizing()) {
         /* A failure here has nobody to report to; the memory is gone either
          * way once the process ends. */
         (void)destroy_comm(st, c, 0);
     }
+    PyMem_Free(c->streams);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
@@ -321,6 +372,9 @@ comm_destroy(PyObject *self, PyObject *Py_UNUSED(ignored))
         return NULL;
     }
     ncclResult_t r = destroy_comm(st, c, 1);
+    if (r == ncclInProgress) {
+        return NULL; /* timed communicator: raised by watchdog.c */
+    }
     if (r != ncclSuccess) {
         pyccl_raise_nccl(st, "destroy", r, NULL);
         return NULL;
@@ -346,10 +400,11 @@ static PyObject *
 comm_repr(PyObject *self)
 {
     pyccl_comm *c = (pyccl_comm *)self;
+    int failed = pyccl_comm_failed(c);
     return PyUnicode_FromFormat("<pyccl.Communicator rank=%d size=%d "
                                 "device=cuda:%d%s>",
                                 c->rank, c->size, c->device,
-                                c->comm ? "" : " destroyed");
+                                failed ? " aborted" : c->comm ? "" : " destroyed");
 }
 
 static PyObject *
@@ -378,16 +433,37 @@ comm_get_device(PyObject *self, void *Py_UNUSED(closure))
     return PyLong_FromLong(((pyccl_comm *)self)->device);
 }
 
+/* The handle while usable: not once the watchdog aborted it (then the
+ * handle is freed even before a call noticed). */
+static ncclComm_t
+usable_handle(pyccl_comm *c)
+{
+    if (pyccl_comm_failed(c)) {
+        return NULL;
+    }
+    return c->comm;
+}
+
 static PyObject *
 comm_get_handle(PyObject *self, void *Py_UNUSED(closure))
 {
-    return PyLong_FromVoidPtr(((pyccl_comm *)self)->comm);
+    return PyLong_FromVoidPtr(usable_handle((pyccl_comm *)self));
 }
 
 static PyObject *
 comm_get_destroyed(PyObject *self, void *Py_UNUSED(closure))
 {
-    return PyBool_FromLong(((pyccl_comm *)self)->comm == NULL);
+    return PyBool_FromLong(usable_handle((pyccl_comm *)self) == NULL);
+}
+
+static PyObject *
+comm_get_timeout(PyObject *self, void *Py_UNUSED(closure))
+{
+    double t = pyccl_comm_timeout((pyccl_comm *)self);
+    if (t > 0) {
+        return PyFloat_FromDouble(t);
+    }
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(all_reduce_doc,
@@ -480,9 +556,33 @@ static PyMethodDef comm_methods[] = {
     PYCCL_COMM_OPS(PYCCL_OP_ENTRY)
     {"destroy", comm_destroy, METH_NOARGS,
      "destroy()\n--\n\nFree the NCCL communicator now (idempotent). Using it "
-     "afterwards raises RuntimeError. Collective (every rank calls it) once "
-     "all_reduce used pyccl's own kernels: their peer memory is freed after a "
-     "barrier."},
+     "afterwards raises RuntimeError. With a timeout: waits at most that long "
+     "for the outstanding work, then aborts and raises NcclTimeoutError. "
+     "Collective (every rank calls it) once all_reduce used pyccl's own "
+     "kernels: their peer memory is freed after a barrier."},
+    {"abort", pyccl_comm_abort, METH_NOARGS,
+     "abort()\n--\n\nAbort the NCCL communicator now (ncclCommAbort): its "
+     "kernels stop waiting for peers and return, results unfinished; every "
+     "later call raises RuntimeError. Idempotent; for the emergency (another "
+     "thread may call it while this one waits on the GPU). Without a timeout "
+     "it refuses while another thread is inside a call on it."},
+    {"wait", (PyCFunction)(void (*)(void))pyccl_comm_wait,
+     METH_FASTCALL | METH_KEYWORDS,
+     "wait($self, /, timeout=None)\n--\n\nBlock (GIL released; Ctrl-C "
+     "interrupts) until the work enqueued on this communicator so far has "
+     "finished on the GPU. timeout: seconds, default the communicator's "
+     "(none: wait as long as it takes). Raises NcclTimeoutError if it does "
+     "not finish in time (the communicator is aborted once its own timeout "
+     "passed), or the error that aborted it. Without a timeout of its own "
+     "it waits for everything enqueued so far on the streams it was used "
+     "on."},
+    {"get_async_error", pyccl_comm_get_async_error, METH_NOARGS,
+     "get_async_error()\n--\n\nNone while all is well, else the exception "
+     "(not raised) that the next call would raise: an NcclTimeoutError or "
+     "NcclError instance once the communicator failed, or an NcclError for "
+     "the error NCCL reports (ncclCommGetAsyncError). RuntimeError once it "
+     "was destroyed or abort()ed."},
+
     {"_all_reduce_epoch", (PyCFunction)(void (*)(void))comm_ar_epoch, METH_FASTCALL,
      "_all_reduce_epoch(value=None)\n--\n\nTesting aid: every rank's own-kernel epoch "
      "counter; sets it to value (on all ranks alike, nothing in flight)."},
@@ -495,7 +595,11 @@ static PyGetSetDef comm_getset[] = {
     {"rank", comm_get_rank, NULL, "This communicator's rank.", NULL},
     {"size", comm_get_size, NULL, "Number of ranks.", NULL},
     {"device", comm_get_device, NULL, "CUDA device index.", NULL},
-    {"destroyed", comm_get_destroyed, NULL, "True after destroy().", NULL},
+    {"destroyed", comm_get_destroyed, NULL,
+     "True after destroy() or abort(), or once the watchdog aborted it.", NULL},
+    {"timeout", comm_get_timeout, NULL,
+     "The timeout in seconds (a float), or None: blocking NCCL semantics.",
+     NULL},
     {"all_reduce_info", comm_get_ar_info, NULL,
      "How all_reduce picks pyccl's own kernels on this communicator: state "
      "('not set up', 'ready', 'off'), reason, buffer_bytes, oneshot_max, "
@@ -520,9 +624,14 @@ static PyType_Slot comm_slots[] = {
     {Py_tp_getset, comm_getset},
     {Py_tp_members, comm_members},
     {Py_tp_doc,
-     "Communicator(world_size, unique_id, rank, device=None)\n--\n\n"
+     "Communicator(world_size, unique_id, rank, device=None, timeout=None)\n--\n\n"
      "One rank of an NCCL communicator on one CUDA device (the current one "
-     "when device is None). Every rank passes the same unique_id."},
+     "when device is None). Every rank passes the same unique_id.\n\n"
+     "timeout (seconds): NCCL non-blocking mode under pyccl's watchdog. The "
+     "init, and every collective's work on the GPU, must finish within it, "
+     "else the communicator is aborted and NcclTimeoutError raised (by the "
+     "call itself, or by the next call on it / comm.wait()). None: NCCL's "
+     "blocking mode, nothing watched (a lost peer can hang the others)."},
     {0, NULL},
 };
 

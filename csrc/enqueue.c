@@ -42,26 +42,17 @@ enqueue_one(const pyccl_api *a, const pyccl_task *t, int redop)
     return ncclInvalidArgument;
 }
 
-int
-pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
-              Py_ssize_t n, int redop, PyThread_type_lock serialize)
+ncclResult_t
+pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
+                    int redop, char *last, size_t last_size)
 {
-    const pyccl_api *a = &st->api;
-    ncclResult_t r = ncclSuccess, r2;
-    char last[512] = "";
-    Py_BEGIN_ALLOW_THREADS
-    /* Taken without the GIL: a holder may be waiting for the GIL. */
-    if (serialize != NULL) {
-        PyThread_acquire_lock(serialize, WAIT_LOCK);
-    }
+    ncclResult_t r, r2;
+    ncclComm_t failed = NULL;
     if (n == 1) {
         r = enqueue_one(a, &tasks[0], redop);
-        if (r != ncclSuccess && a->ncclGetLastError) {
-            strncpy(last, a->ncclGetLastError(tasks[0].comm), sizeof last - 1);
-        }
+        failed = tasks[0].comm;
     }
     else {
-        ncclComm_t failed = NULL;
         r = a->ncclGroupStart();
         if (r == ncclSuccess) {
             for (Py_ssize_t i = 0; i < n; i++) {
@@ -78,10 +69,28 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
                 failed = tasks[0].comm;
             }
         }
-        if (r != ncclSuccess && a->ncclGetLastError) {
-            strncpy(last, a->ncclGetLastError(failed), sizeof last - 1);
-        }
     }
+    /* ncclInProgress is no error: a non-blocking communicator is still
+     * working on the call (watchdog.c polls it). */
+    if (r != ncclSuccess && r != ncclInProgress && a->ncclGetLastError) {
+        strncpy(last, a->ncclGetLastError(failed), last_size - 1);
+    }
+    return r;
+}
+
+int
+pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
+              Py_ssize_t n, int redop, PyThread_type_lock serialize)
+{
+    const pyccl_api *a = &st->api;
+    ncclResult_t r;
+    char last[512] = "";
+    Py_BEGIN_ALLOW_THREADS
+    /* Taken without the GIL: a holder may be waiting for the GIL. */
+    if (serialize != NULL) {
+        PyThread_acquire_lock(serialize, WAIT_LOCK);
+    }
+    r = pyccl_enqueue_calls(a, tasks, n, redop, last, sizeof last);
     if (serialize != NULL) {
         PyThread_release_lock(serialize);
     }

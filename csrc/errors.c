@@ -3,40 +3,59 @@
  * One place builds each exception, so every failure carries the same
  * attributes: NcclError has .code, .error_string (ncclGetErrorString) and
  * .last_error (ncclGetLastError, NCCL's own explanation); CudaError has .code
- * and .error_string.  Both subclass RuntimeError, which is what torch raises. */
+ * and .error_string.  Both subclass RuntimeError, which is what torch raises.
+ * NcclTimeoutError (a communicator created with timeout= gave up on its
+ * peers) is an NcclError and also a TimeoutError; it adds .timeout. */
 #include "pyccl.h"
+
+#include <string.h>
+
+/* An exception instance of `type` with the attributes; steals msg. */
+static PyObject *
+make_with_attrs(PyObject *type, PyObject *msg, int code, const char *errstr,
+                const char *last, int with_last)
+{
+    PyObject *exc = NULL, *v = NULL;
+    if (msg == NULL) {
+        return NULL;
+    }
+    exc = PyObject_CallOneArg(type, msg);
+    if (exc == NULL) {
+        goto fail;
+    }
+    v = PyLong_FromLong(code);
+    if (v == NULL || PyObject_SetAttrString(exc, "code", v) < 0) {
+        goto fail;
+    }
+    Py_SETREF(v, PyUnicode_FromString(errstr ? errstr : ""));
+    if (v == NULL || PyObject_SetAttrString(exc, "error_string", v) < 0) {
+        goto fail;
+    }
+    if (with_last) {
+        Py_SETREF(v, PyUnicode_FromString(last ? last : ""));
+        if (v == NULL || PyObject_SetAttrString(exc, "last_error", v) < 0) {
+            goto fail;
+        }
+    }
+    Py_XDECREF(v);
+    Py_DECREF(msg);
+    return exc;
+fail:
+    Py_XDECREF(v);
+    Py_XDECREF(exc);
+    Py_DECREF(msg);
+    return NULL;
+}
 
 static void
 raise_with_attrs(PyObject *type, PyObject *msg, int code, const char *errstr,
                  const char *last, int with_last)
 {
-    PyObject *exc = NULL, *v = NULL;
-    if (msg == NULL) {
-        return;
+    PyObject *exc = make_with_attrs(type, msg, code, errstr, last, with_last);
+    if (exc != NULL) {
+        PyErr_SetObject(type, exc);
+        Py_DECREF(exc);
     }
-    exc = PyObject_CallOneArg(type, msg);
-    if (exc == NULL) {
-        goto done;
-    }
-    v = PyLong_FromLong(code);
-    if (v == NULL || PyObject_SetAttrString(exc, "code", v) < 0) {
-        goto done;
-    }
-    Py_SETREF(v, PyUnicode_FromString(errstr ? errstr : ""));
-    if (v == NULL || PyObject_SetAttrString(exc, "error_string", v) < 0) {
-        goto done;
-    }
-    if (with_last) {
-        Py_SETREF(v, PyUnicode_FromString(last ? last : ""));
-        if (v == NULL || PyObject_SetAttrString(exc, "last_error", v) < 0) {
-            goto done;
-        }
-    }
-    PyErr_SetObject(type, exc);
-done:
-    Py_XDECREF(v);
-    Py_XDECREF(exc);
-    Py_DECREF(msg);
 }
 
 void
@@ -68,4 +87,55 @@ pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
     PyObject *msg = PyUnicode_FromFormat("%s: %s failed: CUDA error %d (%s)",
                                          op, call, (int)err, errstr);
     raise_with_attrs(st->CudaError, msg, (int)err, errstr, NULL, 0);
+}
+
+PyObject *
+pyccl_failure_exception(pyccl_state *st, const char *op, int kind, int code,
+                        const char *reason, double timeout)
+{
+    /* The reason names the call that failed; a later call names itself too. */
+    size_t n = strlen(op);
+    PyObject *msg = strncmp(reason, op, n) == 0 && reason[n] == ':'
+                        ? PyUnicode_FromString(reason)
+                        : PyUnicode_FromFormat("%s: %s", op, reason);
+    const pyccl_api *a = &st->api;
+    if (st->NcclTimeoutError == NULL) { /* torn down at interpreter exit */
+        Py_XDECREF(msg);
+        PyErr_SetString(PyExc_RuntimeError,
+                        "pyccl: the interpreter is shutting down");
+        return NULL;
+    }
+    switch (kind) {
+    case PYCCL_FAIL_TIMEOUT: {
+        PyObject *exc = make_with_attrs(
+            st->NcclTimeoutError, msg, ncclInProgress,
+            a->ncclGetErrorString ? a->ncclGetErrorString(ncclInProgress) : "",
+            "", 1);
+        PyObject *t = exc ? PyFloat_FromDouble(timeout) : NULL;
+        if (t == NULL || PyObject_SetAttrString(exc, "timeout", t) < 0) {
+            Py_CLEAR(exc);
+        }
+        Py_XDECREF(t);
+        return exc;
+    }
+    case PYCCL_FAIL_NCCL:
+        return make_with_attrs(
+            st->NcclError, msg, code,
+            a->ncclGetErrorString ? a->ncclGetErrorString((ncclResult_t)code)
+                                  : "",
+            "", 1);
+    case PYCCL_FAIL_CUDA:
+        return make_with_attrs(
+            st->CudaError, msg, code,
+            a->cudaGetErrorString ? a->cudaGetErrorString((cudaError_t)code)
+                                  : "",
+            NULL, 0);
+    default:
+        if (msg == NULL) {
+            return NULL;
+        }
+        PyObject *exc = PyObject_CallOneArg(PyExc_RuntimeError, msg);
+        Py_DECREF(msg);
+        return exc;
+    }
 }

@@ -296,6 +296,22 @@ typedef struct {
     char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 16 - 20];
 } fa_record;
 
+/* A communicator made with timeout= is NCCL's non-blocking kind: a call may
+ * return ncclInProgress and finish later. */
+static ncclResult_t
+settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r)
+{
+    while (r == ncclInProgress && a->ncclCommGetAsyncError) {
+        if (a->ncclCommGetAsyncError(comm, &r) != ncclSuccess) {
+            return ncclInternalError;
+        }
+        if (r == ncclInProgress) {
+            usleep(20);
+        }
+    }
+    return r;
+}
+
 /* NCCL all_reduce(MIN) of one int through `dev` (a device int), synchronous.
  * Also the barrier of the set-up and of destroy. */
 static ncclResult_t
@@ -304,7 +320,7 @@ agree(const pyccl_api *a, ncclComm_t comm, int *dev, int *value, cudaStream_t s)
     if (a->cudaMemcpy(dev, value, sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess) {
         return ncclUnhandledCudaError;
     }
-    ncclResult_t r = a->ncclAllReduce(dev, dev, 1, ncclInt32, ncclMin, comm, s);
+    ncclResult_t r = settle(a, comm, a->ncclAllReduce(dev, dev, 1, ncclInt32, ncclMin, comm, s));
     if (r != ncclSuccess) {
         return r;
     }
@@ -358,11 +374,6 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
         ok = 0;
         WHY("the own kernels serve 2 to %d ranks, this communicator has %d",
             PYCCL_AR_MAX_RANKS, n);
-    } else if (!a->cudaIpcGetMemHandle || !a->cudaIpcOpenMemHandle || !a->cudaMemset ||
-               !a->cudaMemcpy || !a->cudaHostAlloc || !a->cudaDeviceGetPCIBusId ||
-               !a->cudaEventCreateWithFlags || !a->cudaEventRecord || !a->cudaStreamWaitEvent) {
-        ok = 0;
-        WHY("the loaded CUDA runtime lacks the IPC calls");
     } else if (load_kernels(f->device, f->reason, sizeof f->reason) < 0) {
         ok = 0;
     }
@@ -417,8 +428,9 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
         r = ncclUnhandledCudaError;
         goto out;
     }
-    r = a->ncclAllGather(dev + (size_t)me * sizeof(fa_record), dev, sizeof(fa_record), ncclUint8,
-                         comm, s);
+    r = settle(a, comm,
+               a->ncclAllGather(dev + (size_t)me * sizeof(fa_record), dev, sizeof(fa_record),
+                                ncclUint8, comm, s));
     if (r != ncclSuccess) {
         goto out;
     }
@@ -590,8 +602,10 @@ fastar_of(pyccl_comm *c)
         f->ll_max = ((size_t)env_long("PYCCL_AR_LL_MAX", 256 << 10, 0, 1L << 24) + 15) & ~(size_t)15;
         f->blocks = (int)env_long("PYCCL_AR_BLOCKS", 64, 1, PYCCL_AR_MAX_BLOCKS);
         f->threads = (int)env_long("PYCCL_AR_THREADS", 512, 32, 512) & ~31;
+        /* a wait on peers gives up after the communicator's timeout (or
+         * PYCCL_AR_TIMEOUT seconds for one without) */
         const char *to = getenv("PYCCL_AR_TIMEOUT");
-        f->timeout = to ? atof(to) : 0.0;
+        f->timeout = pyccl_comm_timeout(c) > 0 ? pyccl_comm_timeout(c) : to ? atof(to) : 0.0;
         c->fastar = f;
     }
     return c->fastar;
@@ -683,6 +697,14 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
         }
     }
     const pyccl_api *a = &st->api;
+    if (f->state == FA_UNTRIED &&
+        (!a->cudaIpcGetMemHandle || !a->cudaIpcOpenMemHandle || !a->cudaIpcCloseMemHandle ||
+         !a->cudaMemset || !a->cudaMemcpy || !a->cudaHostAlloc || !a->cudaFreeHost ||
+         !a->cudaDeviceGetPCIBusId || !a->cudaStreamWaitEvent)) {
+        /* the same runtime on every rank: all of them stop here alike */
+        f->state = FA_OFF;
+        WHY("the loaded CUDA runtime lacks the IPC calls");
+    }
     if (f->state == FA_UNTRIED) {
         enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
         if (a->cudaStreamIsCapturing && a->cudaStreamIsCapturing(s, &cs) != cudaSuccess) {
@@ -734,13 +756,18 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
         return 0;
     }
     if (*(volatile int *)f->host_err) {
+        /* a kernel gave up on a peer: the communicator is done for */
+        char msg[400];
+        snprintf(msg, sizeof msg,
+                 "%s: rank %d of %d timed out after %g s waiting for its peers in pyccl's "
+                 "all-reduce kernel; the communicator was aborted",
+                 op, f->rank, f->nranks, f->timeout);
         f->state = FA_OFF;
         WHY("a wait gave up after %g s", f->timeout);
-        PyErr_Format(PyExc_RuntimeError,
-                     "%s: rank %d of %d: pyccl's all-reduce kernel gave up waiting for a peer "
-                     "after %g s (PYCCL_AR_TIMEOUT); the results of that call are invalid and "
-                     "this communicator's peers may be gone",
-                     op, f->rank, f->nranks, f->timeout);
+        pyccl_comm_mark_failed(c, msg);
+        if (pyccl_comm_alive(st, op, c) == 0) {
+            PyErr_SetString(PyExc_RuntimeError, msg);
+        }
         return -1;
     }
     pyccl_ar_params prm;
@@ -802,7 +829,8 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
                      op, f->device, bad_device ? "cannot make the device current" : cu_error(r));
         return -1;
     }
-    return 1;
+    /* as an NCCL call would be: watched with a timeout, else noted for wait() */
+    return pyccl_comm_track(st, op, c, s) < 0 ? -1 : 1;
 }
 
 void

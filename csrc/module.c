@@ -51,12 +51,33 @@ set_library_candidates(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* Registered with atexit: from here on communicators are leaked, not
- * destroyed (see communicator.c). */
+ * destroyed (see communicator.c), and the watchdog stops (watchdog.c). */
 static PyObject *
 at_exit(PyObject *m, PyObject *Py_UNUSED(ignored))
 {
     pyccl_state *st = PyModule_GetState(m);
     st->exiting = 1;
+    pyccl_watchdog_at_exit(st);
+    Py_RETURN_NONE;
+}
+
+/* _read_timeout(op, timeout) -> float or None: Communicator's check of a
+ * timeout argument, for the Python launchers' own messages. */
+static PyObject *
+read_timeout(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyUnicode_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "_read_timeout(op: str, timeout)");
+        return NULL;
+    }
+    const char *op = PyUnicode_AsUTF8(args[0]);
+    double t;
+    if (op == NULL || pyccl_read_timeout(op, args[1], &t) < 0) {
+        return NULL;
+    }
+    if (t > 0) {
+        return PyFloat_FromDouble(t);
+    }
     Py_RETURN_NONE;
 }
 
@@ -68,6 +89,9 @@ static PyMethodDef module_methods[] = {
     {"_set_library_candidates",
      (PyCFunction)(void (*)(void))set_library_candidates, METH_FASTCALL, NULL},
     {"_at_exit", at_exit, METH_NOARGS, NULL},
+    {"_read_timeout", (PyCFunction)(void (*)(void))read_timeout, METH_FASTCALL,
+     "_read_timeout(op, timeout) -> float or None (TypeError/ValueError "
+     "naming op)."},
     {"_library_paths", library_paths, METH_NOARGS,
      "(nccl_path, cudart_path) of the loaded libraries."},
     {NULL, NULL, 0, NULL},
@@ -119,6 +143,24 @@ module_exec(PyObject *m)
         "code and error_string.",
         PyExc_RuntimeError, NULL);
     if (st->CudaError == NULL || PyModule_AddObjectRef(m, "CudaError", st->CudaError) < 0) {
+        return -1;
+    }
+    /* Also a TimeoutError, so `except TimeoutError` catches it; its
+     * OSError layout extends RuntimeError's, so both bases fit. */
+    PyObject *bases = PyTuple_Pack(2, st->NcclError, PyExc_TimeoutError);
+    if (bases == NULL) {
+        return -1;
+    }
+    st->NcclTimeoutError = PyErr_NewExceptionWithDoc(
+        "pyccl.NcclTimeoutError",
+        "A communicator created with timeout= gave up waiting for its peers "
+        "(or comm.wait() for its work). Unless the message says otherwise the "
+        "communicator was aborted: make a new one. An NcclError (code is "
+        "ncclInProgress) and a TimeoutError; .timeout is the limit in seconds.",
+        bases, NULL);
+    Py_DECREF(bases);
+    if (st->NcclTimeoutError == NULL ||
+        PyModule_AddObjectRef(m, "NcclTimeoutError", st->NcclTimeoutError) < 0) {
         return -1;
     }
     st->CommunicatorType = PyType_FromModuleAndSpec(m, &pyccl_comm_spec, NULL);
@@ -198,6 +240,7 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     }
     Py_VISIT(st->NcclError);
     Py_VISIT(st->CudaError);
+    Py_VISIT(st->NcclTimeoutError);
     Py_VISIT(st->CommunicatorType);
     Py_VISIT(st->cliques);
     Py_VISIT(st->pending_splits);
@@ -222,6 +265,7 @@ module_clear(PyObject *m)
     Py_CLEAR(st->pending_splits);
     Py_CLEAR(st->NcclError);
     Py_CLEAR(st->CudaError);
+    Py_CLEAR(st->NcclTimeoutError);
     Py_CLEAR(st->CommunicatorType);
     Py_CLEAR(st->nccl_candidates);
     Py_CLEAR(st->cudart_candidates);
@@ -256,6 +300,9 @@ module_free(void *m)
 {
     pyccl_state *st = PyModule_GetState((PyObject *)m);
     module_clear((PyObject *)m);
+    if (st != NULL) {
+        pyccl_watchdog_free(st);
+    }
     if (st != NULL && st->clique_lock != NULL) {
         PyThread_free_lock(st->clique_lock);
         st->clique_lock = NULL;

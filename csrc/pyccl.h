@@ -27,6 +27,29 @@ PyDict_GetItemRef(PyObject *d, PyObject *k, PyObject **out)
 #define PyObject_GetOptionalAttr(o, n, r) _PyObject_LookupAttr((o), (n), (r))
 #endif
 #if PY_VERSION_HEX < 0x030C0000
+static inline PyObject *
+PyErr_GetRaisedException(void)
+{
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (v != NULL && tb != NULL) {
+        PyException_SetTraceback(v, tb);
+    }
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+    return v;
+}
+static inline void
+PyErr_SetRaisedException(PyObject *exc)
+{
+    if (exc == NULL) {
+        PyErr_Restore(NULL, NULL, NULL);
+        return;
+    }
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc,
+                  PyException_GetTraceback(exc));
+}
 #define Py_T_PYSSIZET T_PYSSIZET
 #define Py_READONLY READONLY
 #endif
@@ -53,15 +76,15 @@ PyDict_GetItemRef(PyObject *d, PyObject *k, PyObject **out)
     X(cudaGetDevice) X(cudaSetDevice) X(cudaGetDeviceCount)                 \
     X(cudaGetErrorString) X(cudaGetLastError) X(cudaStreamSynchronize)      \
     X(cudaDeviceSynchronize) X(cudaPointerGetAttributes) X(cudaMalloc)      \
-    X(cudaFree)
+    X(cudaFree) X(cudaEventCreateWithFlags) X(cudaEventRecord)              \
+    X(cudaEventQuery) X(cudaEventDestroy) X(cudaStreamIsCapturing)          \
+    X(cudaThreadExchangeStreamCaptureMode)
 /* For pyccl's own all-reduce (fastar.c); NULL turns it off with a reason. */
 #define PYCCL_CUDART_OPTIONAL(X)                                            \
     X(cudaIpcGetMemHandle) X(cudaIpcOpenMemHandle) X(cudaIpcCloseMemHandle) \
     X(cudaMemset) X(cudaMemcpy) X(cudaHostAlloc) X(cudaFreeHost)            \
-    X(cudaStreamIsCapturing) X(cudaDeviceGetPCIBusId)                       \
-    X(cudaDeviceGetByPCIBusId) X(cudaDeviceCanAccessPeer)                   \
-    X(cudaEventCreateWithFlags) X(cudaEventRecord) X(cudaStreamWaitEvent)   \
-    X(cudaEventDestroy)
+    X(cudaDeviceGetPCIBusId) X(cudaDeviceGetByPCIBusId)                     \
+    X(cudaDeviceCanAccessPeer) X(cudaStreamWaitEvent)
 
 #define PYCCL_DECLARE_FN(name) __typeof__(name) *name;
 typedef struct {
@@ -123,6 +146,9 @@ typedef struct {
     /* [(Communicator, thread ident)] split inside a group that has not ended:
      * kept alive until then, because NCCL writes their handle at the end */
     PyObject *pending_splits;
+    /* communicators created with timeout= (watchdog.c) */
+    PyObject *NcclTimeoutError;  /* subclass of NcclError and TimeoutError */
+    struct pyccl_watchdog *watchdog; /* the watchdog thread, started on first use */
 } pyccl_state;
 
 /* ---- python_nccl.c ---- */
@@ -205,6 +231,16 @@ typedef struct {
     int inflight;        /* calls using comm with the GIL released; destroy() refuses meanwhile */
     int pending;         /* split inside pyccl.group(): NCCL writes `comm` at the group's end */
     PyObject *weakreflist;
+    /* Created with timeout= (or failed/aborted): the watchdog's record of it,
+     * owning the NCCL handle from then on (watchdog.c).  NULL otherwise, and
+     * then nothing below costs anything per call. */
+    struct pyccl_watch *watch;
+    double timeout;      /* seconds, 0 for none; kept after destroy() */
+    /* Without a watch: the streams it was used on, for wait() (which records
+     * an event on each then).  last_stream makes noting one a compare. */
+    cudaStream_t last_stream;
+    cudaStream_t *streams;   /* PyMem_Malloc'd */
+    int nstreams;
     struct pyccl_fastar *fastar; /* own all-reduce state (fastar.c), NULL until first use */
 } pyccl_comm;
 extern PyType_Spec pyccl_comm_spec;
@@ -281,5 +317,113 @@ typedef struct {
  * between threads must see their groups in one order on every rank. */
 int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
                   Py_ssize_t n, int redop, PyThread_type_lock serialize);
+/* The NCCL calls of pyccl_enqueue alone (no GIL handling, no exception):
+ * NCCL's result, with ncclGetLastError's text copied into `last` on error. */
+ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks,
+                                 Py_ssize_t n, int redop, char *last,
+                                 size_t last_size);
+
+/* ---- watchdog.c: communicators created with timeout= ----
+ * Such a communicator is an NCCL non-blocking one (ncclConfig_t.blocking = 0):
+ * every NCCL call on it is polled with ncclCommGetAsyncError until done or
+ * its deadline, every enqueue records a CUDA event on its stream, and one
+ * watchdog thread per process aborts it (ncclCommAbort, which also stops
+ * its stuck kernels) when the oldest unfinished event is older than the
+ * timeout or NCCL reports an asynchronous error.  The next call raises. */
+
+/* How a communicator failed (pyccl_failure_exception picks the type). */
+enum {
+    PYCCL_FAIL_NONE = 0,
+    PYCCL_FAIL_TIMEOUT, /* NcclTimeoutError */
+    PYCCL_FAIL_NCCL,    /* NcclError: NCCL reported an asynchronous error */
+    PYCCL_FAIL_CUDA,    /* CudaError: the tracked work failed on the GPU */
+    PYCCL_FAIL_ABORTED, /* RuntimeError: abort(), or interrupted mid-call */
+};
+
+/* c's timeout in seconds; 0 when it has none.  Safe without the GIL.  (For
+ * pyccl's own kernels: the deadline of a spin-wait on peers.) */
+double pyccl_comm_timeout(const pyccl_comm *c);
+/* Give up on c: ncclCommAbort it (its stuck kernels return) and make every
+ * later call on it raise NcclTimeoutError(reason).  `reason` is the whole
+ * message, e.g. "all_reduce: rank 0 of 2 timed out after 5.0 s waiting for
+ * its peers; the communicator was aborted".  Call with the GIL held (for
+ * pyccl's own kernels, when one reports that it gave up). */
+void pyccl_comm_mark_failed(pyccl_comm *c, const char *reason);
+/* After work of c's that is not an NCCL call (pyccl's own kernels) was
+ * launched on stream s: track it as an NCCL call would be (an event with a
+ * timeout, else the stream noted for wait()).  -1 with an exception.  GIL
+ * held. */
+int pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
+                     cudaStream_t s);
+/* A communicator without timeout was used on stream s (for wait()): a
+ * compare when s is its last stream again.  -1 with MemoryError. */
+int pyccl_comm_add_stream(pyccl_comm *c, cudaStream_t s);
+static inline int
+pyccl_comm_note_stream(pyccl_comm *c, cudaStream_t s)
+{
+    if (c->nstreams > 0 && s == c->last_stream) {
+        return 0;
+    }
+    return pyccl_comm_add_stream(c, s);
+}
+
+/* None -> 0; an int or float > 0 -> seconds; else TypeError/ValueError
+ * naming op and "timeout". */
+int pyccl_read_timeout(const char *op, PyObject *obj, double *out);
+/* Non-zero once c failed or was aborted (its handle is gone then).  Safe
+ * without the GIL. */
+int pyccl_comm_failed(const pyccl_comm *c);
+/* -1 raising c's failure when it failed (then c->comm is cleared), else 0. */
+int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
+/* ncclCommInitRankConfig (non-blocking) on `device`, polled until done;
+ * aborted and NcclTimeoutError after `timeout` s, KeyboardInterrupt on ^C. */
+int pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out,
+                     int nranks, const ncclUniqueId *uid, int rank,
+                     int device, double timeout);
+/* Give c (holding a non-blocking handle) its watch; aborts the handle and
+ * returns -1 on failure. */
+int pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
+                       double timeout);
+/* pyccl_enqueue for tasks on communicators of which some have a watch
+ * (comms: the communicators of the tasks, repeats allowed). */
+int pyccl_enqueue_timed(pyccl_state *st, const char *op,
+                        const pyccl_task *tasks, Py_ssize_t n, int redop,
+                        pyccl_comm *const *comms, Py_ssize_t ncomms);
+/* The outermost pyccl.group() of this thread ended with NCCL result r:
+ * poll and track the watched communicators used inside it.  -1 with an
+ * exception. */
+int pyccl_watch_group_end(pyccl_state *st, ncclResult_t r);
+/* split() of a communicator with a watch (outside any group). */
+PyObject *pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color,
+                            int key);
+/* barrier()'s wait: until c's work so far finished (GIL released). */
+int pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
+                     double timeout);
+/* Free c's watch, first finalizing the NCCL handle (bounded by the
+ * timeout, aborted past it); -1 with NcclTimeoutError then, when
+ * `may_raise`.  Leaves c->comm and c->watch NULL. */
+int pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
+                        int may_raise);
+/* Hold c's lock around a short NCCL call that is no collective (premul_sum
+ * ops); no-op without a watch.  Enter: -1 raising c's failure. */
+int pyccl_comm_enter(pyccl_state *st, const char *op, pyccl_comm *c);
+void pyccl_comm_leave(pyccl_comm *c);
+/* Communicator.abort(), .wait(timeout=None), .get_async_error() */
+PyObject *pyccl_comm_abort(PyObject *self, PyObject *unused);
+PyObject *pyccl_comm_wait(PyObject *self, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_get_async_error(PyObject *self, PyObject *unused);
+/* Interpreter exit: stop the watchdog, and abort the watched communicators
+ * whose work has not finished (their kernels would spin on forever). */
+void pyccl_watchdog_at_exit(pyccl_state *st);
+/* Module teardown: stop the watchdog thread if it still runs. */
+void pyccl_watchdog_free(pyccl_state *st);
+
+/* ---- errors.c (failures) ---- */
+/* The exception instance for a failed communicator (kind PYCCL_FAIL_*):
+ * the message is `reason`, prefixed with "<op>: " unless it names op. */
+PyObject *pyccl_failure_exception(pyccl_state *st, const char *op, int kind,
+                                  int code, const char *reason,
+                                  double timeout);
 
 #endif /* PYCCL_H */

@@ -392,17 +392,36 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
     }
     /* Two threads on one clique would interleave their groups differently
      * on each device and deadlock: clique calls are serialized. */
-    /* user communicators: another thread's destroy() waits for this */
-    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-        ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight++;
-    }
-    int rc = pyccl_enqueue(st, op, tasks, n, redop,
-                           have_comms ? NULL : st->clique_call_lock);
-    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-        ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight--;
-    }
-    if (rc < 0) {
-        goto error;
+    if (count > 0) {
+        /* user communicators: another thread's destroy() waits for this */
+        for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+            ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight++;
+        }
+        int timed = 0;
+        for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+            pyccl_comm *c = (pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i);
+            timed |= c->watch != NULL;
+            if (c->watch == NULL && pyccl_comm_note_stream(c, tasks[i].stream) < 0) {
+                timed = -1;
+            }
+        }
+        if (timed < 0) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight--;
+            }
+            goto error;
+        }
+        int rc = timed ? pyccl_enqueue_timed(
+                             st, op, tasks, n, redop,
+                             (pyccl_comm *const *)PySequence_Fast_ITEMS(comms), n)
+                       : pyccl_enqueue(st, op, tasks, n, redop,
+                                       have_comms ? NULL : st->clique_call_lock);
+        for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+            ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight--;
+        }
+        if (rc < 0) {
+            goto error;
+        }
     }
     result = Py_NewRef(Py_None);
 error:
@@ -631,6 +650,12 @@ nccl_group(PyObject *m, int start)
         /* NCCL leaves the group level even when the end fails */
         if (--group_depth == 0) {
             resolve_pending_splits(st);
+            /* communicators with a timeout: poll and track the group's work
+             * (ncclInProgress is how a non-blocking group ends) */
+            if (pyccl_watch_group_end(st, r) < 0) {
+                return NULL;
+            }
+            r = r == ncclInProgress ? ncclSuccess : r;
         }
     }
     if (r != ncclSuccess) {

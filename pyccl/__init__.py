@@ -8,6 +8,8 @@
   init_from_mpi(), init_ranks() for several GPUs per process.
 
 Importing needs no GPU: GPU work raises pyccl.CudaError when none is there.
+Communicator(..., timeout=seconds) bounds every wait on peers: a lost peer
+makes the others raise pyccl.NcclTimeoutError instead of hanging.
 """
 import contextlib
 
@@ -29,6 +31,7 @@ from ._C import (  # noqa: E402
     Communicator,
     CudaError,
     NcclError,
+    NcclTimeoutError,
 )
 from . import nccl  # noqa: E402
 from .launch import init_from_env, init_from_mpi, init_ranks  # noqa: E402
@@ -41,9 +44,9 @@ def unique_id() -> bytes:
     return _C._nccl_unique_id()
 
 
-def init_rank(world_size: int, unique_id: bytes, rank: int, device=None) -> Communicator:
-    """Same as Communicator(world_size, unique_id, rank, device)."""
-    return Communicator(world_size, unique_id, rank, device)
+def init_rank(world_size: int, unique_id: bytes, rank: int, device=None, timeout=None) -> Communicator:
+    """Same as Communicator(world_size, unique_id, rank, device, timeout)."""
+    return Communicator(world_size, unique_id, rank, device, timeout)
 
 
 class premul_sum:
@@ -81,6 +84,7 @@ def group():
 
 __all__ = [
     "AVG", "MAX", "MIN", "PROD", "SUM", "NCCL_UNIQUE_ID_BYTES",
-    "Communicator", "CudaError", "NcclError", "group", "init_from_env", "init_from_mpi",
+    "Communicator", "CudaError", "NcclError", "NcclTimeoutError", "group", "init_from_env",
+    "init_from_mpi",
     "init_rank", "init_ranks", "nccl", "premul_sum", "unique_id",
 ]

@@ -197,8 +197,9 @@ def destroyed_and_errors(comm):
     else:
         raise AssertionError("op=7 accepted")
     comm.all_reduce(t)
-    torch.cuda.synchronize()
+    comm.wait(timeout=60)   # no timeout of its own: events on its streams
     assert torch.equal(t.cpu(), torch.full((8,), float(comm.size)))
+    comm.wait()
     comm.destroy()
     try:
         comm.all_reduce(t)
@@ -218,3 +219,88 @@ def from_env(rank, world):
     assert torch.equal(t.cpu(), torch.full((1 << 16,), float(world * (world + 1) // 2)))
     comm.destroy()
     return os.environ.get("NODE_RANK", "")
+
+
+def timed_collectives(rank, world, uid):
+    """A communicator with a timeout on healthy peers: the same results as
+    without, through every path of the watchdog (first-call connection,
+    back-pressure, group end, side streams, barrier, split, premul ops)."""
+    comm = pyccl.Communicator(world, uid, rank, timeout=30)
+    assert comm.timeout == 30.0 and comm.get_async_error() is None
+    dev = f"cuda:{comm.device}"
+    total = float(world * (world + 1) // 2)
+    for count in COUNTS:
+        t = torch.full((count,), float(rank + 1), device=dev)
+        comm.all_reduce(t)
+        comm.wait()
+        assert torch.equal(t.cpu(), torch.full((count,), total)), count
+    # far more calls than the 64 tracked at once, none waited for
+    t = torch.full((4099,), float(rank + 1), device=dev)
+    for _ in range(1000):
+        comm.all_reduce(t, op=pyccl.MAX)
+    comm.wait()
+    assert torch.equal(t.cpu(), torch.full((4099,), float(world)))
+    # a group: tracked from its end
+    send = torch.full((1001,), float(rank), device=dev)
+    recv = torch.full((1001,), -1.0, device=dev)
+    with pyccl.group():
+        comm.send(send, (rank + 1) % world)
+        comm.recv(recv, (rank - 1) % world)
+    comm.wait()
+    assert torch.equal(recv.cpu(), torch.full((1001,), float((rank - 1) % world)))
+    out = torch.zeros(world * 77, device=dev)
+    comm.all_gather(torch.full((77,), float(rank), device=dev), out)
+    comm.wait()
+    assert torch.equal(out.cpu(), torch.arange(world).float().repeat_interleave(77))
+    # a side stream
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.arange(4096, device=dev, dtype=torch.float32) * (rank + 1)
+    comm.all_reduce(x, stream=s)
+    comm.wait()
+    assert torch.equal(x.cpu(), torch.arange(4096, dtype=torch.float32) * total)
+    comm.all_reduce(x, op=pyccl.premul_sum(0.5), stream=s)
+    comm.barrier()
+    s.synchronize()
+    assert torch.equal(x.cpu(), torch.arange(4096, dtype=torch.float32) * total * world * 0.5)
+    # split: the child has the parent's timeout
+    sub = comm.split(rank % 2)
+    assert sub.timeout == 30.0 and sub.size == len(range(rank % 2, world, 2))
+    y = torch.ones(5, device=dev)
+    sub.all_reduce(y)
+    sub.wait()
+    assert torch.equal(y.cpu(), torch.full((5,), float(sub.size)))
+    sub.destroy()
+    assert comm.get_async_error() is None
+    comm.destroy()
+    assert comm.destroyed
+    return "ok"
+
+
+def timed_graph_capture(rank, world, uid):
+    """A call captured into a CUDA graph is not tracked (and must not break
+    the capture); replays compute; the communicator works on afterwards."""
+    comm = pyccl.Communicator(world, uid, rank, timeout=30)
+    dev = f"cuda:{comm.device}"
+    x = torch.full((1024,), float(rank + 1), device=dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(20):          # warm up, with events queued when capture starts
+            comm.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        comm.all_reduce(x)
+    total = float(world * (world + 1) // 2)
+    for _ in range(3):
+        x.fill_(rank + 1)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(x.cpu(), torch.full((1024,), total))
+    comm.wait()
+    comm.all_reduce(x)
+    comm.wait()
+    assert torch.equal(x.cpu(), torch.full((1024,), total * world))
+    comm.destroy()
+    return "ok"

@@ -1,6 +1,9 @@
 """CPU tier of the per-rank API: surface, signatures and the launchers' errors."""
+import datetime
 import inspect
 import re
+import socket
+import warnings
 
 import pytest
 import torch
@@ -32,8 +35,9 @@ def test_method_signature(name):
 
 
 def test_constructor_and_properties():
-    assert str(inspect.signature(pyccl.Communicator)) == "(world_size, unique_id, rank, device=None)"
-    for prop in ("rank", "size", "device", "handle", "destroyed"):
+    assert str(inspect.signature(pyccl.Communicator)) == \
+        "(world_size, unique_id, rank, device=None, timeout=None)"
+    for prop in ("rank", "size", "device", "handle", "destroyed", "timeout"):
         assert isinstance(getattr(pyccl.Communicator, prop), property) or \
             type(getattr(pyccl.Communicator, prop)).__name__ == "getset_descriptor", prop
     assert hasattr(pyccl.Communicator, "__enter__") and hasattr(pyccl.Communicator, "__exit__")
@@ -83,6 +87,46 @@ def test_init_from_env_bad_values(monkeypatch):
     monkeypatch.setenv("RANK", "zero")
     with pytest.raises(ValueError, match=r"^init_from_env: RANK='zero' is not an integer$"):
         pyccl.init_from_env()
+
+
+def test_init_from_env_store_listens_on_master_addr_only():
+    """torch's TCPStore listens on every interface; init_from_env's on MASTER_ADDR."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    from pyccl.launch import _listen_fd
+
+    fd = _listen_fd("127.0.0.1", 0)
+    s = socket.socket(fileno=fd)
+    addr, port = s.getsockname()
+    s.detach()
+    assert addr == "127.0.0.1"
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10), master_listen_fd=fd)
+    client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))
+    store.set("pyccl/k", b"v")
+    assert client.get("pyccl/k") == b"v"
+    # another local address reaches nothing (a wildcard listener would answer)
+    with socket.socket() as probe:
+        probe.settimeout(5)
+        assert probe.connect_ex(("127.0.0.2", port)) != 0
+    del client, store
+
+
+def test_init_from_env_store_address_errors():
+    from pyccl.launch import _listen_fd
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"^init_from_env: MASTER_PORT={port} is in use on 127\.0\.0\.1 "):
+            _listen_fd("127.0.0.1", port)
+    # an address this host does not have (TEST-NET-1): torch's wildcard listener, with a warning
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert _listen_fd("192.0.2.1", 0) is None
+    assert any("init_from_env: cannot listen on MASTER_ADDR=192.0.2.1" in str(w.message) for w in seen)
 
 
 def test_all_reduce_info_without_a_gpu():

@@ -1,0 +1,149 @@
+"""One rank of a failure scenario of test_failure_gpu.py, run as a script:
+
+    python _failure_child.py SCENARIO RANK UID_HEX|- TIMEOUT
+
+It reports progress as "EVENT {json}" lines on stdout (name, wall-clock time
+t, details), which the parent reads to decide when to kill or interrupt whom
+and to measure how long the survivors took.  With UID "-" it makes the
+unique id itself (so the pytest process never loads NCCL) and reports it.
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+
+import pyccl
+
+
+def event(name, **kw):
+    print("EVENT " + json.dumps(dict(name=name, t=time.time(), pid=os.getpid(), **kw)), flush=True)
+
+
+def failure(e, t0=None):
+    return dict(type=type(e).__name__, msg=str(e), is_timeout=isinstance(e, pyccl.NcclTimeoutError),
+                is_nccl=isinstance(e, pyccl.NcclError), took=None if t0 is None else time.time() - t0)
+
+
+def warm_up(comm):
+    """One checked all_reduce: both ranks connected and agreeing."""
+    t = torch.full((4096,), float(comm.rank + 1), device=f"cuda:{comm.device}")
+    comm.all_reduce(t)
+    comm.wait()
+    assert torch.equal(t.cpu(), torch.full((4096,), 3.0)), t[:4]
+
+
+def recover(rank, timeout):
+    """A fresh one-rank communicator in this process computes correctly."""
+    dev = f"cuda:{rank}"
+    c = pyccl.Communicator(1, pyccl.unique_id(), 0, timeout=timeout)
+    x = torch.arange(1, 1024 * 1024 + 4, dtype=torch.float32, device=dev)
+    out = torch.zeros_like(x)
+    c.all_reduce(x, out=out)
+    y = torch.arange(7, dtype=torch.int64, device=dev) * 3
+    c.all_reduce(y, op=pyccl.MAX)
+    c.wait()
+    assert torch.equal(out.cpu(), x.cpu())
+    assert y.cpu().tolist() == [0, 3, 6, 9, 12, 15, 18]
+    c.destroy()
+    event("recovered")
+
+
+# ---------------------------------------------------------------- scenarios
+
+def killed_peer(rank, uid, timeout):
+    """Both ranks loop over all_reduces; the parent SIGKILLs rank 1."""
+    comm = pyccl.Communicator(2, uid, rank, timeout=timeout)
+    dev = f"cuda:{rank}"
+    t = torch.empty(1 << 16, device=dev)
+    want = torch.full((1 << 16,), 3.0)
+    i = 0
+    try:
+        while True:
+            t.fill_(rank + 1)
+            comm.all_reduce(t)
+            i += 1
+            if i % 50 == 0:
+                comm.wait()   # the result is complete: reading it cannot block
+                assert torch.equal(t.cpu(), want), (i, t[:4])
+            if i == 300:
+                event("looping")
+    except pyccl.NcclError as e:
+        event("raised", iters=i, **failure(e))
+    # the communicator stays unusable, and says why
+    try:
+        comm.all_reduce(t)
+    except pyccl.NcclError as e:
+        event("raised_again", **failure(e))
+    assert comm.destroyed
+    comm.destroy()
+    recover(rank, timeout)
+
+
+def absent_peer(rank, uid, timeout):
+    """Rank 1 holds two communicators but calls nothing on them after a
+    warm-up; rank 0's calls must fail within the timeout.  A: never used by
+    rank 1 at all (rank 0's first call cannot even connect); B: warmed up
+    together, then rank 1 stays away (rank 0's kernel waits on the GPU)."""
+    a = pyccl.Communicator(2, uid, rank, timeout=timeout)
+    b = a.split(0)
+    warm_up(b)
+    event("ready")
+    if rank == 1:
+        time.sleep(6 * timeout)   # the parent kills us before
+        event("leaving")
+        return
+    dev = f"cuda:{rank}"
+    for name, comm in (("unconnected", a), ("connected", b)):
+        t = torch.ones(1 << 20, device=dev)
+        t0 = time.time()
+        where = "all_reduce"
+        try:
+            comm.all_reduce(t)
+            where = "wait"
+            comm.wait()
+            event("no_error", case=name)
+        except pyccl.NcclError as e:
+            event("raised", case=name, where=where, **failure(e, t0))
+    recover(rank, timeout)
+
+
+def wrong_world_size(rank, uid, timeout):
+    """world_size=3 with only 2 processes: init must give up."""
+    t0 = time.time()
+    try:
+        pyccl.Communicator(3, uid, rank, timeout=timeout)
+        event("no_error")
+    except pyccl.NcclError as e:
+        event("raised", **failure(e, t0))
+    sys.stdin.readline()  # the parent says when both ranks gave up
+    recover(rank, timeout)
+
+
+def sigint_in_wait(rank, uid, timeout):
+    """Rank 0 blocks in comm.wait() on work rank 1 never joins; the parent
+    sends SIGINT to rank 0."""
+    comm = pyccl.Communicator(2, uid, rank, timeout=timeout)
+    warm_up(comm)
+    if rank == 1:
+        event("ready")
+        time.sleep(timeout)
+        return
+    t = torch.ones(1 << 20, device=f"cuda:{rank}")
+    comm.all_reduce(t)
+    event("waiting")
+    comm.wait()
+    event("no_error")
+
+
+if __name__ == "__main__":
+    scenario, rank, uid_hex, timeout = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+    torch.cuda.set_device(rank)
+    if uid_hex == "-":
+        uid = pyccl.unique_id()
+        event("uid", uid=uid.hex())
+    else:
+        uid = bytes.fromhex(uid_hex)
+    globals()[scenario](rank, uid, timeout)
+    event("done")

@@ -1,0 +1,616 @@
+"""Scenarios of communicators with a timeout, on tests/fakegpu/fakegpu.c.
+
+Run as `python _fakegpu.py LIBPATH SCENARIO` (test_timeout_cpu.py does): a
+stub `torch` module is installed first so that no real torch, NCCL or CUDA is
+loaded, then pyccl._C is pointed at the fake library, which stands in for
+both libnccl and libcudart.  Each scenario asserts its own results and
+returns something JSON-able, printed as the last line ("RESULT {...}").
+"""
+import atexit
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+import types
+
+LIB, SCENARIO = sys.argv[1], sys.argv[2]
+fake = ctypes.CDLL(LIB)
+fake.fake_get.restype = ctypes.c_double
+fake.fake_get.argtypes = [ctypes.c_char_p]
+fake.fake_set.argtypes = [ctypes.c_char_p, ctypes.c_double]
+
+
+def get(key):
+    return fake.fake_get(key.encode())
+
+
+def put(key, value):
+    assert fake.fake_set(key.encode(), float(value)) == 0, key
+
+
+class _Dtype:
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return "torch." + self.name
+
+
+def _stub_torch():
+    torch = types.ModuleType("torch")
+    torch.Tensor = type("Tensor", (), {})
+    torch.__version__ = "0+stub"
+    torch.strided = object()
+    for name in ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64",
+                 "uint32", "uint64", "bool", "int16", "uint16", "complex64", "complex128"):
+        setattr(torch, name, _Dtype(name))
+    cuda = types.ModuleType("torch.cuda")
+    cuda.Stream = type("Stream", (), {})
+    cuda.device_count = lambda: 2
+    cuda.set_device = lambda d: None
+    torch.cuda = cuda
+    c = types.ModuleType("torch._C")
+    c._cuda_getCurrentRawStream = lambda dev: 0x7000 + dev
+    torch._C = c
+    sys.modules.update({"torch": torch, "torch.cuda": cuda, "torch._C": c})
+
+
+_stub_torch()
+# Runs after pyccl's own exit hook (atexit is last in, first out).
+atexit.register(lambda: print("AT_EXIT " + json.dumps({k: get(k) for k in ("aborts", "misuse", "concurrent")}),
+                              flush=True))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pyccl  # noqa: E402
+
+pyccl._C._set_library_candidates([LIB], [LIB])
+
+
+class Array:
+    """float32 host memory the fake NCCL works on, by __cuda_array_interface__."""
+
+    def __init__(self, values):
+        self.buf = (ctypes.c_float * len(values))(*values)
+        self.__cuda_array_interface__ = {"shape": (len(values),), "typestr": "<f4",
+                                         "data": (ctypes.addressof(self.buf), False),
+                                         "strides": None, "version": 3}
+
+    def tolist(self):
+        return list(self.buf)
+
+
+class Tensor(sys.modules["torch"].Tensor):
+    """What pyccl.nccl (the drop-in) reads off a torch.Tensor, over an Array."""
+
+    is_cuda = True
+
+    def __init__(self, values, device=0):
+        import torch
+        self.array = Array(values)
+        self.device = device
+        self.layout, self.dtype = torch.strided, torch.float32
+
+    def is_contiguous(self):
+        return True
+
+    def numel(self):
+        return len(self.array.buf)
+
+    def get_device(self):
+        return self.device
+
+    def data_ptr(self):
+        return ctypes.addressof(self.array.buf)
+
+    def tolist(self):
+        return self.array.tolist()
+
+
+def timed(fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        return time.monotonic() - t0, e
+    return time.monotonic() - t0, None
+
+
+def clean():
+    """What pyccl must never do, whatever happened."""
+    assert get("misuse") == 0, "a dead communicator or event was used"
+    assert get("concurrent") == 0, "two threads were inside one communicator"
+
+
+def new(world=2, rank=0, timeout=5.0):
+    return pyccl.Communicator(world, pyccl.unique_id(), rank, timeout=timeout)
+
+
+# ---------------------------------------------------------------- scenarios
+
+def init_then_collectives():
+    put("init_delay", 0.2)
+    dt, err = timed(lambda: globals().__setitem__("c", new(timeout=5)))
+    assert err is None, err
+    c = globals()["c"]
+    assert 0.2 <= dt < 2, dt
+    assert c.timeout == 5.0 and isinstance(c.timeout, float)
+    put("op_time", 0.001)
+    a = Array([1, 2, 3])
+    c.all_reduce(a)   # the first call connects (ncclInProgress, polled)
+    c.all_reduce(a)
+    c.wait()
+    assert a.tolist() == [4, 8, 12], a.tolist()
+    out = Array([0, 0, 0])
+    c.all_reduce(a, out=out)
+    c.barrier()
+    assert out.tolist() == [8, 16, 24]
+    assert get("event_records") >= 4
+    assert get("last_error") == 0, "cudaErrorNotReady left as the last error"
+    c.all_reduce(a, op=pyccl.premul_sum(2.0))  # op made and destroyed under the lock
+    assert get("redops") == 0
+    c.destroy()
+    assert (get("finalizes"), get("destroys"), get("aborts")) == (1, 1, 0)
+    assert get("events_live") == 0, get("events_live")
+    assert c.destroyed and c.timeout == 5.0
+    c.destroy()  # idempotent
+    clean()
+    return "ok"
+
+
+def init_timeout():
+    put("init_hang", 1)
+    uid = pyccl.unique_id()
+    dt, err = timed(lambda: pyccl.Communicator(3, uid, 0, timeout=0.5))
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert str(err) == ("Communicator: rank 0 of 3 timed out after 0.5 s waiting for its peers to "
+                        "join (every rank must call it with the same unique_id and world_size); "
+                        "the communicator was aborted"), str(err)
+    assert err.timeout == 0.5 and err.code == 7
+    assert isinstance(err, TimeoutError) and isinstance(err, pyccl.NcclError)
+    assert 0.5 <= dt < 1.5, dt
+    assert get("aborts") == 1
+    clean()
+    return dt
+
+
+def collective_timeout():
+    c = new(timeout=0.5)
+    a = Array([1.0] * 4)
+    for _ in range(3):
+        c.all_reduce(a)
+    c.wait()
+    put("peer_dead", 1)
+    c.all_reduce(a)
+    dt, err = timed(c.wait)
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert str(err) == ("wait: all_reduce: rank 0 of 2 timed out after 0.5 s waiting for its peers; "
+                        "the communicator was aborted"), str(err)
+    assert dt < 0.5 + 0.5, dt
+    assert get("aborts") == 1 and get("events_live") == 0
+    # the next call raises the same, and the communicator is unusable
+    dt2, err = timed(lambda: c.all_reduce(a))
+    assert type(err) is pyccl.NcclTimeoutError and str(err).startswith("all_reduce: rank 0 of 2 timed out"), err
+    assert c.destroyed and "aborted" in repr(c) and c.handle == 0
+    e = c.get_async_error()
+    assert type(e) is pyccl.NcclTimeoutError and "timed out after 0.5 s" in str(e)
+    c.abort()  # idempotent: already aborted
+    c.destroy()
+    assert get("destroys") == 0 and get("aborts") == 1
+    # a fresh communicator works
+    put("peer_dead", 0)
+    c2 = pyccl.Communicator(1, pyccl.unique_id(), 0, timeout=0.5)
+    x, y = Array([1, 2, 3]), Array([0, 0, 0])
+    c2.all_reduce(x, out=y)
+    c2.wait()
+    assert y.tolist() == [1, 2, 3]
+    c2.destroy()
+    clean()
+    return dt
+
+
+def watchdog_alone():
+    """No call after the stuck one: the watchdog aborts by itself."""
+    c = new(timeout=0.3)
+    c.all_reduce(Array([1.0]))
+    c.wait()
+    put("peer_dead", 1)
+    c.all_reduce(Array([1.0]))
+    time.sleep(1.0)
+    assert get("aborts") == 1, "the watchdog did not abort"
+    assert get("capture_mode_calls") >= 1, "watchdog thread not in relaxed capture mode"
+    e = c.get_async_error()
+    assert type(e) is pyccl.NcclTimeoutError, repr(e)
+    assert str(e) == ("get_async_error: all_reduce: rank 0 of 2 timed out after 0.3 s waiting for "
+                      "its peers; the communicator was aborted"), str(e)
+    clean()
+    return "ok"
+
+
+def back_pressure():
+    """A loop that never synchronizes stops enqueueing while the GPU is stuck."""
+    c = new(timeout=0.5)
+    a = Array([1.0])
+    c.all_reduce(a)
+    c.wait()
+    put("peer_dead", 1)
+    n = [0]
+
+    def loop():
+        while True:
+            c.all_reduce(a)
+            n[0] += 1
+    dt, err = timed(loop)
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert str(err).startswith("all_reduce: rank 0 of 2 timed out after 0.5 s"), str(err)
+    assert n[0] <= 64, n[0]
+    assert dt < 1.5, dt
+    clean()
+    return n[0]
+
+
+def async_error():
+    c = new(timeout=30)
+    c.all_reduce(Array([1.0]))
+    c.wait()
+    put("async_error", 6)
+    t0 = time.monotonic()
+    while get("aborts") == 0 and time.monotonic() - t0 < 2:
+        time.sleep(0.01)
+    dt, err = timed(lambda: c.all_reduce(Array([1.0])))
+    assert type(err) is pyccl.NcclError, repr(err)
+    assert err.code == 6
+    assert str(err) == ("all_reduce: watchdog: rank 0 of 2: NCCL error 6 (remote process exited or "
+                        "there was a network error) while its work ran; the communicator was aborted"), str(err)
+    clean()
+    return "ok"
+
+
+def connect_slow_and_hung():
+    put("connect_delay", 0.3)
+    c = new(timeout=2)
+    dt, err = timed(lambda: c.all_reduce(Array([1.0])))
+    assert err is None and dt >= 0.3, (err, dt)
+    c.destroy()
+    put("connect_hang", 1)
+    c = new(timeout=0.4)
+    dt, err = timed(lambda: c.all_reduce(Array([1.0])))
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert str(err) == ("all_reduce: rank 0 of 2 timed out after 0.4 s waiting for its peers; the "
+                        "communicator was aborted"), str(err)
+    assert 0.4 <= dt < 1.2, dt
+    clean()
+    return dt
+
+
+def group_calls():
+    c = new(timeout=1)
+    a, b = Array([1.0, 2.0]), Array([0.0, 0.0])
+    c.all_reduce(a)
+    c.wait()
+    before = get("event_records")
+    with pyccl.group():
+        c.send(a, 1)
+        c.recv(b, 1)
+        assert get("event_records") == before, "event recorded inside a group"
+    assert get("event_records") == before + 1, get("event_records") - before
+    c.wait()
+    # destroy is refused inside an open group, abort too
+    with pyccl.group():
+        c.send(a, 1)
+        for fn, name in ((c.destroy, "destroy"), (c.abort, "abort")):
+            _, err = timed(fn)
+            assert type(err) is RuntimeError and name in str(err) and "pyccl.group()" in str(err), err
+    c.wait()
+    # a group whose work never finishes
+    put("peer_dead", 1)
+    with pyccl.group():
+        c.send(a, 1)
+        c.recv(b, 1)
+    dt, err = timed(c.wait)
+    assert type(err) is pyccl.NcclTimeoutError and "send: rank 0 of 2 timed out" in str(err), repr(err)
+    # connection that hangs inside a group: the group's end raises
+    put("peer_dead", 0)
+    put("connect_hang", 1)
+    c = new(timeout=0.4)
+    def grp():
+        with pyccl.group():
+            c.all_reduce(a)
+    dt, err = timed(grp)
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert str(err).startswith("all_reduce: rank 0 of 2 timed out after 0.4 s"), str(err)
+    assert dt < 1.2
+    clean()
+    return "ok"
+
+
+def wait_limit_not_aborted():
+    put("op_time", 1.0)
+    c = new(timeout=5)
+    c.all_reduce(Array([1.0]))
+    dt, err = timed(lambda: c.wait(timeout=0.1))
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert str(err) == ("wait: rank 0 of 2: the work enqueued on the communicator (the oldest "
+                        "unfinished: all_reduce) did not finish within 0.1 s; the communicator's "
+                        "own timeout of 5.0 s has not passed, so it was not aborted"), str(err)
+    assert err.timeout == 0.1
+    assert get("aborts") == 0 and not c.destroyed
+    c.wait()   # now it finishes
+    for bad, exc, text in ((0, ValueError, "wait: timeout must be a finite number of seconds > 0, got 0"),
+                           ("1", TypeError, "wait: timeout must be a number of seconds (int or float) or None, got str")):
+        _, err = timed(lambda: c.wait(bad))
+        assert type(err) is exc and str(err) == text, err
+    _, err = timed(lambda: c.wait(timeout=1, x=2))
+    assert type(err) is TypeError, err
+    c.destroy()
+    clean()
+    return dt
+
+
+def destroy_stuck():
+    c = new(timeout=0.4)
+    c.all_reduce(Array([1.0]))
+    c.wait()
+    put("peer_dead", 1)
+    c.all_reduce(Array([1.0]))
+    dt, err = timed(c.destroy)
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert str(err).startswith("destroy: all_reduce: rank 0 of 2 timed out after 0.4 s"), str(err)
+    assert dt < 1.0 and get("aborts") == 1 and get("destroys") == 0
+    assert c.destroyed
+    _, err = timed(lambda: c.all_reduce(Array([1.0])))
+    assert type(err) is RuntimeError and "has been destroyed" in str(err), err
+    clean()
+    return dt
+
+
+def split_child():
+    put("split_delay", 0.1)
+    c = new(timeout=1.5)
+    sub = c.split(0)
+    assert sub.timeout == 1.5 and (sub.rank, sub.size) == (0, 2)
+    sub.all_reduce(Array([1.0]))
+    sub.wait()
+    assert c.split(-1) is None
+    sub.destroy()
+    put("split_hang", 1)
+    dt, err = timed(lambda: c.split(0))
+    assert type(err) is pyccl.NcclTimeoutError and str(err).startswith("split: rank 0 of 2 timed out after 1.5 s"), err
+    assert c.destroyed
+    clean()
+    return dt
+
+
+def graph_capture():
+    c = new(timeout=5)
+    a = Array([1.0])
+    c.all_reduce(a)
+    c.wait()
+    put("op_time", 0.2)
+    for _ in range(12):      # unfinished: the next enqueue looks at them
+        c.all_reduce(a)
+    put("capturing", 1)
+    before = get("event_records")
+    c.all_reduce(a)
+    assert get("event_records") == before, "event recorded into a capturing stream"
+    time.sleep(0.1)          # the watchdog looks meanwhile
+    assert get("capture_violations") == 0, "an event query would invalidate the capture"
+    put("capturing", 0)
+    c.wait()
+    clean()
+    return "ok"
+
+
+def stream(handle):
+    """A torch.cuda.Stream as pyccl reads one (device_index, cuda_stream)."""
+    import torch
+    s = torch.cuda.Stream.__new__(torch.cuda.Stream)
+    s.device_index, s.cuda_stream = 0, handle
+    return s
+
+
+def untimed():
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0)
+    assert c.timeout is None
+    a = Array([1.0])
+    put("op_time", 0.3)
+    c.all_reduce(a)
+    c.all_reduce(a, stream=stream(0x5555))
+    c.all_reduce(a, stream=stream(0x5555))
+    assert get("event_records") == 0 and get("capture_mode_calls") == 0, "untimed work was tracked"
+    assert threading.active_count() == 1, "a watchdog thread without any timeout"
+    assert c.get_async_error() is None
+    # wait(): as long as it takes, on every stream it used (0.6 s on the side one)
+    dt, err = timed(c.wait)
+    assert err is None and 0.55 <= dt < 1.5, (err, dt)
+    assert get("event_records") == 2 and get("events_live") == 0
+    put("op_time", 0)
+    put("peer_dead", 1)
+    c.all_reduce(a)
+    dt, err = timed(lambda: c.wait(timeout=0.3))
+    assert type(err) is pyccl.NcclTimeoutError and str(err) == (
+        "wait: rank 0 of 2: the work enqueued on the communicator did not finish within 0.3 s; it has "
+        "no timeout of its own, so it was not aborted"), err
+    assert 0.3 <= dt < 1.0 and get("aborts") == 0 and not c.destroyed
+    # abort() from another thread is how such a wait ends early
+    threading.Timer(0.3, c.abort).start()
+    dt, err = timed(c.wait)
+    assert err is None and 0.3 <= dt < 1.0, (err, dt)
+    assert get("aborts") == 1 and c.destroyed
+    _, err = timed(lambda: c.all_reduce(a))
+    assert type(err) is RuntimeError and str(err) == \
+        "all_reduce: the communicator (rank 0 of 2) has been aborted", err
+    c.destroy()
+    put("peer_dead", 0)
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0)
+    put("async_error", 6)
+    e = c.get_async_error()
+    assert type(e) is pyccl.NcclError and e.code == 6 and str(e) == (
+        "get_async_error: rank 0 of 2: NCCL reports error 6 (remote process exited or there was "
+        "a network error)"), e
+    put("async_error", 0)
+    c.abort()
+    assert c.destroyed and get("aborts") == 2
+    c.abort()
+    _, err = timed(lambda: c.all_reduce(a))
+    assert type(err) is RuntimeError and str(err) == \
+        "all_reduce: the communicator (rank 0 of 2) has been aborted", err
+    _, err = timed(c.get_async_error)
+    assert type(err) is RuntimeError and "has been aborted" in str(err), err
+    c.destroy()
+    assert get("destroys") == 0
+    clean()
+    return "ok"
+
+
+def abort_from_thread():
+    """abort() while another thread waits: that thread raises at once."""
+    c = new(timeout=30)
+    c.all_reduce(Array([1.0]))
+    c.wait()
+    put("peer_dead", 1)
+    c.all_reduce(Array([1.0]))
+    threading.Timer(0.3, c.abort).start()
+    dt, err = timed(c.wait)
+    assert type(err) is RuntimeError and str(err) == \
+        "wait: the communicator (rank 0 of 2) has been aborted", repr(err)
+    assert 0.3 <= dt < 1.0, dt
+    clean()
+    return dt
+
+
+def drop_in():
+    c = new(timeout=0.4)
+    a = Tensor([1.0, 2.0])
+    before = get("event_records")
+    pyccl.nccl.all_reduce([a], comms=[c])
+    assert get("event_records") == before + 1
+    c.wait()
+    assert a.tolist() == [2.0, 4.0]
+    put("peer_dead", 1)
+    pyccl.nccl.all_reduce([a], comms=[c])
+    time.sleep(0.8)
+    _, err = timed(lambda: pyccl.nccl.all_reduce([a], comms=[c]))
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    clean()
+    return "ok"
+
+
+def two_comms_one_call():
+    """One drop-in call over two watched communicators (one NCCL group)."""
+    c0 = pyccl.Communicator(2, pyccl.unique_id(), 0, device=0, timeout=0.5)
+    c1 = pyccl.Communicator(2, pyccl.unique_id(), 0, device=1, timeout=0.5)
+    t0, t1 = Tensor([1.0, 2.0], 0), Tensor([3.0, 4.0], 1)
+    before = get("event_records")
+    pyccl.nccl.all_reduce([t0, t1], comms=[c0, c1])
+    assert get("event_records") == before + 2
+    c0.wait()
+    c1.wait()
+    assert t0.tolist() == [2.0, 4.0] and t1.tolist() == [6.0, 8.0]
+    # a group whose connection hangs: both fail, whichever was polled
+    c2 = pyccl.Communicator(2, pyccl.unique_id(), 0, device=0, timeout=0.5)
+    c3 = pyccl.Communicator(2, pyccl.unique_id(), 0, device=1, timeout=0.5)
+    put("connect_hang", 1)
+    dt, err = timed(lambda: pyccl.nccl.all_reduce([t0, t1], comms=[c2, c3]))
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert dt < 1.5 and c2.destroyed and c3.destroyed, (dt, c2, c3)
+    assert not c0.destroyed and not c1.destroyed
+    for c in (c0, c1, c2, c3):
+        c.destroy()
+    clean()
+    return "ok"
+
+
+def threads_share_comm():
+    """Several threads enqueue on one timed communicator: no overlap in NCCL."""
+    put("op_time", 0.0002)
+    c = new(timeout=5)
+    a = Array([1.0] * 8)
+    errs = []
+
+    def work():
+        try:
+            for _ in range(200):
+                c.all_reduce(a)
+            c.wait()
+        except BaseException as e:  # noqa: BLE001
+            errs.append(e)
+    ts = [threading.Thread(target=work) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert not errs, errs
+    c.destroy()
+    clean()
+    return get("ops")
+
+
+def launch_queue_full():
+    """The launch itself blocks behind a stuck kernel while holding the
+    communicator's lock: the watchdog gives up on it after timeout + 1 s."""
+    c = new(timeout=0.5)
+    a = Array([1.0])
+    c.all_reduce(a)
+    c.wait()
+    put("launch_block", 1)
+    put("peer_dead", 1)
+    c.all_reduce(a)          # stuck on the GPU
+    dt, err = timed(lambda: c.all_reduce(a))   # stuck in the launch
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert str(err) == ("all_reduce: rank 0 of 2 timed out after 0.5 s waiting for its peers (the call "
+                        "itself was stuck in NCCL or CUDA, e.g. behind a full launch queue); the "
+                        "communicator was aborted"), str(err)
+    assert 1.4 < dt < 2.5, dt
+    assert get("aborts") == 1 and get("misuse") == 0
+    assert get("concurrent") == 1   # that abort, while the launch was inside NCCL
+    put("concurrent", 0)
+    assert c.destroyed
+    c.destroy()
+    clean()
+    return dt
+
+
+def second_device_only():
+    """A rank on cuda:1 that never touches cuda:0: nor does the watchdog."""
+    fake.fake_device_used.restype = ctypes.c_int
+    fake.cudaSetDevice(1)   # torch.cuda.set_device(1), as a rank on cuda:1 does
+    c = pyccl.Communicator(2, pyccl.unique_id(), 1, timeout=0.3)
+    assert c.device == 1
+    a = Array([1.0, 2.0])
+    c.all_reduce(a)
+    c.wait()
+    put("peer_dead", 1)
+    c.all_reduce(a)
+    time.sleep(0.8)
+    assert get("aborts") == 1
+    assert fake.fake_device_used(1) == 1
+    assert fake.fake_device_used(0) == 0, "a context was made on cuda:0"
+    clean()
+    return "ok"
+
+
+def sigint_in_wait():
+    c = new(timeout=60)
+    c.all_reduce(Array([1.0]))
+    c.wait()
+    put("peer_dead", 1)
+    c.all_reduce(Array([1.0]))
+    print("WAITING", flush=True)
+    c.wait()   # the parent sends SIGINT
+    return "not interrupted"
+
+
+def exit_with_stuck_work():
+    c = new(timeout=60)
+    c.all_reduce(Array([1.0]))
+    c.wait()
+    put("peer_dead", 1)
+    c.all_reduce(Array([1.0]))
+    globals()["keep"] = c   # alive at exit
+    return "exiting"
+
+
+if __name__ == "__main__":
+    result = globals()[SCENARIO]()
+    print("RESULT " + json.dumps(result), flush=True)

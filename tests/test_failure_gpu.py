@@ -1,0 +1,221 @@
+"""GPU tier: communicators with a timeout when a peer dies, never arrives, or
+the job is misconfigured, and ^C while blocked (issue #6); and the same
+communicators on healthy peers, results checked exactly.
+
+Each rank is a separate `python _failure_child.py ...` process that reports
+progress as EVENT lines; the parent decides whom to kill or interrupt and
+when, measures the survivors, and kills every child in the end.  Every wait
+here is bounded, so a regression fails the test instead of hanging it.
+Expected run time: about 2 minutes in all on 2 GPUs.
+"""
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from conftest import gpu_count, needs_gpus
+from _ranks import run_ranks
+import _scenarios as sc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD = os.path.join(ROOT, "tests", "_failure_child.py")
+TIMEOUT = 5.0
+SLACK = 2.0   # the promise: the survivor raises within TIMEOUT + SLACK
+
+pytestmark = needs_gpus(2)
+
+
+class Child:
+    """One rank as a process; its EVENT lines are read in a thread."""
+
+    def __init__(self, scenario, rank, uid="-", timeout=TIMEOUT):
+        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+        self.rank = rank
+        self.p = subprocess.Popen([sys.executable, CHILD, scenario, str(rank), uid, str(timeout)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env)
+        self.events = queue.Queue()
+        self.lines, self.err = [], []
+        threading.Thread(target=self._read_out, daemon=True).start()
+        threading.Thread(target=lambda: self.err.extend(self.p.stderr), daemon=True).start()
+
+    def _read_out(self):
+        for line in self.p.stdout:
+            self.lines.append(line)
+            if line.startswith("EVENT "):
+                self.events.put(json.loads(line[6:]))
+        self.events.put(None)  # end of output
+
+    def output(self):
+        time.sleep(0.2)  # let the reader threads catch up
+        return (f"--- rank {self.rank} (rc={self.p.poll()}) stdout:\n{''.join(self.lines)[-3000:]}"
+                f"\n--- stderr:\n{''.join(self.err)[-5000:]}")
+
+    def expect(self, name, within):
+        """The next event, which must be `name`, within `within` seconds."""
+        try:
+            ev = self.events.get(timeout=within)
+        except queue.Empty:
+            raise AssertionError(f"rank {self.rank}: no '{name}' within {within} s\n{self.output()}") from None
+        assert ev is not None, f"rank {self.rank} ended before '{name}'\n{self.output()}"
+        assert ev["name"] == name, f"rank {self.rank}: expected '{name}', got {ev}\n{self.output()}"
+        return ev
+
+    def exit_code(self, within):
+        try:
+            return self.p.wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"rank {self.rank} still running after {within} s\n{self.output()}") from None
+
+    def release(self):
+        """Let a child that waits on its stdin go on."""
+        try:
+            self.p.stdin.write("go\n")
+            self.p.stdin.flush()
+        except OSError:
+            pass
+
+    def kill(self):
+        if self.p.poll() is None:
+            self.p.kill()
+        try:
+            self.p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def pair(scenario, timeout=TIMEOUT):
+    r0 = Child(scenario, 0, timeout=timeout)
+    try:
+        uid = r0.expect("uid", 120)["uid"]
+    except BaseException:
+        r0.kill()
+        raise
+    return r0, Child(scenario, 1, uid, timeout=timeout)
+
+
+def bounded(ev, low=0.0):
+    took = ev["took"] if ev.get("took") is not None else None
+    assert took is not None and low <= took <= TIMEOUT + SLACK, ev
+    return took
+
+
+def test_peer_killed_mid_loop():
+    """(a) SIGKILL rank 1 inside a loop of all_reduces: rank 0 raises within
+    timeout + 2 s of the kill, then a fresh communicator works (~25 s)."""
+    r0, r1 = pair("killed_peer")
+    try:
+        r0.expect("looping", 180)
+        r1.expect("looping", 60)
+        time.sleep(1.0)
+        killed = time.time()
+        r1.p.send_signal(signal.SIGKILL)
+        ev = r0.expect("raised", TIMEOUT + 30)
+        delay = ev["t"] - killed
+        print(f"\nrank 0 raised {ev['type']} {delay:.2f} s after the kill, after {ev['iters']} "
+              f"all_reduces: {ev['msg']}")
+        assert ev["is_nccl"] and ev["msg"].endswith("; the communicator was aborted"), ev
+        # NcclTimeoutError unless NCCL itself noticed the death first (an
+        # NcclError naming NCCL's error, e.g. a network transport's)
+        assert ev["is_timeout"] or "NCCL error" in ev["msg"], ev
+        if ev["is_timeout"]:
+            assert f"rank 0 of 2 timed out after {TIMEOUT} s waiting for its peers" in ev["msg"], ev
+        assert 0 < delay <= TIMEOUT + SLACK, f"raised {delay:.2f} s after the kill"
+        again = r0.expect("raised_again", 30)
+        assert again["type"] == ev["type"] and again["msg"].endswith(ev["msg"].split(": ", 1)[1]), again
+        r0.expect("recovered", 120)
+        r0.expect("done", 30)
+        assert r0.exit_code(60) == 0, r0.output()
+    finally:
+        r0.kill()
+        r1.kill()
+
+
+def test_peer_never_arrives():
+    """(b) rank 1 stops calling collectives: rank 0's call on a communicator
+    rank 1 never used (cannot connect) and on one whose peer stays away (a
+    kernel waiting on the GPU) both raise within the bound (~25 s)."""
+    r0, r1 = pair("absent_peer")
+    try:
+        r0.expect("ready", 180)
+        r1.expect("ready", 60)
+        for case in ("unconnected", "connected"):
+            ev = r0.expect("raised", TIMEOUT + 30)
+            print(f"\n{case}: {ev['type']} from {ev['where']} after {ev['took']:.2f} s: {ev['msg']}")
+            assert ev["case"] == case and ev["is_timeout"], ev
+            assert ev["msg"].endswith(f"rank 0 of 2 timed out after {TIMEOUT} s waiting for its peers; "
+                                      "the communicator was aborted"), ev
+            bounded(ev, low=TIMEOUT - 0.5)
+        r0.expect("recovered", 120)
+        r0.expect("done", 30)
+        assert r0.exit_code(60) == 0, r0.output()
+    finally:
+        r0.kill()
+        r1.kill()
+
+
+def test_wrong_world_size_init_times_out():
+    """(c) world_size=3 with 2 processes: both inits give up after the
+    timeout with a clear message, and the processes stay usable (~15 s)."""
+    r0, r1 = pair("wrong_world_size")
+    try:
+        for r in (r0, r1):
+            ev = r.expect("raised", TIMEOUT + 120)
+            print(f"\nrank {r.rank}: {ev['type']} after {ev['took']:.2f} s: {ev['msg']}")
+            assert ev["type"] == "NcclTimeoutError", ev
+            assert ev["msg"] == (f"Communicator: rank {r.rank} of 3 timed out after {TIMEOUT} s waiting "
+                                 "for its peers to join (every rank must call it with the same unique_id "
+                                 "and world_size); the communicator was aborted"), ev
+            bounded(ev, low=TIMEOUT - 0.5)
+        for r in (r0, r1):
+            r.release()  # rank 0 hosts the rendezvous: it stays until both gave up
+        for r in (r0, r1):
+            r.expect("recovered", 120)
+            r.expect("done", 30)
+            assert r.exit_code(60) == 0, r.output()
+    finally:
+        r0.kill()
+        r1.kill()
+
+
+def test_sigint_while_blocked_in_wait():
+    """(d) SIGINT to a process blocked in comm.wait() on work its peer never
+    joins: KeyboardInterrupt, and the process exits promptly (~15 s)."""
+    r0, r1 = pair("sigint_in_wait", timeout=60.0)
+    try:
+        r1.expect("ready", 180)
+        r0.expect("waiting", 60)
+        time.sleep(1.0)
+        sent = time.time()
+        r0.p.send_signal(signal.SIGINT)
+        rc = r0.exit_code(15)
+        took = time.time() - sent
+        time.sleep(0.2)  # the stderr reader
+        err = "".join(r0.err)
+        print(f"\nrank 0 exited with {rc} {took:.2f} s after SIGINT")
+        assert "KeyboardInterrupt" in err, r0.output()
+        assert "no_error" not in "".join(r0.lines), r0.output()
+        assert rc != 0 and took < 10, (rc, took)
+    finally:
+        r0.kill()
+        r1.kill()
+
+
+def _with_uid(fn):
+    import pyccl
+
+    return run_ranks(fn, gpu_count(), pyccl.unique_id(), make_comm=False, timeout=180)
+
+
+def test_timed_communicator_on_healthy_peers():
+    """Every path of a communicator with a timeout computes as without (~20 s)."""
+    assert set(_with_uid(sc.timed_collectives).values()) == {"ok"}
+
+
+def test_timed_communicator_in_cuda_graph():
+    """A capture on a watched communicator: not tracked, not broken (~15 s)."""
+    assert set(_with_uid(sc.timed_graph_capture).values()) == {"ok"}

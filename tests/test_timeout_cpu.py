@@ -1,0 +1,215 @@
+"""CPU tier of communicators with a timeout (csrc/watchdog.c).
+
+Two parts: the API surface and argument errors (no GPU needed), and the
+timeout machinery itself run against tests/fakegpu/fakegpu.c, a stand-in for
+libnccl/libcudart that simulates stuck kernels, slow or hung init and
+connection setup, asynchronous errors and aborts, and counts misuse (a
+communicator used after abort or from two threads at once).  Each fake
+scenario (tests/_fakegpu.py) runs in its own process, bounded in time.
+"""
+import inspect
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+
+import pytest
+
+import pyccl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def raises(exc, text):
+    return pytest.raises(exc, match="^" + re.escape(text) + "$")
+
+
+# ---------------------------------------------------------------- surface
+
+def test_timeout_error_hierarchy():
+    E = pyccl.NcclTimeoutError
+    assert E.__module__ == "pyccl" and E.__name__ == "NcclTimeoutError"
+    assert issubclass(E, pyccl.NcclError) and issubclass(E, RuntimeError)
+    assert issubclass(E, TimeoutError)
+    assert not issubclass(pyccl.NcclError, TimeoutError)
+    e = E("all_reduce: rank 0 of 2 timed out")
+    assert str(e) == "all_reduce: rank 0 of 2 timed out" and e.args == ("all_reduce: rank 0 of 2 timed out",)
+    with pytest.raises(TimeoutError):
+        raise e
+    assert "NcclTimeoutError" in pyccl.__all__ and pyccl.NcclTimeoutError is pyccl._C.NcclTimeoutError
+    assert "timeout" in E.__doc__
+
+
+def test_signatures_and_docs():
+    assert str(inspect.signature(pyccl.Communicator)) == \
+        "(world_size, unique_id, rank, device=None, timeout=None)"
+    assert "timeout" in pyccl.Communicator.__doc__
+    assert str(inspect.signature(pyccl.Communicator.wait)) == "(self, /, timeout=None)"
+    for name in ("abort", "wait", "get_async_error"):
+        doc = getattr(pyccl.Communicator, name).__doc__
+        assert doc and len(doc) > 80, name
+    assert type(pyccl.Communicator.timeout).__name__ == "getset_descriptor"
+    assert "seconds" in pyccl.Communicator.timeout.__doc__
+    assert list(inspect.signature(pyccl.init_from_env).parameters) == ["timeout", "device"]
+    assert inspect.signature(pyccl.init_from_env).parameters["timeout"].default == 300.0
+    assert inspect.signature(pyccl.init_rank).parameters["timeout"].default is None
+    assert inspect.signature(pyccl.init_from_mpi).parameters["timeout"].default is None
+
+
+BAD_TIMEOUTS = [
+    ("5", TypeError, "timeout must be a number of seconds (int or float) or None, got str"),
+    (True, TypeError, "timeout must be a number of seconds (int or float) or None, got bool"),
+    ([5], TypeError, "timeout must be a number of seconds (int or float) or None, got list"),
+    (0, ValueError, "timeout must be a finite number of seconds > 0, got 0"),
+    (-1.5, ValueError, "timeout must be a finite number of seconds > 0, got -1.5"),
+    (float("nan"), ValueError, "timeout must be a finite number of seconds > 0, got nan"),
+    (float("inf"), ValueError, "timeout must be a finite number of seconds > 0, got inf"),
+]
+
+
+@pytest.mark.parametrize("value,exc,text", BAD_TIMEOUTS, ids=[repr(v[0]) for v in BAD_TIMEOUTS])
+def test_communicator_timeout_errors(value, exc, text):
+    # checked with the other arguments, before any GPU is touched
+    uid = pyccl.unique_id()
+    with raises(exc, "Communicator: " + text):
+        pyccl.Communicator(2, uid, 0, timeout=value)
+    with raises(exc, "Communicator: " + text):
+        pyccl.Communicator(2, uid, 0, None, value)
+    with raises(exc, "Communicator: " + text):
+        pyccl.init_rank(2, uid, 0, timeout=value)
+
+
+@pytest.mark.parametrize("value,exc,text", BAD_TIMEOUTS, ids=[repr(v[0]) for v in BAD_TIMEOUTS])
+def test_launcher_timeout_errors(monkeypatch, value, exc, text):
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(k, v)
+    with raises(exc, "init_from_env: " + text):
+        pyccl.init_from_env(timeout=value)
+    with raises(exc, "init_from_mpi: " + text):
+        pyccl.init_from_mpi(timeout=value)
+
+
+def test_read_timeout_accepts():
+    assert pyccl._C._read_timeout("x", None) is None
+    assert pyccl._C._read_timeout("x", 5) == 5.0 and type(pyccl._C._read_timeout("x", 5)) is float
+    assert pyccl._C._read_timeout("x", 0.25) == 0.25
+    assert pyccl._C._read_timeout("x", 1e9) == 1e9
+
+
+def test_other_arguments_checked_as_before():
+    with raises(ValueError, "Communicator: rank 2 is out of range for world_size 2 (ranks are 0..1)"):
+        pyccl.Communicator(2, pyccl.unique_id(), 2, timeout=1)
+    with raises(TypeError, "Communicator: rank must be an int, got str"):
+        pyccl.Communicator(2, pyccl.unique_id(), "0", timeout="bad")
+
+
+# ---------------------------------------------------------------- the fake GPU
+
+@pytest.fixture(scope="module")
+def fakegpu(tmp_path_factory):
+    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    if shutil.which(cc[0]) is None:
+        pytest.skip(f"no C compiler ({cc[0]}) to build the fake GPU library")
+    out = str(tmp_path_factory.mktemp("fakegpu") / "libfakegpu.so")
+    src = os.path.join(HERE, "fakegpu", "fakegpu.c")
+    r = subprocess.run(cc + ["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o", out, src,
+                             "-lpthread", "-lm"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def run_fake(lib, scenario, timeout=60):
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "_fakegpu.py"), lib, scenario],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    lines = r.stdout.splitlines()
+    results = [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")]
+    at_exit = [json.loads(line[8:]) for line in lines if line.startswith("AT_EXIT ")]
+    assert r.returncode == 0 and results, f"{scenario} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert at_exit and at_exit[0]["misuse"] == 0 and at_exit[0]["concurrent"] == 0, at_exit
+    return results[0], at_exit[0]
+
+
+@pytest.mark.parametrize("scenario", [
+    "init_then_collectives",   # non-blocking init polled; collectives tracked; destroy finalizes
+    "untimed",                 # no timeout: nothing tracked, no thread; abort(), wait() refused
+    "graph_capture",           # no event recorded while the stream is captured
+    "group_calls",             # events at the group's end; destroy/abort refused inside
+    "split_child",             # the child inherits the timeout; a hung split times out
+    "wait_limit_not_aborted",  # wait(timeout=) shorter than the communicator's: not aborted
+    "async_error",             # NCCL's asynchronous error aborts it and raises NcclError
+    "connect_slow_and_hung",   # ncclInProgress on first use: polled, bounded
+    "abort_from_thread",       # abort() from another thread ends a wait() at once
+    "drop_in",                 # pyccl.nccl with comms=[timed communicator]
+    "two_comms_one_call",      # pyccl.nccl over two watched communicators in one NCCL group
+    "threads_share_comm",      # four threads on one communicator: never two inside NCCL
+    "second_device_only",      # the watchdog makes no CUDA context on a device the rank does not use
+    "launch_queue_full",       # a launch blocked behind the stuck kernel: aborted after timeout + 1 s
+])
+def test_fake_gpu(fakegpu, scenario):
+    run_fake(fakegpu, scenario)
+
+
+def test_fake_init_timeout(fakegpu):
+    took, at_exit = run_fake(fakegpu, "init_timeout")
+    assert 0.5 <= took < 1.5
+
+
+def test_fake_collective_timeout_then_a_new_communicator(fakegpu):
+    took, _ = run_fake(fakegpu, "collective_timeout")
+    assert took < 1.0
+
+
+def test_fake_watchdog_aborts_without_any_call(fakegpu):
+    run_fake(fakegpu, "watchdog_alone")
+
+
+def test_fake_back_pressure(fakegpu):
+    enqueued, _ = run_fake(fakegpu, "back_pressure")
+    assert 1 <= enqueued <= 64
+
+
+def test_fake_destroy_is_bounded(fakegpu):
+    took, at_exit = run_fake(fakegpu, "destroy_stuck")
+    assert took < 1.0 and at_exit["aborts"] == 1
+
+
+def test_fake_exit_aborts_unfinished_work(fakegpu):
+    _, at_exit = run_fake(fakegpu, "exit_with_stuck_work")
+    assert at_exit["aborts"] == 1
+
+
+def test_fake_sigint_interrupts_wait(fakegpu):
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "_fakegpu.py"), fakegpu, "sigint_in_wait"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        t0 = time.monotonic()
+        line = ""
+        while "WAITING" not in line and time.monotonic() - t0 < 30:
+            line = p.stdout.readline()
+            if not line and p.poll() is not None:
+                break
+        assert "WAITING" in line, p.stderr.read()
+        time.sleep(0.2)
+        sent = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=10)
+        took = time.monotonic() - sent
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert "KeyboardInterrupt" in err, err[-2000:]
+    assert "RESULT" not in out
+    assert took < 2.0, took
+    # the stuck work was aborted on the way out
+    assert 'AT_EXIT {"aborts": 1.0, "misuse": 0.0, "concurrent": 0.0}' in out, out
