@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifdef PYCCL_FATBIN_PATH
@@ -179,7 +180,55 @@ typedef struct pyccl_fastar {
     cudaEvent_t order;                  /* orders a launch after the previous one on another stream */
     int rank, nranks, device;
     double timeout;                     /* seconds a wait may take; 0 = forever */
+    double kernel_timeout;              /* the kernels' deadline */
 } pyccl_fastar;
+
+/* Every ready communicator's stop word, so that interpreter exit can release
+ * kernels still waiting for peers (GIL held for every change). */
+#define MAX_LIVE 256
+static pyccl_fastar *live[MAX_LIVE];
+
+static void
+live_add(pyccl_fastar *f)
+{
+    for (int i = 0; i < MAX_LIVE; i++) {
+        if (live[i] == NULL) {
+            live[i] = f;
+            return;
+        }
+    }
+}
+
+static void
+live_remove(pyccl_fastar *f)
+{
+    for (int i = 0; i < MAX_LIVE; i++) {
+        if (live[i] == f) {
+            live[i] = NULL;
+        }
+    }
+}
+
+/* The kernels of c that wait for peers give up now (they poll this
+ * host-mapped word); the communicator's own kernels are unusable afterwards. */
+void
+pyccl_fastar_stop(pyccl_comm *c)
+{
+    pyccl_fastar *f = c->fastar;
+    if (f != NULL && f->host_err != NULL) {
+        *(volatile int *)f->host_err = 2;
+    }
+}
+
+void
+pyccl_fastar_stop_all(void)
+{
+    for (int i = 0; i < MAX_LIVE; i++) {
+        if (live[i] != NULL && live[i]->host_err != NULL) {
+            *(volatile int *)live[i]->host_err = 2;
+        }
+    }
+}
 
 static long
 env_long(const char *name, long dflt, long lo, long hi)
@@ -298,6 +347,18 @@ typedef struct {
 
 /* A communicator made with timeout= is NCCL's non-blocking kind: a call may
  * return ncclInProgress and finish later. */
+static double set_up_deadline; /* monotonic seconds; 0: none (set-up runs one at a time: GIL) */
+
+static double
+mono(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ncclInProgress back when the deadline passed (the caller fails the
+ * communicator: its peers did not come). */
 static ncclResult_t
 settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r)
 {
@@ -306,10 +367,36 @@ settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r)
             return ncclInternalError;
         }
         if (r == ncclInProgress) {
+            if (set_up_deadline > 0 && mono() > set_up_deadline) {
+                return ncclInProgress;
+            }
             usleep(20);
         }
     }
     return r;
+}
+
+/* cudaStreamSynchronize, bounded by the set-up's deadline (a peer that
+ * never comes leaves the NCCL kernel waiting): ncclInProgress past it. */
+static ncclResult_t
+sync_stream(const pyccl_api *a, cudaStream_t s)
+{
+    if (set_up_deadline <= 0 || a->cudaStreamQuery == NULL) {
+        return a->cudaStreamSynchronize(s) == cudaSuccess ? ncclSuccess : ncclUnhandledCudaError;
+    }
+    for (;;) {
+        cudaError_t e = a->cudaStreamQuery(s);
+        if (e == cudaSuccess) {
+            return ncclSuccess;
+        }
+        if (e != cudaErrorNotReady) {
+            return ncclUnhandledCudaError;
+        }
+        if (mono() > set_up_deadline) {
+            return ncclInProgress;
+        }
+        usleep(20);
+    }
 }
 
 /* NCCL all_reduce(MIN) of one int through `dev` (a device int), synchronous.
@@ -321,11 +408,10 @@ agree(const pyccl_api *a, ncclComm_t comm, int *dev, int *value, cudaStream_t s)
         return ncclUnhandledCudaError;
     }
     ncclResult_t r = settle(a, comm, a->ncclAllReduce(dev, dev, 1, ncclInt32, ncclMin, comm, s));
-    if (r != ncclSuccess) {
+    if (r != ncclSuccess || (r = sync_stream(a, s)) != ncclSuccess) {
         return r;
     }
-    if (a->cudaStreamSynchronize(s) != cudaSuccess ||
-        a->cudaMemcpy(value, dev, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) {
+    if (a->cudaMemcpy(value, dev, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) {
         return ncclUnhandledCudaError;
     }
     return ncclSuccess;
@@ -431,11 +517,10 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
     r = settle(a, comm,
                a->ncclAllGather(dev + (size_t)me * sizeof(fa_record), dev, sizeof(fa_record),
                                 ncclUint8, comm, s));
-    if (r != ncclSuccess) {
+    if (r != ncclSuccess || (r = sync_stream(a, s)) != ncclSuccess) {
         goto out;
     }
-    if (a->cudaStreamSynchronize(s) != cudaSuccess ||
-        a->cudaMemcpy(all, dev, (size_t)n * sizeof(fa_record), cudaMemcpyDeviceToHost) !=
+    if (a->cudaMemcpy(all, dev, (size_t)n * sizeof(fa_record), cudaMemcpyDeviceToHost) !=
             cudaSuccess) {
         r = ncclUnhandledCudaError;
         goto out;
@@ -549,7 +634,7 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
         ok = okp;
     }
 out:
-    if (dev != NULL) {
+    if (dev != NULL && r != ncclInProgress) { /* a timed-out NCCL kernel may still use it */
         a->cudaFree(dev);
     }
     free(all);
@@ -560,6 +645,7 @@ out:
     if (ok) {
         f->state = FA_READY;
         f->reason[0] = '\0';
+        live_add(f);
     } else {
         f->state = FA_OFF;
         free_local(a, f, 1); /* nobody mapped it for use: safe to free */
@@ -606,6 +692,10 @@ fastar_of(pyccl_comm *c)
          * PYCCL_AR_TIMEOUT seconds for one without) */
         const char *to = getenv("PYCCL_AR_TIMEOUT");
         f->timeout = pyccl_comm_timeout(c) > 0 ? pyccl_comm_timeout(c) : to ? atof(to) : 0.0;
+        /* with a watchdog, a second later than it: the watchdog fails the
+         * communicator first, so a call that gave up is never mistaken for a
+         * finished one */
+        f->kernel_timeout = pyccl_comm_timeout(c) > 0 ? f->timeout + 1.0 : f->timeout;
         c->fastar = f;
     }
     return c->fastar;
@@ -723,6 +813,7 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
         int prev;
         ncclResult_t r;
         char last[512] = "";
+        set_up_deadline = f->timeout > 0 ? mono() + f->timeout : 0;
         c->inflight++;
         Py_BEGIN_ALLOW_THREADS
         if (enter_device(a, f->device, &prev) < 0) {
@@ -738,6 +829,20 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
         }
         Py_END_ALLOW_THREADS
         c->inflight--;
+        set_up_deadline = 0;
+        if (r == ncclInProgress) { /* the peers did not come within the timeout */
+            char msg[400];
+            snprintf(msg, sizeof msg,
+                     "%s: rank %d of %d timed out after %g s waiting for its peers (setting up "
+                     "pyccl's all-reduce kernels); the communicator was aborted",
+                     op, f->rank, f->nranks, f->timeout);
+            f->state = FA_OFF;
+            pyccl_comm_mark_failed(c, msg);
+            if (pyccl_comm_alive(st, op, c) == 0) {
+                PyErr_SetString(PyExc_RuntimeError, msg);
+            }
+            return -1;
+        }
         if (r != ncclSuccess) {
             f->state = FA_OFF;
             pyccl_raise_nccl(st, op, r, last);
@@ -778,7 +883,7 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
     prm.host_error = f->host_err;
     prm.nbytes = nbytes;
     prm.half = f->half;
-    prm.timeout_ns = (unsigned long long)(f->timeout * 1e9);
+    prm.timeout_ns = (unsigned long long)(f->kernel_timeout * 1e9);
     prm.rank = f->rank;
     prm.nranks = f->nranks;
     prm.aligned = (((uintptr_t)t->ptr | (uintptr_t)o->ptr) & 15u) == 0;
@@ -841,6 +946,7 @@ pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective)
         return;
     }
     c->fastar = NULL;
+    live_remove(f);
     const pyccl_api *a = &st->api;
     if (f->state == FA_READY && !st->exiting && a->loaded) {
         /* Peers may read this rank's region until they closed their mapping:

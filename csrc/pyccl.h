@@ -84,7 +84,7 @@ PyErr_SetRaisedException(PyObject *exc)
     X(cudaIpcGetMemHandle) X(cudaIpcOpenMemHandle) X(cudaIpcCloseMemHandle) \
     X(cudaMemset) X(cudaMemcpy) X(cudaHostAlloc) X(cudaFreeHost)            \
     X(cudaDeviceGetPCIBusId) X(cudaDeviceGetByPCIBusId)                     \
-    X(cudaDeviceCanAccessPeer) X(cudaStreamWaitEvent)
+    X(cudaDeviceCanAccessPeer) X(cudaStreamWaitEvent) X(cudaStreamQuery)
 
 #define PYCCL_DECLARE_FN(name) __typeof__(name) *name;
 typedef struct {
@@ -286,6 +286,9 @@ int pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op,
 void pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective);
 PyObject *pyccl_fastar_info(pyccl_state *st, pyccl_comm *c);
 PyObject *pyccl_fastar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value);
+/* Make c's kernels that wait for peers give up now (abort); all of them (exit). */
+void pyccl_fastar_stop(pyccl_comm *c);
+void pyccl_fastar_stop_all(void);
 /* Whether the kernels were compiled in (setup.py found nvcc). */
 int pyccl_fastar_built(void);
 

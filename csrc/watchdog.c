@@ -1855,6 +1855,7 @@ pyccl_comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
                         "inside pyccl.group(), which has not ended yet");
         return NULL;
     }
+    pyccl_fastar_stop(c); /* pyccl's own kernels waiting for peers return too */
     struct pyccl_watch *w = c->watch;
     if (w == NULL) {
         if (c->comm == NULL) {
@@ -2013,6 +2014,7 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
 void
 pyccl_comm_mark_failed(pyccl_comm *c, const char *reason)
 {
+    pyccl_fastar_stop(c);
     pyccl_state *st = PyType_GetModuleState(Py_TYPE(c));
     if (st == NULL) {
         return;

@@ -87,10 +87,14 @@ __device__ bool block_barrier(const pyccl_ar_params &p, uint32_t epoch, int phas
         const uint32_t *mine =
             (const uint32_t *)(p.base[p.rank] + PYCCL_AR_FLAGS_OFF) + slot + t;
         if (ld_acquire_sys(mine) != want) {
-            const uint64_t start = p.timeout_ns ? now_ns() : 0;
+            const uint64_t start = now_ns();
             unsigned spins = 0;
             while (ld_acquire_sys(mine) != want) {
-                if (p.timeout_ns && (++spins & 63u) == 0 && now_ns() - start > p.timeout_ns) {
+                if ((++spins & 1023u) == 0 &&
+                    ((p.timeout_ns && now_ns() - start > p.timeout_ns) ||
+                     *(volatile int *)p.host_error != 0)) {
+                    // timed out, or the host aborted the communicator (the
+                    // host-mapped word: read over PCIe, so only now and then)
                     *gaveup = 1; // shared; read after the barrier below
                     break;
                 }
@@ -107,7 +111,7 @@ __device__ void give_up(const pyccl_ar_params &p)
         // the device word stops later calls of this rank at once; the host
         // word is what the host polls without synchronizing
         *(volatile int *)(p.base[p.rank] + PYCCL_AR_DEVERR_OFF) = 1;
-        *(volatile int *)p.host_error = 1;
+        atomicCAS_system(p.host_error, 0, 1); // keep a host abort's 2
         __threadfence_system(); // push both out before the kernel ends
     }
 }
@@ -465,12 +469,13 @@ template <typename T, int OP> __device__ void oneshot_ll(const pyccl_ar_params &
                     if (f0 == flag && f1 == flag) {
                         break;
                     }
-                    if (p.timeout_ns && (++spins & 63u) == 0) {
+                    if ((++spins & 1023u) == 0) {
                         const uint64_t t = now_ns();
                         if (start == 0) {
                             start = t;
-                        } else if (t - start > p.timeout_ns) {
-                            ok = false;
+                        } else if ((p.timeout_ns && t - start > p.timeout_ns) ||
+                                   *(volatile int *)p.host_error != 0) {
+                            ok = false; // timed out, or the host aborted it
                             break;
                         }
                     }
