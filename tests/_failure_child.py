@@ -145,5 +145,15 @@ if __name__ == "__main__":
         event("uid", uid=uid.hex())
     else:
         uid = bytes.fromhex(uid_hex)
+    # Start together: rank 1 is launched only once rank 0 reported the id and
+    # needs seconds to import torch, which must not eat into a 5 s init timeout.
+    start = os.path.join("/tmp", "pyccl-start-" + uid.hex()[:24])
+    os.makedirs(start, exist_ok=True)
+    open(os.path.join(start, str(rank)), "w").close()
+    deadline = time.time() + 120
+    while not all(os.path.exists(os.path.join(start, str(r))) for r in (0, 1)):
+        if time.time() > deadline:
+            raise SystemExit(f"rank {rank}: the other process never started")
+        time.sleep(0.01)
     globals()[scenario](rank, uid, timeout)
     event("done")
