@@ -506,43 +506,22 @@ template <typename T, int OP> __device__ void oneshot_ll(const pyccl_ar_params &
 
 } // namespace
 
-#define PYCCL_AR_KERNELS(tname, T)                                                            \
-    extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_1_##tname##_sum(const __grid_constant__ pyccl_ar_params p) \
+// extern "C" entry points pyccl_ar_<variant>_<type>_<op>: variant 0 one-shot LL,
+// 1 one-shot, 2 two-shot (the names fastar.c looks up)
+#define PYCCL_AR_KERNEL(variant, body, bound, tname, T, opname, OP)                           \
+    extern "C" __global__ void __launch_bounds__(bound)                                        \
+        pyccl_ar_##variant##_##tname##_##opname(const __grid_constant__ pyccl_ar_params p)     \
     {                                                                                          \
-        oneshot<T, OP_SUM>(p);                                                                 \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_1_##tname##_max(const __grid_constant__ pyccl_ar_params p) \
-    {                                                                                          \
-        oneshot<T, OP_MAX>(p);                                                                 \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_1_##tname##_min(const __grid_constant__ pyccl_ar_params p) \
-    {                                                                                          \
-        oneshot<T, OP_MIN>(p);                                                                 \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_2_##tname##_sum(const __grid_constant__ pyccl_ar_params p) \
-    {                                                                                          \
-        twoshot<T, OP_SUM>(p);                                                                 \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_2_##tname##_max(const __grid_constant__ pyccl_ar_params p) \
-    {                                                                                          \
-        twoshot<T, OP_MAX>(p);                                                                 \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(1024) pyccl_ar_2_##tname##_min(const __grid_constant__ pyccl_ar_params p) \
-    {                                                                                          \
-        twoshot<T, OP_MIN>(p);                                                                 \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(512) pyccl_ar_0_##tname##_sum(const __grid_constant__ pyccl_ar_params p) \
-    {                                                                                          \
-        oneshot_ll<T, OP_SUM>(p);                                                              \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(512) pyccl_ar_0_##tname##_max(const __grid_constant__ pyccl_ar_params p) \
-    {                                                                                          \
-        oneshot_ll<T, OP_MAX>(p);                                                              \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(512) pyccl_ar_0_##tname##_min(const __grid_constant__ pyccl_ar_params p) \
-    {                                                                                          \
-        oneshot_ll<T, OP_MIN>(p);                                                              \
+        body<T, OP>(p);                                                                        \
     }
+#define PYCCL_AR_OPS(variant, body, bound, tname, T)                                          \
+    PYCCL_AR_KERNEL(variant, body, bound, tname, T, sum, OP_SUM)                               \
+    PYCCL_AR_KERNEL(variant, body, bound, tname, T, max, OP_MAX)                               \
+    PYCCL_AR_KERNEL(variant, body, bound, tname, T, min, OP_MIN)
+#define PYCCL_AR_KERNELS(tname, T)                                                            \
+    PYCCL_AR_OPS(0, oneshot_ll, 512, tname, T)                                                 \
+    PYCCL_AR_OPS(1, oneshot, 1024, tname, T)                                                   \
+    PYCCL_AR_OPS(2, twoshot, 1024, tname, T)
 
 PYCCL_AR_KERNELS(f32, float)
 PYCCL_AR_KERNELS(f16, __half)
