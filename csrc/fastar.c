@@ -671,6 +671,30 @@ kernel_op(int redop)
     return redop == ncclSum ? K_SUM : redop == ncclMax ? K_MAX : redop == ncclMin ? K_MIN : -1;
 }
 
+/* The settings of c's kernels, from the environment and c's timeout (every
+ * rank must see the same values; the set-up checks the ones that matter). */
+static void
+read_settings(pyccl_fastar *f, const pyccl_comm *c)
+{
+    f->rank = c->rank;
+    f->nranks = c->size;
+    f->device = c->device;
+    f->half = buffer_bytes();
+    thresholds(c->size > 0 ? c->size : 2, &f->one_max, &f->two_max);
+    f->ll_max = ((size_t)env_long("PYCCL_AR_LL_MAX", 256 << 10, 0, 1L << 24) + 15) & ~(size_t)15;
+    f->blocks = (int)env_long("PYCCL_AR_BLOCKS", 64, 1, PYCCL_AR_MAX_BLOCKS);
+    f->threads = (int)env_long("PYCCL_AR_THREADS", 512, 32, 512) & ~31;
+    /* a wait on peers gives up after the communicator's timeout (or
+     * PYCCL_AR_TIMEOUT seconds for one without) */
+    const char *to = getenv("PYCCL_AR_TIMEOUT");
+    const double ct = pyccl_comm_timeout(c);
+    f->timeout = ct > 0 ? ct : to ? atof(to) : 0.0;
+    /* with a watchdog, a second later than it: the watchdog fails the
+     * communicator first, so a call that gave up is never mistaken for a
+     * finished one */
+    f->kernel_timeout = ct > 0 ? f->timeout + 1.0 : f->timeout;
+}
+
 static pyccl_fastar *
 fastar_of(pyccl_comm *c)
 {
@@ -680,22 +704,7 @@ fastar_of(pyccl_comm *c)
             PyErr_NoMemory();
             return NULL;
         }
-        f->rank = c->rank;
-        f->nranks = c->size;
-        f->device = c->device;
-        f->half = buffer_bytes();
-        thresholds(c->size, &f->one_max, &f->two_max);
-        f->ll_max = ((size_t)env_long("PYCCL_AR_LL_MAX", 256 << 10, 0, 1L << 24) + 15) & ~(size_t)15;
-        f->blocks = (int)env_long("PYCCL_AR_BLOCKS", 64, 1, PYCCL_AR_MAX_BLOCKS);
-        f->threads = (int)env_long("PYCCL_AR_THREADS", 512, 32, 512) & ~31;
-        /* a wait on peers gives up after the communicator's timeout (or
-         * PYCCL_AR_TIMEOUT seconds for one without) */
-        const char *to = getenv("PYCCL_AR_TIMEOUT");
-        f->timeout = pyccl_comm_timeout(c) > 0 ? pyccl_comm_timeout(c) : to ? atof(to) : 0.0;
-        /* with a watchdog, a second later than it: the watchdog fails the
-         * communicator first, so a call that gave up is never mistaken for a
-         * finished one */
-        f->kernel_timeout = pyccl_comm_timeout(c) > 0 ? f->timeout + 1.0 : f->timeout;
+        read_settings(f, c);
         c->fastar = f;
     }
     return c->fastar;
@@ -983,26 +992,24 @@ PyObject *
 pyccl_fastar_info(pyccl_state *st, pyccl_comm *c)
 {
     (void)st;
+    pyccl_fastar unset; /* before the first qualifying call: what it would read */
     pyccl_fastar *f = c->fastar;
-    size_t one, two;
-    thresholds(c->size > 0 ? c->size : 2, &one, &two);
-    if (f != NULL) {
-        one = f->one_max;
-        two = f->two_max;
+    if (f == NULL) {
+        memset(&unset, 0, sizeof unset);
+        read_settings(&unset, c);
+        f = &unset;
     }
-    const char *state = f == NULL || f->state == FA_UNTRIED ? "not set up"
-                        : f->state == FA_READY            ? "ready"
-                                                          : "off";
-    const char *reason = f != NULL && f->state == FA_OFF ? f->reason
-                         : pyccl_fastar_built()          ? ""
-                                                         : "built without nvcc";
+    const char *state = f->state == FA_UNTRIED ? "not set up"
+                        : f->state == FA_READY ? "ready"
+                                               : "off";
+    const char *reason = f->state == FA_OFF     ? f->reason
+                         : pyccl_fastar_built() ? ""
+                                                : "built without nvcc";
     return Py_BuildValue("{s:s,s:s,s:n,s:n,s:n,s:n,s:i,s:i,s:d,s:O}", "state", state, "reason",
-                         reason, "buffer_bytes", (Py_ssize_t)(f ? f->half : buffer_bytes()), "ll_max",
-                         (Py_ssize_t)(f ? f->ll_max : 0), "oneshot_max",
-                         (Py_ssize_t)one, "twoshot_max", (Py_ssize_t)two, "blocks",
-                         f ? f->blocks : (int)env_long("PYCCL_AR_BLOCKS", 64, 1, PYCCL_AR_MAX_BLOCKS),
-                         "threads", f ? f->threads : (int)env_long("PYCCL_AR_THREADS", 512, 32, 512) & ~31,
-                         "timeout", f ? f->timeout : 0.0, "built",
+                         reason, "buffer_bytes", (Py_ssize_t)f->half, "ll_max",
+                         (Py_ssize_t)f->ll_max, "oneshot_max", (Py_ssize_t)f->one_max,
+                         "twoshot_max", (Py_ssize_t)f->two_max, "blocks", f->blocks, "threads",
+                         f->threads, "timeout", f->timeout, "built",
                          pyccl_fastar_built() ? Py_True : Py_False);
 }
 
