@@ -840,11 +840,12 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
         c->inflight--;
         set_up_deadline = 0;
         if (r == ncclInProgress) { /* the peers did not come within the timeout */
-            char msg[400];
+            char msg[400], t[32];
+            pyccl_fmt_seconds(t, sizeof t, f->timeout);
             snprintf(msg, sizeof msg,
-                     "%s: rank %d of %d timed out after %g s waiting for its peers (setting up "
+                     "%s: rank %d of %d timed out after %s s waiting for its peers (setting up "
                      "pyccl's all-reduce kernels); the communicator was aborted",
-                     op, f->rank, f->nranks, f->timeout);
+                     op, f->rank, f->nranks, t);
             f->state = FA_OFF;
             pyccl_comm_mark_failed(c, msg);
             if (pyccl_comm_alive(st, op, c) == 0) {
@@ -871,11 +872,12 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
     }
     if (*(volatile int *)f->host_err) {
         /* a kernel gave up on a peer: the communicator is done for */
-        char msg[400];
+        char msg[400], t[32];
+        pyccl_fmt_seconds(t, sizeof t, f->timeout);
         snprintf(msg, sizeof msg,
-                 "%s: rank %d of %d timed out after %g s waiting for its peers in pyccl's "
+                 "%s: rank %d of %d timed out after %s s waiting for its peers in pyccl's "
                  "all-reduce kernel; the communicator was aborted",
-                 op, f->rank, f->nranks, f->timeout);
+                 op, f->rank, f->nranks, t);
         f->state = FA_OFF;
         WHY("a wait gave up after %g s", f->timeout);
         pyccl_comm_mark_failed(c, msg);

@@ -272,6 +272,9 @@ PYCCL_COMM_OPS(PYCCL_DECLARE_OP)
 #undef PYCCL_DECLARE_OP
 
 /* ---- fastar.c: pyccl's own all-reduce kernels ---- */
+/* Seconds for messages: "5.0", "0.25" (as Python prints a float). */
+void pyccl_fmt_seconds(char *buf, size_t n, double s);
+
 typedef enum { PYCCL_ALGO_AUTO, PYCCL_ALGO_NCCL, PYCCL_ALGO_ONESHOT, PYCCL_ALGO_TWOSHOT } pyccl_algo;
 /* all_reduce's algo= argument (None: auto). */
 int pyccl_read_algo(const char *op, PyObject *obj, pyccl_algo *out);

@@ -120,9 +120,10 @@ now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* "5.0", "0.25": seconds as a person would write them. */
-static void
-fmt_seconds(char *buf, size_t n, double s)
+/* "5.0", "0.25": seconds as a person would write them (as Python prints a
+ * float), the same in every timeout message. */
+void
+pyccl_fmt_seconds(char *buf, size_t n, double s)
 {
     snprintf(buf, n, "%.1f", s);
     if (strtod(buf, NULL) != s) {
@@ -344,7 +345,7 @@ call_end(struct pyccl_watch *w, const char *op)
     __atomic_store_n(&w->call_since, 0, __ATOMIC_RELEASE);
     __atomic_store_n(&w->comm, NULL, __ATOMIC_RELEASE); /* the watchdog aborted it */
     char t[32];
-    fmt_seconds(t, sizeof t, w->timeout);
+    pyccl_fmt_seconds(t, sizeof t, w->timeout);
     fail(w, PYCCL_FAIL_TIMEOUT, 0,
          "%s: rank %d of %d timed out after %s s waiting for its peers (the "
          "call itself was stuck in NCCL or CUDA, e.g. behind a full launch "
@@ -378,7 +379,7 @@ static void
 fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for)
 {
     char t[32];
-    fmt_seconds(t, sizeof t, w->timeout);
+    pyccl_fmt_seconds(t, sizeof t, w->timeout);
     fail(w, PYCCL_FAIL_TIMEOUT, 0,
          "%s: rank %d of %d timed out after %s s waiting for %s; the "
          "communicator was aborted",
@@ -843,7 +844,7 @@ pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out, int nranks,
     }
     if (polled > 0) {
         char t[32];
-        fmt_seconds(t, sizeof t, timeout);
+        pyccl_fmt_seconds(t, sizeof t, timeout);
         char reason[400];
         snprintf(reason, sizeof reason,
                  "rank %d of %d timed out after %s s waiting for its peers to "
@@ -1384,8 +1385,8 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
     waiter_finish(&wt);
     if (status == 2) {
         char t[32], own[32];
-        fmt_seconds(t, sizeof t, limit);
-        fmt_seconds(own, sizeof own, w->timeout);
+        pyccl_fmt_seconds(t, sizeof t, limit);
+        pyccl_fmt_seconds(own, sizeof own, w->timeout);
         char reason[400];
         snprintf(reason, sizeof reason,
                  "rank %d of %d: the work enqueued on the communicator (the "
@@ -1530,7 +1531,7 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
     }
     if (status > 0) {
         char t[32];
-        fmt_seconds(t, sizeof t, limit);
+        pyccl_fmt_seconds(t, sizeof t, limit);
         char reason[300];
         snprintf(reason, sizeof reason,
                  "rank %d of %d: the work enqueued on the communicator did not "

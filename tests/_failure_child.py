@@ -26,10 +26,10 @@ def failure(e, t0=None):
                 is_nccl=isinstance(e, pyccl.NcclError), took=None if t0 is None else time.time() - t0)
 
 
-def warm_up(comm):
+def warm_up(comm, algo=None):
     """One checked all_reduce: both ranks connected and agreeing."""
     t = torch.full((4096,), float(comm.rank + 1), device=f"cuda:{comm.device}")
-    comm.all_reduce(t)
+    comm.all_reduce(t, algo=algo)
     comm.wait()
     assert torch.equal(t.cpu(), torch.full((4096,), 3.0)), t[:4]
 
@@ -81,26 +81,34 @@ def killed_peer(rank, uid, timeout):
     recover(rank, timeout)
 
 
+# absent_peer's cases: (name, algo of rank 0's call, warmed up by both ranks)
+ABSENT_CASES = (("unconnected-own", None, False), ("unconnected-nccl", "nccl", False),
+                ("connected-own", None, True), ("connected-nccl", "nccl", True))
+
+
 def absent_peer(rank, uid, timeout):
-    """Rank 1 holds two communicators but calls nothing on them after a
-    warm-up; rank 0's calls must fail within the timeout.  A: never used by
-    rank 1 at all (rank 0's first call cannot even connect); B: warmed up
-    together, then rank 1 stays away (rank 0's kernel waits on the GPU)."""
+    """Rank 1 holds four communicators but calls nothing on them after a
+    warm-up; rank 0's calls must fail within the timeout.  Unconnected: never
+    used by rank 1 (rank 0's first call cannot set up pyccl's kernels, or
+    NCCL cannot connect); connected: warmed up together, then rank 1 stays
+    away (rank 0's kernel, pyccl's or NCCL's, waits on the GPU)."""
     a = pyccl.Communicator(2, uid, rank, timeout=timeout)
-    b = a.split(0)
-    warm_up(b)
+    comms = [a] + [a.split(0) for _ in ABSENT_CASES[1:]]
+    for comm, (_, algo, warm) in zip(comms, ABSENT_CASES):
+        if warm:
+            warm_up(comm, algo)
     event("ready")
     if rank == 1:
-        time.sleep(6 * timeout)   # the parent kills us before
+        time.sleep(len(ABSENT_CASES) * 3 * timeout)   # the parent kills us before
         event("leaving")
         return
     dev = f"cuda:{rank}"
-    for name, comm in (("unconnected", a), ("connected", b)):
-        t = torch.ones(1 << 20, device=dev)
+    for comm, (name, algo, _) in zip(comms, ABSENT_CASES):
+        t = torch.ones(1 << 20, device=dev)   # 4 MiB: pyccl's own kernels under algo=None
         t0 = time.time()
         where = "all_reduce"
         try:
-            comm.all_reduce(t)
+            comm.all_reduce(t, algo=algo)
             where = "wait"
             comm.wait()
             event("no_error", case=name)
