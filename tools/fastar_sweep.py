@@ -14,6 +14,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -30,8 +31,9 @@ def _parse_size(s):
     return int(s[:-1]) * mult[s[-1].upper()] if s[-1].upper() in mult else int(s)
 
 
-def _time(comm, fn, iters, graph):
-    """us per call on this rank (median of 5 loops)."""
+def _time(comm, fn, iters, graph, host=None):
+    """us per call on this rank, 5 loops; with a list `host`, also the host time per call of
+    each loop (the calls only enqueue work: iters is far below the launch queue's depth)."""
     dev = comm.device
     if graph:
         s = torch.cuda.Stream()
@@ -56,10 +58,14 @@ def _time(comm, fn, iters, graph):
         torch.cuda.synchronize(dev)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        h = time.perf_counter()
         run()
+        h = time.perf_counter() - h
         b.record()
         b.synchronize()
         out.append(a.elapsed_time(b) * 1000.0 / iters)
+        if host is not None:
+            host.append(h * 1e6 / iters)
     return out
 
 
@@ -90,8 +96,11 @@ def _rank(rank, world, uid, cfg, q):
                         continue
                     for graph in (False, True):
                         iters = cfg["iters"] if size <= (1 << 20) else max(5, cfg["iters"] // 10)
-                        t = _time(c, lambda: c.all_reduce(x, algo=algo), iters, graph)
+                        host = [] if not graph else None
+                        t = _time(c, lambda: c.all_reduce(x, algo=algo), iters, graph, host)
                         res[(size, algo, blocks, graph)] = t
+                        if host is not None:
+                            res[(size, algo, blocks, "host")] = host
         # many small gradients: one coalesced call against a call per tensor
         grads = [torch.randn(n, device=f"cuda:{rank}") for n in cfg["grads"]]
         for algo in ("auto", "nccl"):
@@ -162,8 +171,10 @@ def main():
           f"(median of 5 loops of the max over ranks); own kernels: {info}")
     print(f"# command: python tools/fastar_sweep.py -g {args.ngpus} -b {args.minbytes} "
           f"-e {args.maxbytes} -n {args.iters}" + (f" --variants {args.variants}" if args.variants else ""))
-    for graph in (False, True):
-        print(f"\n## {'CUDA graph' if graph else 'eager'}")
+    for graph in (False, True, "host"):
+        print("\n## " + {False: "eager", True: "CUDA graph",
+                         "host": "eager, host CPU time per call (enqueue only; eager is host-bound "
+                                 "where this is close to it)"}[graph])
         head = f"{'bytes':>10} " + " ".join(f"{a:>9}" for a in ALGOS) + "  best-own/nccl"
         extra = [(b, a) for b in cfg["blocks"] for a in ("oneshot", "twoshot")]
         head += "".join(f" {a[:3]}@{b.replace('PYCCL_AR_', '')}" for b, a in extra)
