@@ -150,12 +150,13 @@ def graphs(comm, replays=50):
     return replays
 
 
-def off_on_one_rank(comm):
-    """PYCCL_DISABLE_OWN_KERNELS on the last rank only: all ranks agree to use NCCL,
-    forced algos raise the same way everywhere, results stay right."""
+def off_on_one_rank(comm, name="PYCCL_DISABLE_OWN_KERNELS", value="1"):
+    """A setting on the last rank only (PYCCL_DISABLE_OWN_KERNELS, or a threshold that
+    would make the ranks pick different kernels): all ranks agree to use NCCL, forced
+    algos raise the same way everywhere, results stay right."""
     W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
     if r == W - 1:
-        os.environ["PYCCL_DISABLE_OWN_KERNELS"] = "1"
+        os.environ[name] = value
     t = torch.arange(100, dtype=torch.float32, device=dev) + r
     comm.all_reduce(t)  # auto: the set-up happens here, collectively
     _check(t, sum(torch.arange(100, dtype=torch.float32) + q for q in range(W)), "auto off")
@@ -167,7 +168,7 @@ def off_on_one_rank(comm):
     except RuntimeError as e:
         msg = str(e)
     assert msg is not None and msg.startswith(f"all_reduce: algo='oneshot' is unavailable on rank {r}: "), msg
-    return info["reason"], msg
+    return info["reason"], msg, info
 
 
 def errors(comm):
@@ -215,6 +216,33 @@ def errors(comm):
         comm.all_reduce(u)  # auto inside a group: NCCL's, grouped
     _check(u, t.cpu() * comm.size, "auto in group")
     return seen
+
+
+def skewed(comm, calls=4):
+    """Run with PYCCL_AR_DEBUG_SKEW_NS: block b of every kernel starts b * skew late, so a
+    block that uses vectors another block copies in, without a barrier between them,
+    reads the stale data of two calls back (different here: each call rolls the values)
+    instead of winning the race by luck.  Sizes whose slices do not fall on the grid's
+    stride (two-shot at any world size), in and out of place, every variant."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    checks = 0
+    for dtype in (torch.float32, torch.int32, torch.bfloat16):
+        for count in (4097, 65536 + 5, 300001, (1 << 20) + 3):
+            base = [rank_values(k, count, dtype, SUM, W) for k in range(W)]
+            for algo in ALGOS:
+                for c in range(calls):
+                    vals = [torch.roll(v, 7 * c + 1) for v in base]
+                    ref = reduce_ref(vals, SUM, dtype)
+                    mine = to_dtype(vals[r], dtype).to(dev)
+                    if c % 2:
+                        out = torch.full_like(mine, 3)
+                        comm.all_reduce(mine, out=out, algo=algo)
+                        _check(out, ref, "skewed", algo, "out of place", dtype, count, c)
+                    else:
+                        comm.all_reduce(mine, algo=algo)
+                        _check(mine, ref, "skewed", algo, "in place", dtype, count, c)
+                    checks += 1
+    return checks, comm.all_reduce_info
 
 
 def destroy_collective(comm):
