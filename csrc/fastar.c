@@ -4,10 +4,12 @@
  * fatbin that is embedded here and loaded with the CUDA driver API, found the
  * same way as NCCL (dlopen, nothing linked).  This file
  *   - decides per call whether the own kernels run (algo=, dtype, op, size,
- *     group, capture) - the decision depends only on arguments every rank
- *     passes alike, so all ranks take the same path;
+ *     group, capture);
  *   - sets up peer memory once per communicator, collectively, at the first
- *     call that qualifies: a region per rank, CUDA IPC handles exchanged by an
+ *     all_reduce of a supported dtype and op, of any size (whether a call gets
+ *     there depends only on arguments every rank passes alike, not on any
+ *     rank's environment, so all ranks start the set-up together): a region
+ *     per rank, CUDA IPC handles and every rank's settings exchanged by an
  *     NCCL all_gather on the communicator itself, peers mapped, a real
  *     write-then-read probe across every pair, and an agreement (NCCL MIN)
  *     so that either every rank uses the kernels or none does;
@@ -795,12 +797,6 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
     if (f == NULL) {
         return -1;
     }
-    if (forced && nbytes > f->half) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: algo='%s' handles up to %zu bytes (PYCCL_AR_BUFFER_MB), got %zu",
-                     op, algo_name(algo), f->half, nbytes);
-        return -1;
-    }
     /* auto: NCCL above the thresholds.  The set-up still happens at the first
      * call of any size: it is collective, and the thresholds come from each
      * rank's environment, so starting it only under them could start it on
@@ -896,6 +892,13 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
     }
     if (nccl_sized) {
         return 0;
+    }
+    /* after the set-up, which checked that every rank has this buffer size */
+    if (forced && nbytes > f->half) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: algo='%s' handles up to %zu bytes (PYCCL_AR_BUFFER_MB), got %zu",
+                     op, algo_name(algo), f->half, nbytes);
+        return -1;
     }
     if (*(volatile int *)f->host_err) {
         /* a kernel gave up on a peer: the communicator is done for */

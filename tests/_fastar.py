@@ -150,16 +150,17 @@ def graphs(comm, replays=50):
     return replays
 
 
-def off_on_one_rank(comm, name="PYCCL_DISABLE_OWN_KERNELS", value="1"):
-    """A setting on the last rank only (PYCCL_DISABLE_OWN_KERNELS, or a threshold that
+def off_on_one_rank(comm, settings=None, count=100):
+    """Settings on the last rank only (PYCCL_DISABLE_OWN_KERNELS, or thresholds that
     would make the ranks pick different kernels): all ranks agree to use NCCL, forced
-    algos raise the same way everywhere, results stay right."""
+    algos raise the same way everywhere, results stay right.  The first call has
+    `count` float32 elements."""
     W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
     if r == W - 1:
-        os.environ[name] = value
-    t = torch.arange(100, dtype=torch.float32, device=dev) + r
+        os.environ.update(settings or {"PYCCL_DISABLE_OWN_KERNELS": "1"})
+    t = torch.arange(count, dtype=torch.float32, device=dev) + r
     comm.all_reduce(t)  # auto: the set-up happens here, collectively
-    _check(t, sum(torch.arange(100, dtype=torch.float32) + q for q in range(W)), "auto off")
+    _check(t, sum(torch.arange(count, dtype=torch.float32) + q for q in range(W)), "auto off")
     info = comm.all_reduce_info
     assert info["state"] == "off", info
     msg = None
@@ -169,6 +170,21 @@ def off_on_one_rank(comm, name="PYCCL_DISABLE_OWN_KERNELS", value="1"):
         msg = str(e)
     assert msg is not None and msg.startswith(f"all_reduce: algo='oneshot' is unavailable on rank {r}: "), msg
     return info["reason"], msg, info
+
+
+def first_call_nccl_sized(comm):
+    """Run with PYCCL_AR_BUFFER_MB=1: the first call (2 MiB) is NCCL's, yet it sets the
+    own kernels up, with every rank; a small call after it runs on them."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    big = torch.arange(1 << 19, dtype=torch.float32, device=dev) % 1000 + r
+    comm.all_reduce(big)
+    _check(big, sum(torch.arange(1 << 19, dtype=torch.float32) % 1000 + q for q in range(W)), "big")
+    info = comm.all_reduce_info
+    before = comm._all_reduce_epoch()
+    small = torch.arange(1000, dtype=torch.int32, device=dev) * (r + 1)
+    comm.all_reduce(small)
+    _check(small, torch.arange(1000, dtype=torch.int32) * sum(range(1, W + 1)), "small")
+    return info, before, comm._all_reduce_epoch()
 
 
 def errors(comm):
@@ -219,15 +235,17 @@ def errors(comm):
 
 
 def skewed(comm, calls=4):
-    """Run with PYCCL_AR_DEBUG_SKEW_NS: block b of every kernel starts b * skew late, so a
-    block that uses vectors another block copies in, without a barrier between them,
-    reads the stale data of two calls back (different here: each call rolls the values)
-    instead of winning the race by luck.  Sizes whose slices do not fall on the grid's
-    stride (two-shot at any world size), in and out of place, every variant."""
+    """Run with PYCCL_AR_DEBUG_SKEW_NS: block b of the one-shot and two-shot kernels
+    starts b * skew late (the LL kernel has no copy-in step and no skew), so a block that
+    uses vectors another block copies in, without a barrier between them, reads the
+    stale data of two calls back (different here: each call rolls the values) instead of
+    winning the race by luck.  Sizes whose two-shot slices do not start on a multiple of
+    the grid's stride (64 x 512 vectors) at 2 ranks, in every dtype below (the two-shot
+    bug this guards against hit exactly those), with tails; in and out of place."""
     W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
     checks = 0
     for dtype in (torch.float32, torch.int32, torch.bfloat16):
-        for count in (4097, 65536 + 5, 300001, (1 << 20) + 3):
+        for count in (4097, 65536 + 5, 300001, 1000003):
             base = [rank_values(k, count, dtype, SUM, W) for k in range(W)]
             for algo in ALGOS:
                 for c in range(calls):

@@ -86,14 +86,28 @@ def test_disabled_on_one_rank_means_nccl_everywhere():
 
 @needs_gpus(2)
 @needs_kernels
-def test_thresholds_that_differ_between_ranks_mean_nccl_everywhere():
-    # otherwise one rank would run its own kernel and another NCCL for the same call: a hang
-    res = run_ranks(fa.off_on_one_rank, W, "PYCCL_AR_ONESHOT_MAX", "1024", env={"PYCCL_QUIET": "1"})
+@pytest.mark.parametrize("first_bytes", [400, 4096])
+def test_thresholds_that_differ_between_ranks_mean_nccl_everywhere(first_bytes):
+    # otherwise one rank would run its own kernel and another NCCL for the same call: a
+    # hang.  4096: over the last rank's thresholds, under the others' (the set-up must
+    # still start on every rank)
+    settings = {"PYCCL_AR_ONESHOT_MAX": "1024", "PYCCL_AR_TWOSHOT_MAX": "1024"}
+    res = run_ranks(fa.off_on_one_rank, W, settings, first_bytes // 4, env={"PYCCL_QUIET": "1"})
     one, two = res[0][2]["oneshot_max"], res[0][2]["twoshot_max"]
-    assert one > 1024, res[0][2]
+    assert one > first_bytes and two > first_bytes, res[0][2]
     for r in range(W):
         assert res[r][0] == (f"ranks disagree on PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX "
-                             f"(rank {W - 1}: 1024 / {two} bytes, rank 0: {one} / {two})"), res[r]
+                             f"(rank {W - 1}: 1024 / 1024 bytes, rank 0: {one} / {two})"), res[r]
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_first_call_over_the_buffer_still_sets_up():
+    res = run_ranks(fa.first_call_nccl_sized, W, env={"PYCCL_AR_BUFFER_MB": "1"})
+    for r in range(W):
+        info, before, after = res[r]
+        assert info["state"] == "ready" and info["buffer_bytes"] == 1 << 20, info
+        assert after == (before + 1) % (1 << 32), (before, after)  # the small call was own
 
 
 @needs_gpus(2)

@@ -176,6 +176,8 @@ def main():
                          "host": "eager, host CPU time per call (enqueue only; eager is host-bound "
                                  "where this is close to it)"}[graph])
         head = f"{'bytes':>10} " + " ".join(f"{a:>9}" for a in ALGOS) + "  best-own/nccl"
+        if graph == "host":
+            head = head.replace("best-own/nccl", "nccl/own host")
         extra = [(b, a) for b in cfg["blocks"] for a in ("oneshot", "twoshot")]
         head += "".join(f" {a[:3]}@{b.replace('PYCCL_AR_', '')}" for b, a in extra)
         print(head)
@@ -193,7 +195,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ngpus": args.ngpus, "info": info,
-                       "rows": [{"bytes": k[0], "algo": k[1], "blocks": k[2], "graph": k[3], "us": v}
+                       "rows": [{"bytes": k[0], "algo": k[1], "blocks": k[2], "graph": k[3] is True,
+                                 "what": "host" if k[3] == "host" else "gpu", "us": v}
                                 for k, v in t.items()]}, f, indent=1)
 
 

@@ -55,10 +55,8 @@ if [ "${1:-}" = "--bench" ]; then
 fi
 # A hung test fails alone when pytest-timeout is there.
 TO=$($PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout=300")
-# test paths given: only those (pytest would run all of tests/ as well)
-WHAT=tests
-for a in "$@"; do case "$a" in tests/*) WHAT=;; esac; done
-timeout 500 $PY -m pytest $WHAT -q -rs -p no:cacheprovider $TO "$@" 2>&1 | tee "$OUT/pytest.log" | tail -60
+# no test paths given: pyproject's testpaths (tests/)
+timeout 500 $PY -m pytest -q -rs -p no:cacheprovider $TO "$@" 2>&1 | tee "$OUT/pytest.log" | tail -60
 rc=$?
 [ "${GPU_CHECK_BENCH:-1}" = 0 ] && exit $rc
 timeout 90 $PY tools/quick_bench.py 2>&1 | tee "$OUT/quick.txt"
