@@ -745,6 +745,26 @@ enter_device(const pyccl_api *a, int device, int *prev)
     return 0;
 }
 
+/* The peers did not come within the timeout (`where`: during the set-up, or
+ * in a kernel): the own kernels are off, the communicator is failed, and
+ * the call raises (NcclTimeoutError, or RuntimeError if it was alive). */
+static int
+timed_out(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const char *where)
+{
+    char msg[400], t[32];
+    pyccl_fmt_seconds(t, sizeof t, f->timeout);
+    snprintf(msg, sizeof msg,
+             "%s: rank %d of %d timed out after %s s waiting for its peers%s; the communicator "
+             "was aborted",
+             op, f->rank, f->nranks, t, where);
+    f->state = FA_OFF;
+    pyccl_comm_mark_failed(c, msg);
+    if (pyccl_comm_alive(st, op, c) == 0) {
+        PyErr_SetString(PyExc_RuntimeError, msg);
+    }
+    return -1;
+}
+
 int
 pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo algo,
                         const pyccl_tensor *t, const pyccl_tensor *o, int redop,
@@ -860,18 +880,7 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
         c->inflight--;
         set_up_deadline = 0;
         if (r == ncclInProgress) { /* the peers did not come within the timeout */
-            char msg[400], t[32];
-            pyccl_fmt_seconds(t, sizeof t, f->timeout);
-            snprintf(msg, sizeof msg,
-                     "%s: rank %d of %d timed out after %s s waiting for its peers (setting up "
-                     "pyccl's all-reduce kernels); the communicator was aborted",
-                     op, f->rank, f->nranks, t);
-            f->state = FA_OFF;
-            pyccl_comm_mark_failed(c, msg);
-            if (pyccl_comm_alive(st, op, c) == 0) {
-                PyErr_SetString(PyExc_RuntimeError, msg);
-            }
-            return -1;
+            return timed_out(st, c, f, op, " (setting up pyccl's all-reduce kernels)");
         }
         if (r != ncclSuccess) {
             f->state = FA_OFF;
@@ -902,19 +911,8 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
     }
     if (*(volatile int *)f->host_err) {
         /* a kernel gave up on a peer: the communicator is done for */
-        char msg[400], t[32];
-        pyccl_fmt_seconds(t, sizeof t, f->timeout);
-        snprintf(msg, sizeof msg,
-                 "%s: rank %d of %d timed out after %s s waiting for its peers in pyccl's "
-                 "all-reduce kernel; the communicator was aborted",
-                 op, f->rank, f->nranks, t);
-        f->state = FA_OFF;
         WHY("a wait gave up after %g s", f->timeout);
-        pyccl_comm_mark_failed(c, msg);
-        if (pyccl_comm_alive(st, op, c) == 0) {
-            PyErr_SetString(PyExc_RuntimeError, msg);
-        }
-        return -1;
+        return timed_out(st, c, f, op, " in pyccl's all-reduce kernel");
     }
     pyccl_ar_params prm;
     memset(&prm, 0, sizeof prm);
