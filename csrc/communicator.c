@@ -558,8 +558,9 @@ static PyMethodDef comm_methods[] = {
      "destroy()\n--\n\nFree the NCCL communicator now (idempotent). Using it "
      "afterwards raises RuntimeError. With a timeout: waits at most that long "
      "for the outstanding work, then aborts and raises NcclTimeoutError. "
-     "Collective (every rank calls it) once all_reduce used pyccl's own "
-     "kernels: their peer memory is freed after a barrier."},
+     "Collective (every rank calls it) once all_reduce set up pyccl's own "
+     "kernels (its first call of a supported dtype and op, any size): their "
+     "peer memory is freed after a barrier."},
     {"abort", pyccl_comm_abort, METH_NOARGS,
      "abort()\n--\n\nAbort the NCCL communicator now (ncclCommAbort): its "
      "kernels stop waiting for peers and return, results unfinished; every "

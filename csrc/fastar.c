@@ -4,10 +4,12 @@
  * fatbin that is embedded here and loaded with the CUDA driver API, found the
  * same way as NCCL (dlopen, nothing linked).  This file
  *   - decides per call whether the own kernels run (algo=, dtype, op, size,
- *     group, capture) - the decision depends only on arguments every rank
- *     passes alike, so all ranks take the same path;
+ *     group, capture);
  *   - sets up peer memory once per communicator, collectively, at the first
- *     call that qualifies: a region per rank, CUDA IPC handles exchanged by an
+ *     all_reduce of a supported dtype and op, of any size (whether a call gets
+ *     there depends only on arguments every rank passes alike, not on any
+ *     rank's environment, so all ranks start the set-up together): a region
+ *     per rank, CUDA IPC handles and every rank's settings exchanged by an
  *     NCCL all_gather on the communicator itself, peers mapped, a real
  *     write-then-read probe across every pair, and an agreement (NCCL MIN)
  *     so that either every rank uses the kernels or none does;
@@ -181,6 +183,7 @@ typedef struct pyccl_fastar {
     int rank, nranks, device;
     double timeout;                     /* seconds a wait may take; 0 = forever */
     double kernel_timeout;              /* the kernels' deadline */
+    unsigned skew_ns;                   /* PYCCL_AR_DEBUG_SKEW_NS (testing) */
 } pyccl_fastar;
 
 /* Every ready communicator's stop word, so that interpreter exit can release
@@ -337,13 +340,17 @@ typedef struct {
     char busid[32];
     uint64_t host;
     uint64_t half;
+    uint64_t ll_max;
+    uint64_t one_max, two_max; /* auto's thresholds: ranks that disagree would pick
+                                  different kernels (or NCCL) for one call and hang */
     int32_t pid;
     int32_t ok;
     int32_t blocks;
     int32_t threads;
     uint32_t magic;
-    char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 16 - 20];
+    char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 40 - 20];
 } fa_record;
+_Static_assert(sizeof(fa_record) == 256, "fa_record: 256 bytes, the same on every rank");
 
 /* A communicator made with timeout= is NCCL's non-blocking kind: a call may
  * return ncclInProgress and finish later. */
@@ -491,7 +498,10 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
         }
     }
     mine.host = host_id();
-    mine.half = f->half ^ (f->ll_max << 40);
+    mine.half = f->half;
+    mine.ll_max = f->ll_max;
+    mine.one_max = f->one_max;
+    mine.two_max = f->two_max;
     mine.pid = (int32_t)getpid();
     mine.ok = ok;
     mine.blocks = f->blocks;
@@ -538,11 +548,17 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
         } else if (p != me && strcmp(all[p].busid, mine.busid) == 0) {
             ok = 0;
             WHY("ranks %d and %d share GPU %s", me, p, mine.busid);
-        } else if (all[p].half != all[0].half || all[p].blocks != all[0].blocks ||
-                   all[p].threads != all[0].threads) {
+        } else if (all[p].half != all[0].half || all[p].ll_max != all[0].ll_max ||
+                   all[p].blocks != all[0].blocks || all[p].threads != all[0].threads) {
             ok = 0;
             WHY("ranks disagree on PYCCL_AR_BUFFER_MB / PYCCL_AR_LL_MAX / PYCCL_AR_BLOCKS / "
                 "PYCCL_AR_THREADS");
+        } else if (all[p].one_max != all[0].one_max || all[p].two_max != all[0].two_max) {
+            ok = 0;
+            WHY("ranks disagree on PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX (rank %d: %llu / "
+                "%llu bytes, rank 0: %llu / %llu)", p, (unsigned long long)all[p].one_max,
+                (unsigned long long)all[p].two_max, (unsigned long long)all[0].one_max,
+                (unsigned long long)all[0].two_max);
         }
     }
     for (int p = 0; p < n && ok; p++) {
@@ -693,6 +709,7 @@ read_settings(pyccl_fastar *f, const pyccl_comm *c)
      * communicator first, so a call that gave up is never mistaken for a
      * finished one */
     f->kernel_timeout = ct > 0 ? f->timeout + 1.0 : f->timeout;
+    f->skew_ns = (unsigned)env_long("PYCCL_AR_DEBUG_SKEW_NS", 0, 0, 1000000);
 }
 
 static pyccl_fastar *
@@ -726,6 +743,26 @@ enter_device(const pyccl_api *a, int device, int *prev)
         bound = device;
     }
     return 0;
+}
+
+/* The peers did not come within the timeout (`where`: during the set-up, or
+ * in a kernel): the own kernels are off, the communicator is failed, and
+ * the call raises (NcclTimeoutError, or RuntimeError if it was alive). */
+static int
+timed_out(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const char *where)
+{
+    char msg[400], t[32];
+    pyccl_fmt_seconds(t, sizeof t, f->timeout);
+    snprintf(msg, sizeof msg,
+             "%s: rank %d of %d timed out after %s s waiting for its peers%s; the communicator "
+             "was aborted",
+             op, f->rank, f->nranks, t, where);
+    f->state = FA_OFF;
+    pyccl_comm_mark_failed(c, msg);
+    if (pyccl_comm_alive(st, op, c) == 0) {
+        PyErr_SetString(PyExc_RuntimeError, msg);
+    }
+    return -1;
 }
 
 int
@@ -780,19 +817,22 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
     if (f == NULL) {
         return -1;
     }
-    if (forced && nbytes > f->half) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: algo='%s' handles up to %zu bytes (PYCCL_AR_BUFFER_MB), got %zu",
-                     op, algo_name(algo), f->half, nbytes);
-        return -1;
-    }
+    /* auto: NCCL above the thresholds.  The set-up still happens at the first
+     * call of any size: it is collective, and the thresholds come from each
+     * rank's environment, so starting it only under them could start it on
+     * some ranks and not others (and the set-up is where ranks check that
+     * they agree on them). */
+    int nccl_sized = 0;
     if (!forced) {
         if (nbytes <= f->one_max) {
             algo = PYCCL_ALGO_ONESHOT;
         } else if (nbytes <= f->two_max) {
             algo = PYCCL_ALGO_TWOSHOT;
         } else {
-            return 0; /* NCCL: no set-up needed */
+            nccl_sized = 1;
+            if (f->state != FA_UNTRIED) {
+                return 0;
+            }
         }
     }
     const pyccl_api *a = &st->api;
@@ -840,18 +880,7 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
         c->inflight--;
         set_up_deadline = 0;
         if (r == ncclInProgress) { /* the peers did not come within the timeout */
-            char msg[400], t[32];
-            pyccl_fmt_seconds(t, sizeof t, f->timeout);
-            snprintf(msg, sizeof msg,
-                     "%s: rank %d of %d timed out after %s s waiting for its peers (setting up "
-                     "pyccl's all-reduce kernels); the communicator was aborted",
-                     op, f->rank, f->nranks, t);
-            f->state = FA_OFF;
-            pyccl_comm_mark_failed(c, msg);
-            if (pyccl_comm_alive(st, op, c) == 0) {
-                PyErr_SetString(PyExc_RuntimeError, msg);
-            }
-            return -1;
+            return timed_out(st, c, f, op, " (setting up pyccl's all-reduce kernels)");
         }
         if (r != ncclSuccess) {
             f->state = FA_OFF;
@@ -870,21 +899,20 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
         }
         return 0;
     }
+    if (nccl_sized) {
+        return 0;
+    }
+    /* after the set-up, which checked that every rank has this buffer size */
+    if (forced && nbytes > f->half) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: algo='%s' handles up to %zu bytes (PYCCL_AR_BUFFER_MB), got %zu",
+                     op, algo_name(algo), f->half, nbytes);
+        return -1;
+    }
     if (*(volatile int *)f->host_err) {
         /* a kernel gave up on a peer: the communicator is done for */
-        char msg[400], t[32];
-        pyccl_fmt_seconds(t, sizeof t, f->timeout);
-        snprintf(msg, sizeof msg,
-                 "%s: rank %d of %d timed out after %s s waiting for its peers in pyccl's "
-                 "all-reduce kernel; the communicator was aborted",
-                 op, f->rank, f->nranks, t);
-        f->state = FA_OFF;
         WHY("a wait gave up after %g s", f->timeout);
-        pyccl_comm_mark_failed(c, msg);
-        if (pyccl_comm_alive(st, op, c) == 0) {
-            PyErr_SetString(PyExc_RuntimeError, msg);
-        }
-        return -1;
+        return timed_out(st, c, f, op, " in pyccl's all-reduce kernel");
     }
     pyccl_ar_params prm;
     memset(&prm, 0, sizeof prm);
@@ -899,6 +927,7 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
     prm.nranks = f->nranks;
     prm.aligned = (((uintptr_t)t->ptr | (uintptr_t)o->ptr) & 15u) == 0;
     prm.ll_slot = 2 * f->ll_max;
+    prm.skew_ns = f->skew_ns;
     int variant = algo == PYCCL_ALGO_TWOSHOT ? 2 : nbytes <= f->ll_max ? 0 : 1;
     int k = variant * K_NTYPES * K_NOPS + kt * K_NOPS + ko;
     void *args[] = {&prm};
@@ -994,7 +1023,7 @@ PyObject *
 pyccl_fastar_info(pyccl_state *st, pyccl_comm *c)
 {
     (void)st;
-    pyccl_fastar unset; /* before the first qualifying call: what it would read */
+    pyccl_fastar unset; /* before the set-up call: what it would read */
     pyccl_fastar *f = c->fastar;
     if (f == NULL) {
         memset(&unset, 0, sizeof unset);

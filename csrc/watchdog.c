@@ -126,8 +126,9 @@ void
 pyccl_fmt_seconds(char *buf, size_t n, double s)
 {
     snprintf(buf, n, "%.1f", s);
-    if (strtod(buf, NULL) != s) {
-        snprintf(buf, n, "%g", s);
+    /* else the shortest digits that give s back, as Python's repr */
+    for (int digits = 1; digits <= 17 && strtod(buf, NULL) != s; digits++) {
+        snprintf(buf, n, "%.*g", digits, s);
     }
 }
 

@@ -150,15 +150,17 @@ def graphs(comm, replays=50):
     return replays
 
 
-def off_on_one_rank(comm):
-    """PYCCL_DISABLE_OWN_KERNELS on the last rank only: all ranks agree to use NCCL,
-    forced algos raise the same way everywhere, results stay right."""
+def off_on_one_rank(comm, settings=None, count=100):
+    """Settings on the last rank only (PYCCL_DISABLE_OWN_KERNELS, or thresholds that
+    would make the ranks pick different kernels): all ranks agree to use NCCL, forced
+    algos raise the same way everywhere, results stay right.  The first call has
+    `count` float32 elements."""
     W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
     if r == W - 1:
-        os.environ["PYCCL_DISABLE_OWN_KERNELS"] = "1"
-    t = torch.arange(100, dtype=torch.float32, device=dev) + r
+        os.environ.update(settings or {"PYCCL_DISABLE_OWN_KERNELS": "1"})
+    t = torch.arange(count, dtype=torch.float32, device=dev) + r
     comm.all_reduce(t)  # auto: the set-up happens here, collectively
-    _check(t, sum(torch.arange(100, dtype=torch.float32) + q for q in range(W)), "auto off")
+    _check(t, sum(torch.arange(count, dtype=torch.float32) + q for q in range(W)), "auto off")
     info = comm.all_reduce_info
     assert info["state"] == "off", info
     msg = None
@@ -167,7 +169,22 @@ def off_on_one_rank(comm):
     except RuntimeError as e:
         msg = str(e)
     assert msg is not None and msg.startswith(f"all_reduce: algo='oneshot' is unavailable on rank {r}: "), msg
-    return info["reason"], msg
+    return info["reason"], msg, info
+
+
+def first_call_nccl_sized(comm):
+    """Run with PYCCL_AR_BUFFER_MB=1: the first call (2 MiB) is NCCL's, yet it sets the
+    own kernels up, with every rank; a small call after it runs on them."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    big = torch.arange(1 << 19, dtype=torch.float32, device=dev) % 1000 + r
+    comm.all_reduce(big)
+    _check(big, sum(torch.arange(1 << 19, dtype=torch.float32) % 1000 + q for q in range(W)), "big")
+    info = comm.all_reduce_info
+    before = comm._all_reduce_epoch()
+    small = torch.arange(1000, dtype=torch.int32, device=dev) * (r + 1)
+    comm.all_reduce(small)
+    _check(small, torch.arange(1000, dtype=torch.int32) * sum(range(1, W + 1)), "small")
+    return info, before, comm._all_reduce_epoch()
 
 
 def errors(comm):
@@ -215,6 +232,35 @@ def errors(comm):
         comm.all_reduce(u)  # auto inside a group: NCCL's, grouped
     _check(u, t.cpu() * comm.size, "auto in group")
     return seen
+
+
+def skewed(comm, calls=4):
+    """Run with PYCCL_AR_DEBUG_SKEW_NS: block b of the one-shot and two-shot kernels
+    starts b * skew late (the LL kernel has no copy-in step and no skew), so a block that
+    uses vectors another block copies in, without a barrier between them, reads the
+    stale data of two calls back (different here: each call rolls the values) instead of
+    winning the race by luck.  Sizes whose two-shot slices do not start on a multiple of
+    the grid's stride (64 x 512 vectors) at 2 ranks, in every dtype below (the two-shot
+    bug this guards against hit exactly those), with tails; in and out of place."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    checks = 0
+    for dtype in (torch.float32, torch.int32, torch.bfloat16):
+        for count in (4097, 65536 + 5, 300001, 1000003):
+            base = [rank_values(k, count, dtype, SUM, W) for k in range(W)]
+            for algo in ALGOS:
+                for c in range(calls):
+                    vals = [torch.roll(v, 7 * c + 1) for v in base]
+                    ref = reduce_ref(vals, SUM, dtype)
+                    mine = to_dtype(vals[r], dtype).to(dev)
+                    if c % 2:
+                        out = torch.full_like(mine, 3)
+                        comm.all_reduce(mine, out=out, algo=algo)
+                        _check(out, ref, "skewed", algo, "out of place", dtype, count, c)
+                    else:
+                        comm.all_reduce(mine, algo=algo)
+                        _check(mine, ref, "skewed", algo, "in place", dtype, count, c)
+                    checks += 1
+    return checks, comm.all_reduce_info
 
 
 def destroy_collective(comm):

@@ -55,6 +55,22 @@ def test_10000_calls_across_the_epoch_wrap(ll_max):
 
 @needs_gpus(2)
 @needs_kernels
+@pytest.mark.parametrize("ll_max", ["default", "0"])
+def test_blocks_started_late_still_exact(ll_max):
+    # each block of every call starts blockIdx * 3 us late (PYCCL_AR_DEBUG_SKEW_NS): a
+    # block reading what another block copies in, unsynchronized, gets stale data
+    env = {"PYCCL_AR_DEBUG_SKEW_NS": "3000"}
+    if ll_max != "default":
+        env["PYCCL_AR_LL_MAX"] = ll_max
+    res = run_ranks(fa.skewed, W, env=env)
+    for r in range(W):
+        checks, info = res[r]
+        assert checks == 3 * 4 * 2 * 4
+        assert info["state"] == "ready", info
+
+
+@needs_gpus(2)
+@needs_kernels
 def test_cuda_graph_capture_and_replay():
     res = run_ranks(fa.graphs, W)
     assert all(res[r] == 50 for r in range(W))
@@ -66,6 +82,32 @@ def test_disabled_on_one_rank_means_nccl_everywhere():
     res = run_ranks(fa.off_on_one_rank, W, env={"PYCCL_QUIET": "1"})
     assert res[W - 1][0] == "PYCCL_DISABLE_OWN_KERNELS is set"
     assert res[0][0] == f"rank {W - 1} cannot use them"
+
+
+@needs_gpus(2)
+@needs_kernels
+@pytest.mark.parametrize("first_bytes", [400, 4096])
+def test_thresholds_that_differ_between_ranks_mean_nccl_everywhere(first_bytes):
+    # otherwise one rank would run its own kernel and another NCCL for the same call: a
+    # hang.  4096: over the last rank's thresholds, under the others' (the set-up must
+    # still start on every rank)
+    settings = {"PYCCL_AR_ONESHOT_MAX": "1024", "PYCCL_AR_TWOSHOT_MAX": "1024"}
+    res = run_ranks(fa.off_on_one_rank, W, settings, first_bytes // 4, env={"PYCCL_QUIET": "1"})
+    one, two = res[0][2]["oneshot_max"], res[0][2]["twoshot_max"]
+    assert one > first_bytes and two > first_bytes, res[0][2]
+    for r in range(W):
+        assert res[r][0] == (f"ranks disagree on PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX "
+                             f"(rank {W - 1}: 1024 / 1024 bytes, rank 0: {one} / {two})"), res[r]
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_first_call_over_the_buffer_still_sets_up():
+    res = run_ranks(fa.first_call_nccl_sized, W, env={"PYCCL_AR_BUFFER_MB": "1"})
+    for r in range(W):
+        info, before, after = res[r]
+        assert info["state"] == "ready" and info["buffer_bytes"] == 1 << 20, info
+        assert after == (before + 1) % (1 << 32), (before, after)  # the small call was own
 
 
 @needs_gpus(2)

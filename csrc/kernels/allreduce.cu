@@ -244,16 +244,10 @@ __device__ __forceinline__ void store_out(const pyccl_ar_params &p, size_t v, ui
     }
 }
 
-// Step 1 of both kernels: this block's vectors (and, block 0, the tail) of the
-// input into this rank's half.
+// Block 0 copies the bytes past the last whole vector (and reduces them later).
 template <typename T>
-__device__ __forceinline__ void copy_in(const pyccl_ar_params &p, char *half, size_t nvec)
+__device__ __forceinline__ void copy_tail(const pyccl_ar_params &p, char *half, size_t nvec)
 {
-    uint4 *dst = (uint4 *)half;
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    for (size_t v = (size_t)blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += stride) {
-        dst[v] = load_in<T>(p, v);
-    }
     if (blockIdx.x == 0) {
         const size_t vbytes = nvec * 16;
         const size_t n = (p.nbytes - vbytes) / sizeof(T);
@@ -263,12 +257,33 @@ __device__ __forceinline__ void copy_in(const pyccl_ar_params &p, char *half, si
     }
 }
 
+// Step 1 of the one-shot kernel: this block's vectors (grid stride, the same
+// positions the reduce step takes) and the tail into this rank's half.
+template <typename T>
+__device__ __forceinline__ void copy_in(const pyccl_ar_params &p, char *half, size_t nvec)
+{
+    uint4 *dst = (uint4 *)half;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t v = (size_t)blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += stride) {
+        dst[v] = load_in<T>(p, v);
+    }
+    copy_tail<T>(p, half, nvec);
+}
+
 __device__ __forceinline__ uint32_t begin(const pyccl_ar_params &p, int *gaveup, bool *stop)
 {
     if (threadIdx.x == 0) {
         *gaveup = 0;
     }
     char *mine = p.base[p.rank];
+    if (p.skew_ns) {
+        // testing only (PYCCL_AR_DEBUG_SKEW_NS): block b starts b * skew_ns
+        // late, so a block that relied on another block's work unsynchronized
+        // reads stale data instead of winning the race by luck
+        const uint64_t until = now_ns() + (uint64_t)blockIdx.x * p.skew_ns;
+        while (now_ns() < until) {
+        }
+    }
     *stop = *(volatile int *)(mine + PYCCL_AR_DEVERR_OFF) != 0;
     return *(volatile uint32_t *)((uint32_t *)(mine + PYCCL_AR_COUNTER_OFF) + blockIdx.x) + 1u;
 }
@@ -316,16 +331,29 @@ template <typename T, int OP> __device__ void twoshot(const pyccl_ar_params &p)
     const size_t data_off = PYCCL_AR_DATA_OFF + (size_t)(epoch & 1u) * p.half;
     const size_t nvec = p.nbytes / 16;
     char *mine = p.base[p.rank] + data_off;
-    copy_in<T>(p, mine, nvec);
+    // slice r = vectors [r*per, min((r+1)*per, nvec)); within every slice,
+    // thread t of block b takes the positions first, first + stride, ... in all
+    // three steps (copy in, reduce, gather) and on every rank.  That is what
+    // lets the per-block barriers stand for the whole grid: block b's barrier
+    // covers exactly the vectors block b touches next.  (Copying in with a
+    // plain grid stride over all vectors would hand the reduce step vectors
+    // that another block copies in, maybe not yet; and in place, overwrite
+    // inputs another block has not read yet.)
+    const size_t per = (nvec + p.nranks - 1) / p.nranks;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int s = 0; s < p.nranks; s++) {
+        const size_t lo = (size_t)s * per;
+        const size_t hi = min(lo + per, nvec);
+        for (size_t v = lo + first; v < hi; v += stride) {
+            ((uint4 *)mine)[v] = load_in<T>(p, v);
+        }
+    }
+    copy_tail<T>(p, mine, nvec);
     if (!block_barrier(p, epoch, 0, &gaveup)) {
         give_up(p);
         return;
     }
-    // slice r = vectors [r*per, min((r+1)*per, nvec)); within a slice, block b
-    // takes the same positions on every rank
-    const size_t per = (nvec + p.nranks - 1) / p.nranks;
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     {
         const size_t lo = (size_t)p.rank * per;
         const size_t hi = min(lo + per, nvec);
@@ -520,8 +548,8 @@ template <typename T, int OP> __device__ void oneshot_ll(const pyccl_ar_params &
     PYCCL_AR_KERNEL(variant, body, bound, tname, T, min, OP_MIN)
 #define PYCCL_AR_KERNELS(tname, T)                                                            \
     PYCCL_AR_OPS(0, oneshot_ll, 512, tname, T)                                                 \
-    PYCCL_AR_OPS(1, oneshot, 1024, tname, T)                                                   \
-    PYCCL_AR_OPS(2, twoshot, 1024, tname, T)
+    PYCCL_AR_OPS(1, oneshot, 512, tname, T)                                                    \
+    PYCCL_AR_OPS(2, twoshot, 512, tname, T)
 
 PYCCL_AR_KERNELS(f32, float)
 PYCCL_AR_KERNELS(f16, __half)

@@ -39,6 +39,7 @@ typedef struct {
     unsigned long long ll_slot;     /* bytes of one source rank's LL slot (2x the payload) */
     int rank;
     int nranks;
+    unsigned int skew_ns;           /* testing only: block b starts b * skew_ns late */
 } pyccl_ar_params;
 
 #endif
