@@ -7,7 +7,8 @@
 #   --ignore=tests/test_timeout_cpu.py` and `GPU_CHECK_BENCH=0 bash tools/gpu-check.sh
 #   tests/test_stress_gpu.py`.  Given test paths (tests/...), only those run.
 #        bash tools/gpu-check.sh --bench [pyccl.bench args...]   (build, then the benchmark)
-#   GPU_CHECK_BENCH=0 leaves out the quick benchmark and the kernel sweep after the tests.
+#   GPU_CHECK_BENCH=0 leaves out the quick benchmark and the kernel sweep after the tests;
+#   GPU_CHECK_WHEEL=0 leaves out the offline `pip wheel` build.
 # Writes env.txt, build.log, pytest.log, quick.txt (bench.txt, bench.json,
 # perf.png, host.txt with --bench) under $OUT (or ./gpu-out).
 set -u
@@ -34,8 +35,10 @@ if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
   tail -30 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
 echo "build_ext --inplace: $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$OUT/build.log"
-# The offline pip path of the README must work too.
-if $PY -m pip wheel --no-build-isolation --no-deps -q -w /tmp/pyccl-wheel . >> "$OUT/build.log" 2>&1; then
+# The offline pip path of the README must work too (GPU_CHECK_WHEEL=0 skips it).
+if [ "${GPU_CHECK_WHEEL:-1}" = 0 ]; then
+  echo "pip wheel --no-build-isolation: skipped (GPU_CHECK_WHEEL=0)" | tee -a "$OUT/build.log"
+elif $PY -m pip wheel --no-build-isolation --no-deps -q -w /tmp/pyccl-wheel . >> "$OUT/build.log" 2>&1; then
   echo "pip wheel --no-build-isolation: ok ($(ls /tmp/pyccl-wheel))" | tee -a "$OUT/build.log"
 else
   echo "pip wheel --no-build-isolation: FAILED" | tee -a "$OUT/build.log"
