@@ -15,6 +15,9 @@ import torch
 def _child(fn_name, module, rank, world, uid, q, env, extra):
     try:
         os.environ.update(env)
+        # W processes each with a thread per core oversubscribe the CPU many times
+        # over and make the float64 references crawl at 4+ ranks.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
         import importlib
 
         import pyccl

@@ -5,6 +5,7 @@ processes with one GPU each (comms from init_rank).  Results are checked
 bitwise against a float64 reference on integer-valued data, and against
 torch.cuda.nccl wherever torch is correct.
 """
+import os
 import multiprocessing as mp
 import threading
 
@@ -295,6 +296,7 @@ def test_zero_elements():
 
 def _rank_worker(rank, world, uid, q):
     try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # W processes share the cores
         torch.cuda.set_device(rank)
         comm = nccl.init_rank(world, uid, rank)
         res = {"rank": comm.rank, "size": comm.size}
