@@ -8,7 +8,7 @@
 #   tests/test_stress_gpu.py`.  Given test paths (tests/...), only those run.
 #        bash tools/gpu-check.sh --bench [pyccl.bench args...]   (build, then the benchmark)
 #   GPU_CHECK_BENCH=0 leaves out the quick benchmark and the kernel sweep after the tests;
-#   GPU_CHECK_WHEEL=0 leaves out the offline `pip wheel` build.
+#   GPU_CHECK_WHEEL=0 leaves out the offline `pip wheel` build; GPU_CHECK_PYTEST_S caps pytest (500 s).
 # Writes env.txt, build.log, pytest.log, quick.txt (bench.txt, bench.json,
 # perf.png, host.txt with --bench) under $OUT (or ./gpu-out).
 set -u
@@ -59,7 +59,7 @@ fi
 # A hung test fails alone when pytest-timeout is there.
 TO=$($PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout=300")
 # no test paths given: pyproject's testpaths (tests/)
-timeout 500 $PY -m pytest -q -rs -p no:cacheprovider $TO "$@" 2>&1 | tee "$OUT/pytest.log" | tail -60
+timeout "${GPU_CHECK_PYTEST_S:-500}" $PY -m pytest -q -rs -p no:cacheprovider $TO "$@" 2>&1 | tee "$OUT/pytest.log" | tail -60
 rc=$?
 [ "${GPU_CHECK_BENCH:-1}" = 0 ] && exit $rc
 timeout 90 $PY tools/quick_bench.py 2>&1 | tee "$OUT/quick.txt"
