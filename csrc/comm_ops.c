@@ -198,8 +198,12 @@ read_rank(call_ctx *x, const char *what, PyObject *obj, int *out)
 static int
 get_stream(call_ctx *x, PyObject *stream, cudaStream_t *out)
 {
-    char owner[48];
-    PyOS_snprintf(owner, sizeof owner, "the communicator (rank %d)", x->c->rank);
+    /* the owner is named only when a given stream is on another device; the
+     * usual stream=None path skips the formatting (it runs on every call) */
+    char owner[48] = "";
+    if (stream != NULL && stream != Py_None) {
+        PyOS_snprintf(owner, sizeof owner, "the communicator (rank %d)", x->c->rank);
+    }
     return pyccl_stream(x->st, x->op, "stream", stream, x->c->device, owner, out);
 }
 

@@ -604,7 +604,8 @@ static PyGetSetDef comm_getset[] = {
     {"all_reduce_info", comm_get_ar_info, NULL,
      "How all_reduce picks pyccl's own kernels on this communicator: state "
      "('not set up', 'ready', 'off'), reason, buffer_bytes, oneshot_max, "
-     "twoshot_max, blocks, threads, timeout, built.", NULL},
+     "twoshot_max, ll_max, blocks, threads, timeout, built, pdl (kernels "
+     "launched with programmatic dependent launch).", NULL},
     {"handle", comm_get_handle, NULL,
      "The ncclComm_t as an int (0 once destroyed), for other NCCL users.", NULL},
     {NULL, NULL, NULL, NULL, NULL},

@@ -53,6 +53,25 @@ pyccl_fastar_built(void)
 typedef int CUresult;
 typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
+/* cuLaunchKernelEx's configuration, as cuda.h (12.0 and later) lays it out */
+typedef struct {
+    int id;                      /* CUlaunchAttributeID */
+    char pad[4];
+    union {
+        char pad[64];
+        int i;
+    } value;
+} cu_launch_attr;
+typedef struct {
+    unsigned grid[3], block[3], shared_bytes;
+    cudaStream_t stream;
+    cu_launch_attr *attrs;
+    unsigned nattrs;
+} cu_launch_config;
+_Static_assert(sizeof(cu_launch_attr) == 72, "CUlaunchAttribute is 72 bytes");
+_Static_assert(sizeof(cu_launch_config) == 56, "CUlaunchConfig is 56 bytes");
+#define CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION 6
+#define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
 static struct {
     int tried;
     char err[200];
@@ -62,6 +81,10 @@ static struct {
                                unsigned, unsigned, unsigned, cudaStream_t, void **,
                                void **);
     CUresult (*cuGetErrorString)(CUresult, const char **);
+    /* optional: programmatic dependent launch (driver 12.0+, sm_90+) */
+    CUresult (*cuLaunchKernelEx)(const cu_launch_config *, CUfunction, void **, void **);
+    CUresult (*cuDeviceGet)(int *, int);
+    CUresult (*cuDeviceGetAttribute)(int *, int, int);
 } drv;
 
 /* kernels: [0 one-shot LL, 1 one-shot, 2 two-shot][dtype][op], then the probe */
@@ -94,6 +117,9 @@ load_driver(char *why, size_t n)
             *(void **)&drv.cuModuleGetFunction = dlsym(h, "cuModuleGetFunction");
             *(void **)&drv.cuLaunchKernel = dlsym(h, "cuLaunchKernel");
             *(void **)&drv.cuGetErrorString = dlsym(h, "cuGetErrorString");
+            *(void **)&drv.cuLaunchKernelEx = dlsym(h, "cuLaunchKernelEx");
+            *(void **)&drv.cuDeviceGet = dlsym(h, "cuDeviceGet");
+            *(void **)&drv.cuDeviceGetAttribute = dlsym(h, "cuDeviceGetAttribute");
             if (!drv.cuModuleLoadData || !drv.cuModuleGetFunction || !drv.cuLaunchKernel ||
                 !drv.cuGetErrorString) {
                 snprintf(drv.err, sizeof drv.err, "libcuda.so.1 lacks the module calls");
@@ -162,6 +188,20 @@ load_kernels(int device, char *why, size_t n)
 #endif
 }
 
+/* Whether `device` can overlap a kernel's launch with the previous kernel
+ * on its stream (programmatic dependent launch: compute capability 9.0 and
+ * a driver with cuLaunchKernelEx). */
+static int
+pdl_supported(int device)
+{
+    int dev, major = 0;
+    return drv.cuLaunchKernelEx != NULL && drv.cuDeviceGet != NULL &&
+           drv.cuDeviceGetAttribute != NULL && drv.cuDeviceGet(&dev, device) == 0 &&
+           drv.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                                    dev) == 0 &&
+           major >= 9;
+}
+
 /* ---------------- per-communicator state ---------------- */
 
 enum { FA_UNTRIED = 0, FA_READY = 1, FA_OFF = -1 };
@@ -177,6 +217,7 @@ typedef struct pyccl_fastar {
     size_t one_max, two_max;            /* auto thresholds, read once */
     size_t ll_max;                      /* one-shot sizes up to this use the LL kernel */
     int blocks, threads;
+    int pdl;                            /* launch with programmatic stream serialization */
     cudaStream_t last_stream;           /* the stream of the previous launch */
     int launched;
     cudaEvent_t order;                  /* orders a launch after the previous one on another stream */
@@ -469,6 +510,8 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
             PYCCL_AR_MAX_RANKS, n);
     } else if (load_kernels(f->device, f->reason, sizeof f->reason) < 0) {
         ok = 0;
+    } else if (f->pdl && !pdl_supported(f->device)) {
+        f->pdl = 0;
     }
     size_t total = PYCCL_AR_DATA_OFF + 2 * f->half + 2 * (size_t)n * 2 * f->ll_max;
     if (ok) {
@@ -710,6 +753,10 @@ read_settings(pyccl_fastar *f, const pyccl_comm *c)
      * finished one */
     f->kernel_timeout = ct > 0 ? f->timeout + 1.0 : f->timeout;
     f->skew_ns = (unsigned)env_long("PYCCL_AR_DEBUG_SKEW_NS", 0, 0, 1000000);
+    /* programmatic dependent launch: a rank-local choice (it changes when a
+     * kernel is scheduled, not what it does), so ranks need not agree; the
+     * set-up turns it off where the GPU or the driver lacks it */
+    f->pdl = (int)env_long("PYCCL_AR_PDL", 1, 0, 1);
 }
 
 static pyccl_fastar *
@@ -963,8 +1010,18 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
             per = (per + 31) & ~(size_t)31;
             threads = per < threads ? (unsigned)per : threads;
         }
-        r = drv.cuLaunchKernel(devs[f->device].fn[k], (unsigned)f->blocks, 1, 1, threads, 1, 1,
-                               0, s, args, NULL);
+        CUfunction fn = devs[f->device].fn[k];
+        if (f->pdl) {
+            /* the kernels begin with griddepcontrol.wait (allreduce.cu) */
+            cu_launch_attr attr;
+            memset(&attr, 0, sizeof attr);
+            attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.i = 1;
+            cu_launch_config cfg = {{(unsigned)f->blocks, 1, 1}, {threads, 1, 1}, 0, s, &attr, 1};
+            r = drv.cuLaunchKernelEx(&cfg, fn, args, NULL);
+        } else {
+            r = drv.cuLaunchKernel(fn, (unsigned)f->blocks, 1, 1, threads, 1, 1, 0, s, args, NULL);
+        }
         if (prev != f->device) {
             a->cudaSetDevice(prev);
         }
@@ -1036,12 +1093,13 @@ pyccl_fastar_info(pyccl_state *st, pyccl_comm *c)
     const char *reason = f->state == FA_OFF     ? f->reason
                          : pyccl_fastar_built() ? ""
                                                 : "built without nvcc";
-    return Py_BuildValue("{s:s,s:s,s:n,s:n,s:n,s:n,s:i,s:i,s:d,s:O}", "state", state, "reason",
-                         reason, "buffer_bytes", (Py_ssize_t)f->half, "ll_max",
+    return Py_BuildValue("{s:s,s:s,s:n,s:n,s:n,s:n,s:i,s:i,s:d,s:O,s:O}", "state", state,
+                         "reason", reason, "buffer_bytes", (Py_ssize_t)f->half, "ll_max",
                          (Py_ssize_t)f->ll_max, "oneshot_max", (Py_ssize_t)f->one_max,
                          "twoshot_max", (Py_ssize_t)f->two_max, "blocks", f->blocks, "threads",
                          f->threads, "timeout", f->timeout, "built",
-                         pyccl_fastar_built() ? Py_True : Py_False);
+                         pyccl_fastar_built() ? Py_True : Py_False, "pdl",
+                         f->pdl ? Py_True : Py_False);
 }
 
 /* Testing aid: read or set every block's epoch counter (all ranks alike, with

@@ -150,6 +150,61 @@ def graphs(comm, replays=50):
     return replays
 
 
+def chained(comm, replays=3):
+    """Back-to-back own-kernel calls, each reading what the one before it wrote (in place,
+    int32 SUM: every call multiplies by the world size, wrapping like NCCL), on the LL,
+    one-shot and two-shot kernels: first L calls in a row on one tensor, then the three
+    interleaved.  With programmatic dependent launch a kernel is scheduled while the one
+    before it still runs; a read before that one finished gives an old value.  Eager, then
+    captured in a CUDA graph and replayed.  Returns (all_reduce_info, checks)."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    L = max(2, 12 // (W.bit_length() - 1))  # W^(2L) <= 2^24: wraps only a little
+    sizes = {"ll": 1000, "oneshot": 100003, "twoshot": 100003}
+    algos = {"ll": "oneshot", "oneshot": "oneshot", "twoshot": "twoshot"}
+    init = {k: (torch.arange(n, dtype=torch.int64) * 7 + r * 13 + 1) % 127 + 1
+            for k, n in sizes.items()}
+    plan = [k for k in sizes for _ in range(L)] + [k for _ in range(L) for k in sizes]
+    ts = {k: v.to(torch.int32).to(dev) for k, v in init.items()}
+    comm.all_reduce(ts["ll"].clone(), algo="oneshot")  # set-up, eagerly
+
+    def run():
+        for k in plan:
+            comm.all_reduce(ts[k], algo=algos[k])
+
+    def expect(k):
+        first = sum((torch.arange(sizes[k], dtype=torch.int64) * 7 + q * 13 + 1) % 127 + 1
+                    for q in range(W))
+        v = (first * W ** (plan.count(k) - 1)) & 0xFFFFFFFF
+        return torch.where(v >= 1 << 31, v - (1 << 32), v).to(torch.int32)
+
+    def check(what):
+        torch.cuda.synchronize()
+        for k in sizes:
+            assert torch.equal(ts[k].cpu(), expect(k)), (what, k, ts[k][:4], expect(k)[:4])
+
+    def reset():
+        for k in sizes:
+            ts[k].copy_(init[k])
+
+    run()
+    check("eager")
+    reset()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch asks before capture
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for k in range(replays):
+        reset()
+        g.replay()
+        check(f"replay {k}")
+    return comm.all_reduce_info, 1 + replays
+
+
 def off_on_one_rank(comm, settings=None, count=100):
     """Settings on the last rank only (PYCCL_DISABLE_OWN_KERNELS, or thresholds that
     would make the ranks pick different kernels): all ranks agree to use NCCL, forced

@@ -78,6 +78,20 @@ def test_cuda_graph_capture_and_replay():
 
 @needs_gpus(2)
 @needs_kernels
+@pytest.mark.parametrize("pdl", ["default", "0"])
+def test_chained_calls_read_what_the_call_before_wrote(pdl):
+    # default: programmatic dependent launch wherever the GPU has it (compute capability 9.0+)
+    env = {} if pdl == "default" else {"PYCCL_AR_PDL": pdl}
+    res = run_ranks(fa.chained, W, env=env)
+    want_pdl = pdl == "default" and torch.cuda.get_device_capability(0)[0] >= 9
+    for r in range(W):
+        info, checks = res[r]
+        assert checks == 4 and info["state"] == "ready", info
+        assert info["pdl"] is want_pdl, info
+
+
+@needs_gpus(2)
+@needs_kernels
 def test_disabled_on_one_rank_means_nccl_everywhere():
     res = run_ranks(fa.off_on_one_rank, W, env={"PYCCL_QUIET": "1"})
     assert res[W - 1][0] == "PYCCL_DISABLE_OWN_KERNELS is set"

@@ -1,8 +1,8 @@
 """All-reduce latency of pyccl's own kernels against NCCL, eager and CUDA-graph, one run.
 
-    python tools/fastar_sweep.py [-g NGPUS] [-b 8] [-e 16M] [--variants PYCCL_AR_BLOCKS=32,...] [--json FILE]
+    python tools/fastar_sweep.py [-g NGPUS] [-b 8] [-e 16M] [-f 4] [--variants PYCCL_AR_BLOCKS=32,...] [--json FILE]
 
-One process per GPU.  For each size (x4 steps, float32 sum, in place) and algo (nccl, oneshot,
+One process per GPU.  For each size (x f steps, float32 sum, in place) and algo (nccl, oneshot,
 twoshot, auto): eager = CUDA events around `iters` back-to-back calls / iters; graph = `iters`
 calls captured in one CUDA graph, replayed, / iters.  Each figure is the median of 5 loops of
 the maximum over ranks.  NCCL runs on the same communicator (algo='nccl'), so the columns are
@@ -97,7 +97,9 @@ def _rank(rank, world, uid, cfg, q):
                     for graph in (False, True):
                         iters = cfg["iters"] if size <= (1 << 20) else max(5, cfg["iters"] // 10)
                         host = [] if not graph else None
-                        t = _time(c, lambda: c.all_reduce(x, algo=algo), iters, graph, host)
+                        # auto is the default: called as users call it, without algo=
+                        fn = (lambda: c.all_reduce(x)) if algo == "auto" else (lambda: c.all_reduce(x, algo=algo))
+                        t = _time(c, fn, iters, graph, host)
                         res[(size, algo, blocks, graph)] = t
                         if host is not None:
                             res[(size, algo, blocks, "host")] = host
@@ -123,6 +125,7 @@ def main():
     p.add_argument("-g", "--ngpus", type=int, default=torch.cuda.device_count())
     p.add_argument("-b", "--minbytes", default="8")
     p.add_argument("-e", "--maxbytes", default="16M")
+    p.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier between rows")
     p.add_argument("-n", "--iters", type=int, default=100)
     p.add_argument("--variants", default="",
                    help="comma list of NAME=VALUE settings (e.g. PYCCL_AR_BLOCKS=32) whose own-kernel "
@@ -131,10 +134,12 @@ def main():
     args = p.parse_args()
     if args.ngpus < 2:
         sys.exit("fastar_sweep: needs 2 GPUs or more")
+    if args.stepfactor < 2:
+        sys.exit(f"fastar_sweep: -f must be 2 or more, got {args.stepfactor}")
     sizes, s = [], _parse_size(args.minbytes)
     while s <= _parse_size(args.maxbytes):
         sizes.append(max(4, s))
-        s *= 4
+        s *= args.stepfactor
     cfg = {"sizes": sizes, "iters": args.iters,
            "grads": [(1 << (8 + k % 8)) + k for k in range(100)],
            "blocks": [b for b in args.variants.split(",") if b]}
@@ -170,7 +175,7 @@ def main():
     print(f"# all_reduce float32 sum in place, {args.ngpus} ranks, us per call "
           f"(median of 5 loops of the max over ranks); own kernels: {info}")
     print(f"# command: python tools/fastar_sweep.py -g {args.ngpus} -b {args.minbytes} "
-          f"-e {args.maxbytes} -n {args.iters}" + (f" --variants {args.variants}" if args.variants else ""))
+          f"-e {args.maxbytes} -f {args.stepfactor} -n {args.iters}" + (f" --variants {args.variants}" if args.variants else ""))
     for graph in (False, True, "host"):
         print("\n## " + {False: "eager", True: "CUDA graph",
                          "host": "eager, host CPU time per call (enqueue only; eager is host-bound "

@@ -69,6 +69,23 @@ __device__ __forceinline__ uint64_t now_ns()
     return t;
 }
 
+// Programmatic dependent launch (sm_90 and newer).  The host launches the
+// kernels with programmatic stream serialization (fastar.c, PYCCL_AR_PDL), so
+// this grid may be scheduled while the previous kernel on the stream still
+// runs.  griddepcontrol.wait returns once that kernel has completed and its
+// memory operations are visible, so nothing may touch memory before it (the
+// previous kernel may have written our input, our counters or DEVERR).  Then
+// launch_dependents lets the next kernel on the stream be scheduled at once:
+// it waits the same way, so it only saves the launch latency.  Launched
+// without the attribute, both instructions do nothing.
+__device__ __forceinline__ void pdl_enter()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // The block's barrier with block blockIdx.x of every rank, for `phase` of the
 // call with `epoch`.  False when a wait gave up (timeout); the whole block
 // then leaves the kernel.
@@ -272,6 +289,7 @@ __device__ __forceinline__ void copy_in(const pyccl_ar_params &p, char *half, si
 
 __device__ __forceinline__ uint32_t begin(const pyccl_ar_params &p, int *gaveup, bool *stop)
 {
+    pdl_enter();
     if (threadIdx.x == 0) {
         *gaveup = 0;
     }
@@ -284,6 +302,7 @@ __device__ __forceinline__ uint32_t begin(const pyccl_ar_params &p, int *gaveup,
         while (now_ns() < until) {
         }
     }
+    // both loads in flight together (nothing between them waits for the first)
     *stop = *(volatile int *)(mine + PYCCL_AR_DEVERR_OFF) != 0;
     return *(volatile uint32_t *)((uint32_t *)(mine + PYCCL_AR_COUNTER_OFF) + blockIdx.x) + 1u;
 }
@@ -446,26 +465,28 @@ template <typename T, int OP> __device__ void oneshot_ll(const pyccl_ar_params &
 {
     typedef typename Acc<T>::type A;
     constexpr int N = 8 / sizeof(T);
+    pdl_enter();
     char *mine = p.base[p.rank];
-    if (*(volatile int *)(mine + PYCCL_AR_DEVERR_OFF) != 0) {
-        return;
-    }
+    const size_t lines = (p.nbytes + 7) / 8;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    // The stop word, the epoch and this thread's first input line are loaded
+    // before any of them is used: one memory round trip instead of three in a
+    // row (at small sizes the kernel is a chain of latencies).
+    const int stopped = *(volatile int *)(mine + PYCCL_AR_DEVERR_OFF);
     const uint32_t epoch =
         *(volatile uint32_t *)((uint32_t *)(mine + PYCCL_AR_COUNTER_OFF) + blockIdx.x) + 1u;
+    const uint2 v0 = first < lines ? ll_load<T>(p, first) : make_uint2(0, 0);
+    if (stopped != 0) {
+        return;
+    }
     const uint32_t flag = flag_value(epoch);
     // [parity][source rank][line]
     const size_t par_off = PYCCL_AR_DATA_OFF + 2 * p.half +
                            (size_t)(epoch & 1u) * (size_t)p.nranks * p.ll_slot;
-    const size_t lines = (p.nbytes + 7) / 8;
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    __shared__ int gaveup;
-    if (threadIdx.x == 0) {
-        gaveup = 0;
-    }
-    __syncthreads();
     bool ok = true;
-    for (size_t l = (size_t)blockIdx.x * blockDim.x + threadIdx.x; l < lines && ok; l += stride) {
-        const uint2 v = ll_load<T>(p, l);
+    for (size_t l = first; l < lines && ok; l += stride) {
+        const uint2 v = l == first ? v0 : ll_load<T>(p, l);
         const size_t at = par_off + (size_t)p.rank * p.ll_slot + l * 16;
         for (int r = 0; r < p.nranks; r++) {
             if (r != p.rank) {
@@ -521,11 +542,9 @@ template <typename T, int OP> __device__ void oneshot_ll(const pyccl_ar_params &
             ll_store<T>(p, l, res.u);
         }
     }
-    if (!ok) {
-        gaveup = 1;
-    }
-    __syncthreads(); // the counter moves once every thread of the block is done
-    if (gaveup) {
+    // the counter moves once every thread of the block is done; one barrier
+    // also tells every thread whether any of them gave up
+    if (__syncthreads_or(!ok)) {
         give_up(p);
         return;
     }
