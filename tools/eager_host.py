@@ -24,7 +24,8 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)
 
 import torch
-import torch.multiprocessing as mp
+
+from _spawn import run_ranks
 
 PTX = b"""
 .version 7.8
@@ -69,72 +70,68 @@ def _time(fn, calls, sync):
     return statistics.median(host), statistics.median(gpu)
 
 
-def _rank(rank, world, uid, calls, q):
-    try:
-        import pyccl
-        torch.cuda.set_device(rank)
-        dev = f"cuda:{rank}"
-        comm = pyccl.Communicator(world, uid, rank)
-        x = torch.arange(2, dtype=torch.float32, device=dev) + rank
-        empty = torch.empty(0, device=dev)
-        comm.all_reduce(x)  # set-up of the own kernels
-        os.environ["PYCCL_AR_PDL"] = "0"  # read at the sub-communicator's set-up
-        nopdl = comm.split(0)
-        nopdl.all_reduce(x)
-        del os.environ["PYCCL_AR_PDL"]
-        cu, fns = _driver()
-        param = (ctypes.c_char * 144)()
-        pargs = (ctypes.c_void_p * 1)(ctypes.cast(param, ctypes.c_void_p))
-        dv = ctypes.c_int()
-        side = torch.cuda.Stream()
+def _rank(rank, world, uid, calls):
+    import pyccl
+    torch.cuda.set_device(rank)
+    dev = f"cuda:{rank}"
+    comm = pyccl.Communicator(world, uid, rank)
+    x = torch.arange(2, dtype=torch.float32, device=dev) + rank
+    empty = torch.empty(0, device=dev)
+    comm.all_reduce(x)  # set-up of the own kernels
+    os.environ["PYCCL_AR_PDL"] = "0"  # read at the sub-communicator's set-up
+    nopdl = comm.split(0)
+    nopdl.all_reduce(x)
+    del os.environ["PYCCL_AR_PDL"]
+    cu, fns = _driver()
+    param = (ctypes.c_char * 144)()
+    pargs = (ctypes.c_void_p * 1)(ctypes.cast(param, ctypes.c_void_p))
+    dv = ctypes.c_int()
+    side = torch.cuda.Stream()
 
-        def noop():
-            pass
+    def noop():
+        pass
 
-        def launch(name, args=None):
-            f = fns[name]
-            s = torch.cuda.current_stream().cuda_stream
-            return lambda: cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, args, None)
+    def launch(name, args=None):
+        f = fns[name]
+        s = torch.cuda.current_stream().cuda_stream
+        return lambda: cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, args, None)
 
-        def on_side(fn):
-            def run():
-                with torch.cuda.stream(side):
-                    fn()
-            return run
+    def on_side(fn):
+        def run():
+            with torch.cuda.stream(side):
+                fn()
+        return run
 
-        cases = [
-            ("python call of a no-op", noop),
-            ("ctypes cuCtxGetDevice", lambda: cu.cuCtxGetDevice(ctypes.byref(dv))),
-            ("ctypes cuLaunchKernel, empty kernel", launch("pyccl_empty")),
-            ("ctypes cuLaunchKernel, 144-byte param", launch("pyccl_p144", pargs)),
-            ("comm.all_reduce(empty tensor)", lambda: comm.all_reduce(empty)),
-            ("comm.all_reduce(8 B): own kernel, PDL", lambda: comm.all_reduce(x)),
-            ("comm.all_reduce(8 B): own kernel, no PDL", lambda: nopdl.all_reduce(x)),
-            ("comm.all_reduce(8 B, algo='oneshot')", lambda: comm.all_reduce(x, algo="oneshot")),
-            ("comm.all_reduce(8 B, algo='nccl')", lambda: comm.all_reduce(x, algo="nccl")),
-        ]
+    cases = [
+        ("python call of a no-op", noop),
+        ("ctypes cuCtxGetDevice", lambda: cu.cuCtxGetDevice(ctypes.byref(dv))),
+        ("ctypes cuLaunchKernel, empty kernel", launch("pyccl_empty")),
+        ("ctypes cuLaunchKernel, 144-byte param", launch("pyccl_p144", pargs)),
+        ("comm.all_reduce(empty tensor)", lambda: comm.all_reduce(empty)),
+        ("comm.all_reduce(8 B): own kernel, PDL", lambda: comm.all_reduce(x)),
+        ("comm.all_reduce(8 B): own kernel, no PDL", lambda: nopdl.all_reduce(x)),
+        ("comm.all_reduce(8 B, algo='oneshot')", lambda: comm.all_reduce(x, algo="oneshot")),
+        ("comm.all_reduce(8 B, algo='nccl')", lambda: comm.all_reduce(x, algo="nccl")),
+    ]
 
-        def sync():
-            comm.barrier()
-            torch.cuda.synchronize()
+    def sync():
+        comm.barrier()
+        torch.cuda.synchronize()
 
-        res = {}
-        for name, fn in cases:
+    res = {}
+    for name, fn in cases:
+        fn()
+        res[name] = _time(fn, calls, sync)
+    # a side stream: the whole loop inside one `with` (the stream switch is not per call)
+    with torch.cuda.stream(side):
+        for name, fn in (("on a side stream: own kernel, PDL", lambda: comm.all_reduce(x)),
+                         ("on a side stream: empty kernel launch", launch("pyccl_empty"))):
             fn()
             res[name] = _time(fn, calls, sync)
-        # a side stream: the whole loop inside one `with` (the stream switch is not per call)
-        with torch.cuda.stream(side):
-            for name, fn in (("on a side stream: own kernel, PDL", lambda: comm.all_reduce(x)),
-                             ("on a side stream: empty kernel launch", launch("pyccl_empty"))):
-                fn()
-                res[name] = _time(fn, calls, sync)
-        res["_info"] = (comm.all_reduce_info, nopdl.all_reduce_info)
-        nopdl.destroy()
-        comm.destroy()
-        q.put((rank, "ok", res))
-    except BaseException:
-        import traceback
-        q.put((rank, "error", traceback.format_exc()))
+    res["_info"] = (comm.all_reduce_info, nopdl.all_reduce_info)
+    nopdl.destroy()
+    comm.destroy()
+    return res
 
 
 def main():
@@ -146,24 +143,7 @@ def main():
         sys.exit("eager_host: needs 2 GPUs or more")
     import pyccl
     uid = pyccl.unique_id()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.ngpus, uid, args.calls, q))
-             for r in range(args.ngpus)]
-    for pr in procs:
-        pr.start()
-    got = {}
-    try:
-        for _ in procs:
-            r, status, out = q.get(timeout=300)
-            if status != "ok":
-                sys.exit(f"rank {r} failed:\n{out}")
-            got[r] = out
-    finally:
-        for pr in procs:
-            pr.join(timeout=30)
-            if pr.is_alive():
-                pr.kill()
+    got = run_ranks("eager_host", _rank, args.ngpus, uid, args.calls, timeout=300)
     info = got[0].pop("_info")
     for r in got:
         got[r].pop("_info", None)

@@ -21,7 +21,8 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)
 
 import torch
-import torch.multiprocessing as mp
+
+from _spawn import run_ranks
 
 ALGOS = ["nccl", "oneshot", "twoshot", "auto"]
 
@@ -69,55 +70,51 @@ def _time(comm, fn, iters, graph, host=None):
     return out
 
 
-def _rank(rank, world, uid, cfg, q):
-    try:
-        import pyccl
-        torch.cuda.set_device(rank)
-        comm = pyccl.Communicator(world, uid, rank)
-        res = {}
-        variants = [(None, comm)]
-        comm.all_reduce(torch.ones(4, device=f"cuda:{rank}"), algo="oneshot")  # set up: default grid
-        for b in cfg["blocks"]:
-            name, _, val = b.partition("=")
-            old = os.environ.get(name)
-            os.environ[name] = val  # read at a communicator's set-up
-            sub = comm.split(0)
-            sub.all_reduce(torch.ones(4, device=f"cuda:{rank}"), algo="oneshot")
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
-            variants.append((b, sub))
-        for size in cfg["sizes"]:
-            x = torch.randn(size // 4, device=f"cuda:{rank}")
-            for blocks, c in variants:
-                for algo in (ALGOS if blocks is None else ["oneshot", "twoshot"]):
-                    if algo in ("oneshot", "twoshot") and size > c.all_reduce_info["buffer_bytes"]:
-                        continue
-                    for graph in (False, True):
-                        iters = cfg["iters"] if size <= (1 << 20) else max(5, cfg["iters"] // 10)
-                        host = [] if not graph else None
-                        # auto is the default: called as users call it, without algo=
-                        fn = (lambda: c.all_reduce(x)) if algo == "auto" else (lambda: c.all_reduce(x, algo=algo))
-                        t = _time(c, fn, iters, graph, host)
-                        res[(size, algo, blocks, graph)] = t
-                        if host is not None:
-                            res[(size, algo, blocks, "host")] = host
-        # many small gradients: one coalesced call against a call per tensor
-        grads = [torch.randn(n, device=f"cuda:{rank}") for n in cfg["grads"]]
-        for algo in ("auto", "nccl"):
-            def loop():
-                for g_ in grads:
-                    comm.all_reduce(g_, algo=algo)
-            res[("loop", algo)] = _time(comm, loop, 5, False)
-            res[("coalesced", algo)] = _time(comm, lambda: comm.all_reduce_coalesced(grads, algo=algo), 5, False)
-        info = comm.all_reduce_info
-        for _, c in variants:
-            c.destroy()
-        q.put((rank, "ok", (res, info)))
-    except BaseException:
-        import traceback
-        q.put((rank, "error", traceback.format_exc()))
+def _rank(rank, world, uid, cfg):
+    import pyccl
+    torch.cuda.set_device(rank)
+    comm = pyccl.Communicator(world, uid, rank)
+    res = {}
+    variants = [(None, comm)]
+    comm.all_reduce(torch.ones(4, device=f"cuda:{rank}"), algo="oneshot")  # set up: default grid
+    for b in cfg["blocks"]:
+        name, _, val = b.partition("=")
+        old = os.environ.get(name)
+        os.environ[name] = val  # read at a communicator's set-up
+        sub = comm.split(0)
+        sub.all_reduce(torch.ones(4, device=f"cuda:{rank}"), algo="oneshot")
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+        variants.append((b, sub))
+    for size in cfg["sizes"]:
+        x = torch.randn(size // 4, device=f"cuda:{rank}")
+        for blocks, c in variants:
+            for algo in (ALGOS if blocks is None else ["oneshot", "twoshot"]):
+                if algo in ("oneshot", "twoshot") and size > c.all_reduce_info["buffer_bytes"]:
+                    continue
+                for graph in (False, True):
+                    iters = cfg["iters"] if size <= (1 << 20) else max(5, cfg["iters"] // 10)
+                    host = [] if not graph else None
+                    # auto is the default: called as users call it, without algo=
+                    fn = (lambda: c.all_reduce(x)) if algo == "auto" else (lambda: c.all_reduce(x, algo=algo))
+                    t = _time(c, fn, iters, graph, host)
+                    res[(size, algo, blocks, graph)] = t
+                    if host is not None:
+                        res[(size, algo, blocks, "host")] = host
+    # many small gradients: one coalesced call against a call per tensor
+    grads = [torch.randn(n, device=f"cuda:{rank}") for n in cfg["grads"]]
+    for algo in ("auto", "nccl"):
+        def loop():
+            for g_ in grads:
+                comm.all_reduce(g_, algo=algo)
+        res[("loop", algo)] = _time(comm, loop, 5, False)
+        res[("coalesced", algo)] = _time(comm, lambda: comm.all_reduce_coalesced(grads, algo=algo), 5, False)
+    info = comm.all_reduce_info
+    for _, c in variants:
+        c.destroy()
+    return res, info
 
 
 def main():
@@ -145,23 +142,7 @@ def main():
            "blocks": [b for b in args.variants.split(",") if b]}
     import pyccl
     uid = pyccl.unique_id()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.ngpus, uid, cfg, q)) for r in range(args.ngpus)]
-    for pr in procs:
-        pr.start()
-    got = {}
-    try:
-        for _ in procs:
-            r, status, out = q.get(timeout=500)
-            if status != "ok":
-                sys.exit(f"rank {r} failed:\n{out}")
-            got[r] = out
-    finally:
-        for pr in procs:
-            pr.join(timeout=30)
-            if pr.is_alive():
-                pr.kill()
+    got = run_ranks("fastar_sweep", _rank, args.ngpus, uid, cfg, timeout=500)
     info = got[0][1]
     keys = got[0][0].keys()
     # max over ranks per loop, then the median of the loops
