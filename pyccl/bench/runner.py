@@ -9,8 +9,9 @@ without a deadline: a silent, dead or stuck child gets every process of the run 
 it started) killed and a BenchError. A child that makes no progress for most of the timeout
 dumps its Python stacks to stderr (faulthandler; spawned children share the parent's stderr),
 so a hang shows where it is; the processes of a run take turns, so dumps do not interleave.
-Children die with the parent (PR_SET_PDEATHSIG on Linux), so a killed benchmark leaves no
-process holding a GPU.
+Start-up (spawn, importing torch and pyccl: seconds on a loaded machine), before a process can
+report or dump anything, gets at least START_S before the run is killed. Children die with the
+parent (PR_SET_PDEATHSIG on Linux), so a killed benchmark leaves no process holding a GPU.
 pyccl and torch's CUDA parts are imported inside the functions, so this module loads anywhere.
 """
 import faulthandler
@@ -29,6 +30,10 @@ from .drivers import (  # noqa: F401
 
 EXIT_GRACE_S = 30.0
 KILL_WAIT_S = 20.0  # after SIGKILL: a process tearing down GPU contexts can take a few seconds
+# Until every process has sent its first message the parent waits max(timeout, START_S) without
+# progress: a process still importing torch has no watchdog yet, so a kill then (a short -T on a
+# busy machine) would come without any stack dump, for processes that were not even stuck.
+START_S = 60.0
 
 
 class BenchError(RuntimeError):
@@ -399,7 +404,8 @@ def _run(system, nranks, cfg, handle):
                          daemon=True, name=f"pyccl.bench {system} {i}")
              for i, (rank, (_, w)) in enumerate(zip(specs, pipes))]
     readers = {r: i for i, (r, _) in enumerate(pipes)}
-    done, last = set(), time.monotonic()
+    done, started = set(), set()  # started: sent their first message
+    last = t_spawn = time.monotonic()
     try:
         for p, (_, w) in zip(procs, pipes):
             p.start()
@@ -418,14 +424,24 @@ def _run(system, nranks, cfg, handle):
                             f"{_exit_text(procs[i].exitcode)} before reporting its results")
                     continue
                 last = time.monotonic()
+                started.add(i)
                 if msg[0] == "error":
                     raise BenchError(f"{system}: process {msg[1]} failed:\n{msg[2].rstrip()}")
                 if msg[0] == "done":
                     done.add(msg[1])
                 elif msg[0] != "hello":
                     handle(msg)
-            if len(done) < len(procs) and time.monotonic() - last > cfg["timeout"]:
+            # a process that has not said hello yet is still starting (see START_S)
+            limit = cfg["timeout"] if len(started) == len(procs) else max(cfg["timeout"], START_S)
+            if len(done) < len(procs) and time.monotonic() - last > limit:
                 waiting = [i for i in range(len(procs)) if i not in done]
+                starting = [i for i in range(len(procs)) if i not in started]
+                if starting:
+                    raise BenchError(
+                        f"{system}: no progress for {limit:.0f} s, and processes "
+                        f"{_pids(procs, starting)} had sent nothing "
+                        f"{time.monotonic() - t_spawn:.0f} s after their spawn (stuck starting: "
+                        "importing torch or pyccl?); killed every process of the run")
                 raise BenchError(
                     f"{system}: no progress for {cfg['timeout']:.0f} s (processes "
                     f"{_pids(procs, waiting)} still running); killed them. Their Python stacks, "
