@@ -76,7 +76,8 @@ def build_parser():
     a("-a", "--average", type=int, choices=(0, 1, 2, 3), default=3,
       help="time across ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum (default 3)")
     a("-T", "--timeout", type=float, default=300.0,
-      help="seconds without progress before the run is killed (default 300)")
+      help="seconds without progress before the run is killed (default 300; process "
+           "start-up, importing torch, gets at least 60)")
     a("--repeats", type=int, default=5, help="timed loops per size; the median is reported (default 5)")
     a("--api", choices=("comm", "nccl"), default="comm",
       help="pyccl API: comm = per-rank Communicator (default), nccl = torch.cuda.nccl drop-in")

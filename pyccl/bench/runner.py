@@ -8,8 +8,10 @@ The parent only counts devices, makes the pyccl unique id and a loopback port, a
 without a deadline: a silent, dead or stuck child gets every process of the run (and anything
 it started) killed and a BenchError. A child that makes no progress for most of the timeout
 dumps its Python stacks to stderr (faulthandler; spawned children share the parent's stderr),
-so a hang shows where it is. Children die with the parent (PR_SET_PDEATHSIG on Linux), so a
-killed benchmark leaves no process holding a GPU.
+so a hang shows where it is; the processes of a run take turns, so dumps do not interleave.
+Start-up (spawn, importing torch and pyccl: seconds on a loaded machine), before a process can
+report or dump anything, gets at least START_S before the run is killed. Children die with the
+parent (PR_SET_PDEATHSIG on Linux), so a killed benchmark leaves no process holding a GPU.
 pyccl and torch's CUDA parts are imported inside the functions, so this module loads anywhere.
 """
 import faulthandler
@@ -28,6 +30,10 @@ from .drivers import (  # noqa: F401
 
 EXIT_GRACE_S = 30.0
 KILL_WAIT_S = 20.0  # after SIGKILL: a process tearing down GPU contexts can take a few seconds
+# Until every process has sent its first message the parent waits max(timeout, START_S) without
+# progress: a process still importing torch has no watchdog yet, so a kill then (a short -T on a
+# busy machine) would come without any stack dump, for processes that were not even stuck.
+START_S = 60.0
 
 
 class BenchError(RuntimeError):
@@ -190,12 +196,15 @@ class _Reporter:
     watchdog thread writes a line naming the process and its Python stacks (faulthandler) to
     stderr, which children share with the parent, and again after as long again. faulthandler's
     own C timer backs it up a moment later in case the main thread is stuck in C code holding
-    the GIL (then the stacks come without the naming line). SIGUSR1 dumps the stacks on demand
-    (kill -USR1 PID)."""
+    the GIL (then the stacks come without the naming line). The processes of a run share
+    dump_lock, held while one writes its line and stacks: ranks stuck together dump at the same
+    moment, and faulthandler writes in small pieces, which would interleave. SIGUSR1 dumps the
+    stacks on demand (kill -USR1 PID)."""
 
-    def __init__(self, conn, label, timeout):
+    def __init__(self, conn, label, timeout, dump_lock=None):
         import threading
         self.conn, self.label, self.after = conn, label, dump_after(timeout)
+        self.lock = dump_lock
         self.lead = min(1.0, self.after / 4)
         self.file = sys.stderr if sys.stderr is not None else sys.__stderr__
         self.last, self.dumped = time.monotonic(), False
@@ -225,6 +234,9 @@ class _Reporter:
             quiet = time.monotonic() - self.last
             if quiet < self.after or (self.dumped and quiet < 2 * self.after):
                 continue
+            # Wait a moment for another process's dump to end; past that, better interleaved
+            # than missing (a process died holding the lock).
+            locked = self.lock is not None and self.lock.acquire(timeout=self.lead)
             try:
                 self._arm_fallback(self.after + self.lead)  # this dump replaces the fallback's
                 print(f"[pyccl.bench] {self.label} (pid {os.getpid()}): no progress for "
@@ -234,6 +246,9 @@ class _Reporter:
                 self.file.flush()
             except Exception:
                 pass
+            finally:
+                if locked:
+                    self.lock.release()
             if self.dumped:
                 self.last = time.monotonic() - self.after  # next one after as long again
             self.dumped = True
@@ -248,12 +263,12 @@ def _test_hook(cfg, name, index):
     return cfg.get(name) is not None and cfg[name] == index
 
 
-def _child(system, index, rank, nranks, cfg, rendezvous, conn, barrier):
+def _child(system, index, rank, nranks, cfg, rendezvous, conn, barrier, dump_lock=None):
     """Process entry point (spawned): run one system's share of the benchmark, sending messages
     to the parent through conn, the write end of this process's own pipe."""
     if cfg.get("_parent_pid"):
         _die_with_parent(cfg["_parent_pid"])
-    out = _Reporter(conn, f"{system} process {index}", cfg["timeout"])
+    out = _Reporter(conn, f"{system} process {index}", cfg["timeout"], dump_lock)
     out.put(("hello", index))  # the parent's no-progress clock now starts after this one's
     try:
         drv = make_driver(system, rank, nranks, rendezvous, barrier, cfg["timeout"])
@@ -382,12 +397,15 @@ def _run(system, nranks, cfg, handle):
         else:
             rdv = _free_port()
         specs = list(range(nranks))
+    dump_lock = ctx.Lock() if len(specs) > 1 else None  # stack dumps take turns
     pipes = [ctx.Pipe(duplex=False) for _ in specs]
-    procs = [ctx.Process(target=_child, args=(system, i, rank, nranks, cfg, rdv, w, barrier),
+    procs = [ctx.Process(target=_child,
+                         args=(system, i, rank, nranks, cfg, rdv, w, barrier, dump_lock),
                          daemon=True, name=f"pyccl.bench {system} {i}")
              for i, (rank, (_, w)) in enumerate(zip(specs, pipes))]
     readers = {r: i for i, (r, _) in enumerate(pipes)}
-    done, last = set(), time.monotonic()
+    done, started = set(), set()  # started: sent their first message
+    last = t_spawn = time.monotonic()
     try:
         for p, (_, w) in zip(procs, pipes):
             p.start()
@@ -406,14 +424,24 @@ def _run(system, nranks, cfg, handle):
                             f"{_exit_text(procs[i].exitcode)} before reporting its results")
                     continue
                 last = time.monotonic()
+                started.add(i)
                 if msg[0] == "error":
                     raise BenchError(f"{system}: process {msg[1]} failed:\n{msg[2].rstrip()}")
                 if msg[0] == "done":
                     done.add(msg[1])
                 elif msg[0] != "hello":
                     handle(msg)
-            if len(done) < len(procs) and time.monotonic() - last > cfg["timeout"]:
+            # a process that has not said hello yet is still starting (see START_S)
+            limit = cfg["timeout"] if len(started) == len(procs) else max(cfg["timeout"], START_S)
+            if len(done) < len(procs) and time.monotonic() - last > limit:
                 waiting = [i for i in range(len(procs)) if i not in done]
+                starting = [i for i in range(len(procs)) if i not in started]
+                if starting:
+                    raise BenchError(
+                        f"{system}: no progress for {limit:.0f} s, and processes "
+                        f"{_pids(procs, starting)} had sent nothing "
+                        f"{time.monotonic() - t_spawn:.0f} s after their spawn (stuck starting: "
+                        "importing torch or pyccl?); killed every process of the run")
                 raise BenchError(
                     f"{system}: no progress for {cfg['timeout']:.0f} s (processes "
                     f"{_pids(procs, waiting)} still running); killed them. Their Python stacks, "
