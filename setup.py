@@ -64,7 +64,11 @@ cuda_inc = _find_include(
     wheels_first=False,
 )
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL_SRC = "csrc/kernels/allreduce.cu"
+# Turing (T4, sm_75) to Blackwell; the PTX of the last is JIT-compiled on newer GPUs.  A GPU
+# none of these fits (an older one) fails to load the kernels and uses NCCL, saying why once.
+DEFAULT_ARCHS = "75;80;90;100;120"
 KERNEL_DEPS = [KERNEL_SRC, "csrc/kernels/fastar_abi.h"]
 
 
@@ -98,13 +102,16 @@ class BuildExt(build_ext):
                 sys.exit(msg)
             print(msg, file=sys.stderr)
             return None
-        archs = os.environ.get("PYCCL_CUDA_ARCHS", "80;90;100;120").replace(",", ";").split(";")
-        out = os.path.abspath(os.path.join(self.build_temp, "pyccl_allreduce.fatbin"))
+        archs = os.environ.get("PYCCL_CUDA_ARCHS", DEFAULT_ARCHS).replace(",", ";").split(";")
+        archs = [a.strip() for a in archs if a.strip()]
+        # Kept beside the checkout, named by its archs, so that `pip install -e .` (which
+        # builds in a fresh temporary folder) and `build_ext --inplace` share one build, and
+        # a change of PYCCL_CUDA_ARCHS never reuses a fatbin made for other GPUs.
+        out = os.path.join(HERE, "build", "kernels", f"pyccl_allreduce-sm_{'_'.join(archs)}.fatbin")
         os.makedirs(os.path.dirname(out), exist_ok=True)
         if os.path.exists(out) and all(os.path.getmtime(out) > os.path.getmtime(d) for d in KERNEL_DEPS):
             return out
         cmd = [nvcc, "-O3", "-std=c++17", "-fatbin", "--threads", "0", "-Icsrc/kernels", "-o", out]
-        archs = [a.strip() for a in archs if a.strip()]
         for a in archs:
             cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
         # PTX of the newest arch too, so a later GPU can JIT it

@@ -4,11 +4,7 @@ The parent makes the NCCL unique id and hands it to the children; each child
 joins the communicator, shows its tensor before and after, and checks it.
 Run: python examples/01_all_reduce.py
 """
-import os
 import sys
-
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
 
 import torch
 import torch.multiprocessing as mp

@@ -3,11 +3,7 @@
 broadcast, reduce, all_gather, reduce_scatter, send/recv and all_to_all, one
 process per GPU.  Run: python examples/02_collectives.py
 """
-import os
 import sys
-
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
 
 import torch
 import torch.multiprocessing as mp

@@ -9,9 +9,6 @@ parameter checksum).  Run: python examples/03_ddp_training.py
 import os
 import sys
 
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
-
 import torch
 import torch.multiprocessing as mp
 

@@ -4,11 +4,7 @@ Default: all_reduce from 8 B to 128 MB, pyccl side by side with
 torch.distributed and torch.cuda.nccl.  --quick: a short checked sweep.
 Other arguments go to pyccl.bench (see python -m pyccl.bench --help).
 """
-import os
 import sys
-
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
 
 import torch
 

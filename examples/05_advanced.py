@@ -6,11 +6,7 @@
 - pyccl.group(): several collectives launched as one NCCL group.
 Run: python examples/05_advanced.py
 """
-import os
 import sys
-
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
 
 import torch
 import torch.multiprocessing as mp

@@ -4,10 +4,6 @@ pyccl.init_from_env() reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT and exchanges the NCCL unique id through torchrun's TCPStore.
 Across nodes: torchrun --nnodes=2 --node_rank=K --master_addr=HOST ... (README).
 """
-import os
-
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
 
 import torch
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Make this checkout usable: install what is missing (only that), then build
-# pyccl._C in place.  Safe to run again; needs no network when everything is
-# already there (as on the GPU machines).
+# Make this checkout usable: install what is missing (only that), build
+# pyccl._C in place, and install pyccl into this Python as an editable package
+# (once), so `import pyccl` works from any folder: examples/, python -m
+# pyccl.bench, torchrun, a user's own script.  Safe to run again; needs no
+# network when everything is already there (as on the GPU machines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,8 +11,11 @@ PY=${PYTHON:-python3}
 missing=()
 $PY -c "import torch" 2>/dev/null || missing+=("${PYCCL_TORCH_SPEC:-torch}")
 $PY -c "import pytest" 2>/dev/null || missing+=(pytest)
-$PY -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 61)" 2>/dev/null \
-  || missing+=("setuptools>=61")
+# pip's editable install (PEP 660) needs setuptools 64; before 70.1 also the wheel package
+$PY -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" 2>/dev/null \
+  || missing+=("setuptools>=64")
+$PY -c "import setuptools, sys; v = tuple(map(int, setuptools.__version__.split('.')[:2])); v >= (70, 1) or __import__('wheel')" \
+  2>/dev/null || missing+=(wheel)
 # Headers for the build: NCCL's and the CUDA runtime's (setup.py says where it looks).
 if ! $PY - <<'PYEOF' 2>/dev/null
 import glob, importlib.util, os, sys
@@ -42,5 +47,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   $PY -m pip install -q "${missing[@]}"
 fi
 start=$(date +%s)
-$PY setup.py -q build_ext --inplace
-echo "setup: pyccl._C built in $(( $(date +%s) - start )) s"
+here=$(pwd -P)
+# Already installed from this checkout?  Asked from / so the current folder cannot answer.
+installed=$(cd / && $PY -c "import importlib.util as u, os; s = u.find_spec('pyccl'); print(os.path.realpath(s.submodule_search_locations[0]) if s else '')" 2>/dev/null || true)
+if [ "$installed" = "$here/pyccl" ]; then
+  $PY setup.py -q build_ext --inplace
+  echo "setup: pyccl._C built in $(( $(date +%s) - start )) s"
+else
+  # builds _C in place too; --no-deps: torch is there (above), nothing is fetched
+  $PY -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+  echo "setup: pyccl built and installed (editable, from $here) in $(( $(date +%s) - start )) s"
+fi
