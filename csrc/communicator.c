@@ -555,14 +555,14 @@ comm_ar_epoch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyMethodDef comm_methods[] = {
     PYCCL_COMM_OPS(PYCCL_OP_ENTRY)
     {"destroy", comm_destroy, METH_NOARGS,
-     "destroy()\n--\n\nFree the NCCL communicator now (idempotent). Using it "
+     "destroy($self, /)\n--\n\nFree the NCCL communicator now (idempotent). Using it "
      "afterwards raises RuntimeError. With a timeout: waits at most that long "
      "for the outstanding work, then aborts and raises NcclTimeoutError. "
      "Collective (every rank calls it) once all_reduce set up pyccl's own "
      "kernels (its first call of a supported dtype and op, any size): their "
      "peer memory is freed after a barrier."},
     {"abort", pyccl_comm_abort, METH_NOARGS,
-     "abort()\n--\n\nAbort the NCCL communicator now (ncclCommAbort): its "
+     "abort($self, /)\n--\n\nAbort the NCCL communicator now (ncclCommAbort): its "
      "kernels stop waiting for peers and return, results unfinished; every "
      "later call raises RuntimeError. Idempotent; for the emergency (another "
      "thread may call it while this one waits on the GPU). Without a timeout "
@@ -578,17 +578,18 @@ static PyMethodDef comm_methods[] = {
      "it waits for everything enqueued so far on the streams it was used "
      "on."},
     {"get_async_error", pyccl_comm_get_async_error, METH_NOARGS,
-     "get_async_error()\n--\n\nNone while all is well, else the exception "
+     "get_async_error($self, /)\n--\n\nNone while all is well, else the exception "
      "(not raised) that the next call would raise: an NcclTimeoutError or "
      "NcclError instance once the communicator failed, or an NcclError for "
      "the error NCCL reports (ncclCommGetAsyncError). RuntimeError once it "
      "was destroyed or abort()ed."},
 
     {"_all_reduce_epoch", (PyCFunction)(void (*)(void))comm_ar_epoch, METH_FASTCALL,
-     "_all_reduce_epoch(value=None)\n--\n\nTesting aid: every rank's own-kernel epoch "
+     "_all_reduce_epoch($self, value=None, /)\n--\n\nTesting aid: every rank's own-kernel epoch "
      "counter; sets it to value (on all ranks alike, nothing in flight)."},
-    {"__enter__", comm_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)(void (*)(void))comm_exit, METH_FASTCALL, NULL},
+    {"__enter__", comm_enter, METH_NOARGS, "__enter__($self, /)\n--\n\nReturn the communicator itself."},
+    {"__exit__", (PyCFunction)(void (*)(void))comm_exit, METH_FASTCALL,
+     "__exit__($self, exc_type, exc, tb, /)\n--\n\nDestroy the communicator (as destroy())."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -125,7 +125,7 @@ def init_from_mpi(comm=None, device=None, timeout=None):
     """
     timeout = _C._read_timeout("init_from_mpi", timeout)
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # type: ignore[import-not-found,unused-ignore]
     except ImportError as e:
         raise RuntimeError("init_from_mpi: mpi4py is not installed") from e
     comm = MPI.COMM_WORLD if comm is None else comm

@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 
 missing=()
 $PY -c "import torch" 2>/dev/null || missing+=("${PYCCL_TORCH_SPEC:-torch}")
@@ -55,6 +56,8 @@ if [ "$installed" = "$here/pyccl" ]; then
   echo "setup: pyccl._C built in $(( $(date +%s) - start )) s"
 else
   # builds _C in place too; --no-deps: torch is there (above), nothing is fetched
-  $PY -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+  # compat mode: a path entry (not an import hook), so mypy and pyright find pyccl and its
+  # stubs too; it puts this checkout on sys.path
+  $PY -m pip install -q --no-build-isolation --no-deps -e . --config-settings editable_mode=compat
   echo "setup: pyccl built and installed (editable, from $here) in $(( $(date +%s) - start )) s"
 fi
