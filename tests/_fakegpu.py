@@ -611,6 +611,38 @@ def exit_with_stuck_work():
     return "exiting"
 
 
+def _own_kernels_unavailable(key, value, reason):
+    """One of two ranks, each a process (FAKE_RANK), of a library built with
+    FAKE_PEER_MEMORY: the own kernels' set-up finds them unusable, every rank
+    says why once and all_reduce is NCCL's."""
+    rank = int(os.environ["FAKE_RANK"])
+    put(key, value)
+    assert fake.cudaSetDevice(rank) == 0  # where Array memory lives (cudaPointerGetAttributes)
+    c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank)
+    assert c.all_reduce_info["state"] == "not set up", c.all_reduce_info
+    a = Array([1.0 + rank, 2.0, 3.0 * (rank + 1)])
+    for _ in range(3):
+        c.all_reduce(a)   # the first sets up, finds the kernels unusable, and uses NCCL
+    info = c.all_reduce_info
+    assert info["state"] == "off", info
+    assert info["reason"] == reason(rank), info["reason"]
+    c.destroy()
+    clean()
+    return {"values": a.tolist(), "reason": info["reason"]}
+
+
+def no_kernel_image():
+    return _own_kernels_unavailable(
+        "module_error", 209,  # CUDA_ERROR_NO_BINARY_FOR_GPU
+        lambda r: f"loading the kernels on cuda:{r} failed: no kernel image is available for "
+                  "execution on the device (no code for this GPU?)")
+
+
+def no_peer_access():
+    return _own_kernels_unavailable(
+        "no_p2p", 1, lambda r: f"cuda:{r} has no peer access to cuda:{1 - r} (rank {1 - r})")
+
+
 if __name__ == "__main__":
     result = globals()[SCENARIO]()
     print("RESULT " + json.dumps(result), flush=True)

@@ -67,6 +67,7 @@ struct fcomm {
     double ready_at;    /* state becomes ncclSuccess then (INFINITY: never) */
     int connected, aborted, destroyed, finalized, in_call;
     ncclComm_t *split_slot; /* written when the split completes */
+    int xseq;           /* FAKE_PEER_MEMORY: collectives exchanged so far */
     struct fcomm *split_child;
 };
 
@@ -89,7 +90,7 @@ static __thread int group_nops;
     X(inits) X(aborts) X(destroys) X(finalizes) X(ops) X(misuse)            \
     X(concurrent) X(events_live) X(event_records) X(event_queries)          \
     X(capture_mode_calls) X(capture_violations) X(stream_syncs) X(splits)   \
-    X(redops)
+    X(redops) X(module_error) X(no_p2p)
 #define DECL(k) static double k;
 KEYS(DECL)
 #undef DECL
@@ -485,10 +486,95 @@ coll(struct fcomm *c, cudaStream_t s, const void *send, void *recv, size_t n,
     return r;
 }
 
+#ifdef FAKE_PEER_MEMORY
+/* Built with -DFAKE_PEER_MEMORY (tests/test_selection_cpu.py): the ranks of
+ * a communicator are processes, each loading this library, and its
+ * all_gather and all_reduce exchange their data through files in
+ * $FAKE_XPROC_DIR (written whole, then renamed into place), synchronously.
+ * Enough for the own kernels' set-up, which agrees on everything through
+ * those two collectives, and for the NCCL all_reduce it falls back to. */
+static int
+xproc(struct fcomm *c)
+{
+    return c->nranks > 1 && getenv("FAKE_XPROC_DIR") != NULL && group_depth == 0;
+}
+
+/* every rank's `bytes` of `mine`, in rank order, into `all`; -1 after 30 s */
+static int
+xproc_exchange(struct fcomm *c, const void *mine, size_t bytes, void *all)
+{
+    const char *dir = getenv("FAKE_XPROC_DIR");
+    char path[600], tmp[620];
+    pthread_mutex_lock(&mu);
+    unsigned seq = (unsigned)c->xseq++;
+    ops++;
+    pthread_mutex_unlock(&mu);
+    snprintf(path, sizeof path, "%s/%u.%d", dir, seq, c->rank);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "wb");
+    if (f == NULL || fwrite(mine, 1, bytes, f) != bytes || fclose(f) != 0 || rename(tmp, path) != 0) {
+        return -1;
+    }
+    double deadline = now() + 30;
+    for (int r = 0; r < c->nranks; r++) {
+        snprintf(path, sizeof path, "%s/%u.%d", dir, seq, r);
+        while ((f = fopen(path, "rb")) == NULL) {
+            if (now() > deadline) {
+                return -1;
+            }
+            usleep(1000);
+        }
+        size_t got = fread((char *)all + (size_t)r * bytes, 1, bytes, f);
+        fclose(f);
+        if (got != bytes) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* int32 (2) sum/max/min and float32 (7) sum, in rank order */
+static ncclResult_t
+xproc_all_reduce(struct fcomm *c, const void *s, void *r, size_t n, int type, int op)
+{
+    if (!((type == 2 && op >= 0 && op <= 3 && op != 1) || (type == 7 && op == 0))) {
+        return ncclInvalidArgument;
+    }
+    size_t bytes = n * 4;
+    char *mine = malloc(bytes ? bytes : 1), *all = malloc((size_t)c->nranks * bytes + 1);
+    memcpy(mine, s, bytes);
+    int rc = xproc_exchange(c, mine, bytes, all);
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        if (type == 7) {
+            float acc = 0;
+            for (int k = 0; k < c->nranks; k++) {
+                acc += ((float *)(all + (size_t)k * bytes))[i];
+            }
+            ((float *)r)[i] = acc;
+        } else {
+            int32_t acc = ((int32_t *)all)[i];
+            for (int k = 1; k < c->nranks; k++) {
+                int32_t v = ((int32_t *)(all + (size_t)k * bytes))[i];
+                acc = op == 0 ? acc + v : op == 2 ? (v > acc ? v : acc) : (v < acc ? v : acc);
+            }
+            ((int32_t *)r)[i] = acc;
+        }
+    }
+    free(mine);
+    free(all);
+    return rc == 0 ? ncclSuccess : ncclSystemError;
+}
+#endif
+
 ncclResult_t
 ncclAllReduce(const void *s, void *r, size_t n, int type, int op, ncclComm_t c,
               cudaStream_t st)
 {
+#ifdef FAKE_PEER_MEMORY
+    if (xproc(c)) {
+        return xproc_all_reduce(c, s, r, n, type, op);
+    }
+#endif
     return coll(c, st, s, r, n, type, type == 7 && op == 0);
 }
 
@@ -512,6 +598,12 @@ ncclResult_t
 ncclAllGather(const void *s, void *r, size_t n, int type, ncclComm_t c,
               cudaStream_t st)
 {
+#ifdef FAKE_PEER_MEMORY
+    if (xproc(c)) {
+        size_t bytes = n * (size_t)type_size(type);
+        return xproc_exchange(c, s, bytes, r) < 0 ? ncclSystemError : ncclSuccess;
+    }
+#endif
     return coll(c, st, s, r, n, type, 0);
 }
 
@@ -779,3 +871,138 @@ cudaThreadExchangeStreamCaptureMode(int *mode)
     *mode = old;
     return cudaSuccess;
 }
+
+#ifdef FAKE_PEER_MEMORY
+/* ---------------- peer memory, and the driver's module calls ----------------
+ * What the own kernels' set-up (csrc/fastar.c) needs before it launches
+ * anything.  Device memory is host memory; an IPC handle carries the
+ * pointer.  `module_error` makes cuModuleLoadData fail with that code (209
+ * is CUDA_ERROR_NO_BINARY_FOR_GPU: no kernel image for this GPU), `no_p2p`
+ * makes every pair of GPUs lack peer access (PCIe without P2P).  This
+ * library is also installed as libcuda.so.1 for the driver calls. */
+typedef struct { char reserved[64]; } cudaIpcMemHandle_t;
+
+cudaError_t
+cudaMemset(void *p, int v, size_t n)
+{
+    memset(p, v, n);
+    return cudaSuccess;
+}
+
+cudaError_t
+cudaMemcpy(void *dst, const void *src, size_t n, int kind)
+{
+    (void)kind;
+    memmove(dst, src, n);
+    return cudaSuccess;
+}
+
+cudaError_t
+cudaHostAlloc(void **p, size_t n, unsigned flags)
+{
+    (void)flags;
+    *p = calloc(1, n ? n : 1);
+    return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void *p) { free(p); return cudaSuccess; }
+
+cudaError_t
+cudaIpcGetMemHandle(cudaIpcMemHandle_t *h, void *p)
+{
+    memset(h, 0, sizeof *h);
+    memcpy(h->reserved, &p, sizeof p);
+    return cudaSuccess;
+}
+
+cudaError_t
+cudaIpcOpenMemHandle(void **p, cudaIpcMemHandle_t h, unsigned flags)
+{
+    (void)h;
+    (void)flags;
+    *p = NULL;
+    return last_error = cudaErrorInvalidValue; /* another process's memory: not here */
+}
+
+cudaError_t cudaIpcCloseMemHandle(void *p) { (void)p; return cudaSuccess; }
+
+cudaError_t
+cudaDeviceGetPCIBusId(char *buf, int len, int dev)
+{
+    snprintf(buf, (size_t)len, "00000000:%02X:00.0", 0x10 + dev);
+    return cudaSuccess;
+}
+
+cudaError_t
+cudaDeviceGetByPCIBusId(int *dev, const char *busid)
+{
+    unsigned bus = 0;
+    if (sscanf(busid, "%*x:%x:", &bus) != 1 || bus < 0x10) {
+        return last_error = cudaErrorInvalidValue;
+    }
+    *dev = (int)bus - 0x10;
+    return cudaSuccess;
+}
+
+cudaError_t
+cudaDeviceCanAccessPeer(int *can, int dev, int peer)
+{
+    *can = no_p2p ? 0 : dev != peer;
+    return cudaSuccess;
+}
+
+cudaError_t
+cudaStreamWaitEvent(cudaStream_t s, struct fevent *ev, unsigned flags)
+{
+    (void)s;
+    (void)ev;
+    (void)flags;
+    return cudaSuccess;
+}
+
+cudaError_t
+cudaStreamQuery(cudaStream_t s)
+{
+    pthread_mutex_lock(&mu);
+    int done = stream_done(stream_of(s));
+    pthread_mutex_unlock(&mu);
+    return done ? cudaSuccess : cudaErrorNotReady;
+}
+
+typedef int CUresult;
+static char fake_function; /* what a CUfunction handle points to */
+
+CUresult
+cuModuleLoadData(void **mod, const void *image)
+{
+    (void)image;
+    *mod = &fake_function;
+    return (CUresult)module_error;
+}
+
+CUresult
+cuModuleGetFunction(void **fn, void *mod, const char *name)
+{
+    (void)mod;
+    (void)name;
+    *fn = &fake_function;
+    return 0;
+}
+
+CUresult
+cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+               unsigned bz, unsigned shared, cudaStream_t s, void **args, void **extra)
+{
+    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz;
+    (void)shared; (void)s; (void)args; (void)extra;
+    return 98; /* CUDA_ERROR_INVALID_HANDLE: this library runs no kernels */
+}
+
+CUresult
+cuGetErrorString(CUresult r, const char **s)
+{
+    *s = r == 209 ? "no kernel image is available for execution on the device"
+                  : "fake CUDA driver error";
+    return 0;
+}
+#endif

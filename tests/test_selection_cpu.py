@@ -1,0 +1,76 @@
+"""Which all_reduce a communicator uses when pyccl's own kernels cannot run, on the CPU.
+
+A GPU that none of the compiled kernel images fits (say a T4, sm_75, with a build for
+sm_80 and newer) and a pair of GPUs without peer access (PCIe without P2P) must both give
+NCCL's all_reduce on every rank, with the reason in `all_reduce_info` and said once on stderr.
+The GPU machines here are all Hopper with NVLink, so this runs against the stand-in GPU
+library (tests/fakegpu/fakegpu.c built with FAKE_PEER_MEMORY): two processes, one per rank,
+whose NCCL all_gather/all_reduce go through files, and which also stands in for the driver
+(libcuda.so.1) that loads the kernels.
+"""
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+import pyccl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+if not pyccl._C._fastar_built():
+    pytest.skip("pyccl was built without nvcc: no kernels to choose", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def peer_lib(tmp_path_factory):
+    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    if shutil.which(cc[0]) is None:
+        pytest.skip(f"no C compiler ({cc[0]}) to build the fake GPU library")
+    d = tmp_path_factory.mktemp("fakepeer")
+    out = str(d / "libfakegpu_peer.so")
+    r = subprocess.run(cc + ["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-DFAKE_PEER_MEMORY",
+                             "-o", out, os.path.join(HERE, "fakegpu", "fakegpu.c"), "-lpthread", "-lm"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    os.symlink(out, d / "libcuda.so.1")  # the driver, found through LD_LIBRARY_PATH
+    return out
+
+
+def run_two_ranks(lib, scenario, tmp_path, timeout=60):
+    env = dict(os.environ, FAKE_XPROC_DIR=str(tmp_path),
+               LD_LIBRARY_PATH=os.path.dirname(lib) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    env.pop("PYTHONPATH", None)
+    env.pop("PYCCL_QUIET", None)
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_fakegpu.py"), lib, scenario],
+                              env=dict(env, FAKE_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            p.kill()
+    results = []
+    for rank, (rc, out, err) in enumerate(outs):
+        lines = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+        assert rc == 0 and lines, f"rank {rank} of {scenario} failed (rc {rc}):\n{out[-3000:]}\n{err[-3000:]}"
+        results.append((lines[0], err))
+    return results
+
+
+@pytest.mark.parametrize("scenario", ["no_kernel_image", "no_peer_access"])
+def test_unusable_own_kernels_give_nccl_with_the_reason_said_once(peer_lib, scenario, tmp_path):
+    results = run_two_ranks(peer_lib, scenario, tmp_path)
+    for rank, (res, err) in enumerate(results):
+        # NCCL's all_reduce (the stand-in's, across the two processes), three times:
+        # (1+2, 2+2, 3+6) = (3, 4, 9), doubled twice
+        assert res["values"] == [12.0, 16.0, 36.0], res
+        said = [line for line in err.splitlines() if line.startswith("pyccl:")]
+        assert said == [f"pyccl: rank {rank} of 2 uses NCCL for all_reduce: {res['reason']}"], err
