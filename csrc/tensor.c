@@ -338,8 +338,21 @@ fill_tensor(pyccl_state *st, const char *op, const char *what, PyObject *obj,
          * name is copied for messages and comparisons: the object itself may
          * be gone when they are made. */
         int64_t isz;
-        if (read_checked(dtype, st->s_itemsize, 0, op, what, ".dtype.itemsize", 0, 16,
-                         "1, 2, 4, 8 or 16", &isz) < 0) {
+        PyObject *iv;
+        if (PyObject_GetOptionalAttr(dtype, st->s_itemsize, &iv) < 0) {
+            return -1;
+        }
+        if (iv == NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: %s.dtype is a %.200s, expected a torch.dtype "
+                         "(or an object with an itemsize)",
+                         op, what, Py_TYPE(dtype)->tp_name);
+            return -1;
+        }
+        int rc = checked_int(op, what, ".dtype.itemsize", iv, 0, 16,
+                             "1, 2, 4, 8 or 16", &isz);
+        Py_DECREF(iv);
+        if (rc < 0) {
             return -1;
         }
         if (isz == 0 || (isz & (isz - 1)) != 0) {
@@ -747,13 +760,20 @@ pyccl_read_array(pyccl_state *st, const char *op, const char *what,
         return -1;
     }
     if (!is_cuda) {
-        PyObject *dev = PyObject_GetAttrString(obj, "device");
-        if (dev != NULL) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: %s must be a CUDA tensor, got one on %S", op,
-                         what, dev);
-            Py_DECREF(dev);
+        PyObject *dev;
+        if (PyObject_GetOptionalAttr(obj, st->s_device, &dev) < 0) {
+            return -1;
         }
+        if (dev == NULL) { /* a tensor-like without .device */
+            PyErr_Format(PyExc_ValueError,
+                         "%s: %s must be a CUDA tensor, got one whose is_cuda "
+                         "is false", op, what);
+            return -1;
+        }
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s must be a CUDA tensor, got one on %S", op, what,
+                     dev);
+        Py_DECREF(dev);
         return -1;
     }
     PyObject *layout = PyObject_GetAttr(obj, st->s_layout);
