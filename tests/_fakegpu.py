@@ -53,6 +53,10 @@ def _stub_torch():
     torch.cuda = cuda
     c = types.ModuleType("torch._C")
     c._cuda_getCurrentRawStream = lambda dev: 0x7000 + dev
+
+    def no_kernels(*a, **k):
+        raise RuntimeError("stub torch runs no kernels")
+    torch.cat = torch._foreach_copy_ = no_kernels
     torch._C = c
     sys.modules.update({"torch": torch, "torch.cuda": cuda, "torch._C": c})
 
@@ -691,6 +695,15 @@ def bad_input():
                           "usable": usable}
         ns.clear()
     return out
+
+
+def fuzz():
+    """tests/test_fuzz_cpu.py: PYCCL_FUZZ_SEED and PYCCL_FUZZ_N from the environment."""
+    import _fuzz
+    seed, n = int(os.environ["PYCCL_FUZZ_SEED"]), int(os.environ["PYCCL_FUZZ_N"])
+    counts = _fuzz.run(seed, n, lambda: get("misuse"))
+    clean()
+    return {"seed": seed, "calls": n, "counts": counts}
 
 
 if __name__ == "__main__":

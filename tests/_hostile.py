@@ -36,10 +36,12 @@ class Dyn:
         self.fn = fn
 
 
+def boom(what="attribute"):
+    raise HostileError(what)
+
+
 def raising(what="attribute"):
-    def fn(_):
-        raise HostileError(what)
-    return Dyn(fn)
+    return Dyn(lambda _: boom(what))
 
 
 def fresh_dtype(itemsize=4):
@@ -59,8 +61,9 @@ class T(torch.Tensor):
     by a value or a Dyn (is_cuda, layout, dtype, is_contiguous, numel,
     get_device, data_ptr, len)."""
 
-    def __init__(self, n=4, device=0, **over):
-        self.buf = (ctypes.c_float * max(n, 1))(*[float(i + 1) for i in range(max(n, 1))])
+    def __init__(self, n=4, device=0, cap=0, **over):
+        # cap: room for a numel() that lies upwards (the fuzz test's)
+        self.buf = (ctypes.c_float * max(n, cap, 1))(*[float(i + 1) for i in range(max(n, 1))])
         self.n, self.dev, self.over = n, device, over
 
     def _get(self, name, default):
@@ -72,6 +75,10 @@ class T(torch.Tensor):
     @property
     def is_cuda(self):
         return self._get("is_cuda", True)
+
+    @property
+    def is_sparse(self):
+        return self._get("is_sparse", False)
 
     @property
     def layout(self):
@@ -108,8 +115,8 @@ class A:
     the stand-in library works on); the dict is made fresh on every read and
     `on_read` (a callable) runs first.  Keys of the dict can be replaced."""
 
-    def __init__(self, n=4, shape=None, typestr="<f4", on_read=None, **keys):
-        self.buf = (ctypes.c_float * max(n, 1))(*[float(i + 1) for i in range(max(n, 1))])
+    def __init__(self, n=4, shape=None, typestr="<f4", on_read=None, cap=0, **keys):
+        self.buf = (ctypes.c_float * max(n, cap, 1))(*[float(i + 1) for i in range(max(n, 1))])
         self.n, self.shape, self.typestr, self.on_read, self.keys = n, shape, typestr, on_read, keys
 
     @property
@@ -157,6 +164,6 @@ def comm(timeout=None, world=2, rank=0, device=None):
     return pyccl.Communicator(world, pyccl.unique_id(), rank, device=device, timeout=timeout)
 
 
-NAMESPACE = dict(T=T, A=A, HostileError=HostileError, FreshDtype=FreshDtype, Dyn=Dyn, raising=raising,
+NAMESPACE = dict(T=T, A=A, HostileError=HostileError, boom=boom, FreshDtype=FreshDtype, Dyn=Dyn, raising=raising,
                  fresh_dtype=fresh_dtype, then=then, HostileStream=HostileStream, HostileOp=HostileOp,
                  comm=comm, pyccl=pyccl, nccl=pyccl.nccl, torch=torch)
