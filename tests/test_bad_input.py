@@ -289,9 +289,14 @@ def _cpu_cases():
 
 class FreshDtype:
     """A dtype-like object pyccl's table does not know, new on every read."""
+    live = 0
 
     def __init__(self, itemsize=4):
         self.itemsize = itemsize
+        FreshDtype.live += 1
+
+    def __del__(self):
+        FreshDtype.live -= 1
 
     def __repr__(self):
         return "FreshDtype"
@@ -480,6 +485,43 @@ def test_refcounts_unchanged_after_overlap_errors(host):
         with pytest.raises(ValueError):
             nccl.all_reduce(outs, ins)
     assert [sys.getrefcount(x) for x in (ins, outs, ins[0], outs[0])] == before
+
+
+def test_refcounts_unchanged_after_hostile_rows():
+    """Issue #15's drop-in rows leave no reference behind: arguments, their
+    items, and the fresh dtype objects (none may be kept alive)."""
+    import gc
+    live_dtypes = lambda: FreshDtype.live  # noqa: E731
+    fresh = lying(dtype=lambda: FreshDtype())
+    cases = [
+        (lambda: nccl.reduce([fresh]), [fresh], RuntimeError),
+        (lambda: nccl.all_reduce([fresh]), [fresh], RuntimeError),
+        (lambda: nccl.all_reduce([lying(numel=-3)]), [], ValueError),
+        (lambda: nccl.all_reduce([lying(numel=HUGE)]), [], ValueError),
+        (lambda: nccl.all_reduce([lying(get_device=1 << 32)]), [], ValueError),
+    ]
+    a, b = fake(4, 0), fake(4, 1)
+    ins, outs = [a, b], [fake(4, 0), fake(3, 1)]
+    cases.append((lambda: nccl.all_reduce(ins, outs), [ins, outs, a, b] + outs, RuntimeError))
+    gc.collect()
+    dtypes_before = live_dtypes()
+    for call, objs, exc in cases:
+        before = [sys.getrefcount(o) for o in objs]
+        for _ in range(20):
+            with pytest.raises(exc):
+                call()
+        assert [sys.getrefcount(o) for o in objs] == before
+    # a list emptied while checked: each item loses just the list's reference
+    x, y = lying(4, 0), fake(3, 1)
+    rx, ry = sys.getrefcount(x), sys.getrefcount(y)
+    lst = [x, y]
+    x._over["numel"] = lambda: (lst.clear(), 4)[1]
+    with pytest.raises(RuntimeError):
+        nccl.all_reduce(lst)
+    assert lst == [] and (sys.getrefcount(x), sys.getrefcount(y)) == (rx, ry)
+    del x._over["numel"]
+    gc.collect()
+    assert live_dtypes() == dtypes_before
 
 
 # ------------------------------------------- CPU tier on the stand-in GPU library
