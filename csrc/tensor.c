@@ -581,9 +581,8 @@ cai_get(PyObject *cai, PyObject *key)
 
 static int
 read_cai_items(pyccl_state *st, const char *op, const char *what, PyObject *obj,
-               PyObject *cai, PyObject *shape, PyObject *typestr,
-               PyObject *data, PyObject *strides, PyObject *mask,
-               pyccl_tensor *t);
+               PyObject *shape, PyObject *typestr, PyObject *data,
+               PyObject *strides, PyObject *mask, pyccl_tensor *t);
 
 static int
 read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
@@ -608,8 +607,8 @@ read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
         }
         goto done;
     }
-    rc = read_cai_items(st, op, what, obj, cai, shape, typestr, data, strides,
-                        mask, t);
+    rc = read_cai_items(st, op, what, obj, shape, typestr, data, strides, mask,
+                        t);
 done:
     Py_XDECREF(shape);
     Py_XDECREF(typestr);
@@ -620,13 +619,12 @@ done:
     return rc;
 }
 
+/* read_cai's checks, on the items it took out of the dict (held). */
 static int
 read_cai_items(pyccl_state *st, const char *op, const char *what, PyObject *obj,
-               PyObject *cai, PyObject *shape, PyObject *typestr,
-               PyObject *data, PyObject *strides, PyObject *mask,
-               pyccl_tensor *t)
+               PyObject *shape, PyObject *typestr, PyObject *data,
+               PyObject *strides, PyObject *mask, pyccl_tensor *t)
 {
-    (void)cai;
     const char *ts = PyUnicode_AsUTF8(typestr);
     if (ts == NULL) {
         return -1;
