@@ -28,6 +28,10 @@ class Fuzz:
     def __init__(self, seed):
         self.rng = random.Random(seed)
         self.comms = []
+        # every array of the current call: work queued inside pyccl.group()
+        # reads its buffers when the group ends, as NCCL does, so they must
+        # outlive the call (the caller's duty, as with torch tensors)
+        self.keep = []
 
     # ---------------------------------------------------------------- values
 
@@ -84,6 +88,11 @@ class Fuzz:
 
     def array(self, c=None, container=None, n=None, device=0):
         """A tensor-like: honest (mostly), hostile, or __cuda_array_interface__ only."""
+        a = self._array(c, container, n, device)
+        self.keep.append(a)
+        return a
+
+    def _array(self, c, container, n, device):
         n = self.numel() if n is None else n
         r = self.rng.random()
         if r < 0.45:
@@ -318,6 +327,7 @@ def run(seed, calls, misuse=lambda: 0):
             sys.stdout.flush()
             raise
         counts[key] = counts.get(key, 0) + 1
+        fz.keep.clear()
         if trace:
             sys.stdout.write(f"call {i}: {key}\n")
         if misuse() != before:
