@@ -22,9 +22,14 @@ scratch="$(mktemp -d "${TMPDIR:-/tmp}/pyccl-sanitize.XXXXXX")"
 cleanup() { [ "${KEEP:-0}" = 1 ] && echo "sanitize: kept $scratch" || rm -rf "$scratch"; }
 trap cleanup EXIT
 
-# The tree as git sees it (tracked and new files, not build outputs).
-(cd "$repo" && git ls-files -z --cached --others --exclude-standard) |
-    (cd "$repo" && xargs -0 cp --parents -t "$scratch" 2>/dev/null || true)
+# The tree as git sees it (tracked and new files, not build outputs); a plain
+# copy without build/ where there is no git.
+if git -C "$repo" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    (cd "$repo" && git ls-files -z --cached --others --exclude-standard) |
+        (cd "$repo" && xargs -0 cp --parents -t "$scratch")
+else
+    (cd "$repo" && tar --exclude=./build --exclude=./.git -cf - .) | (cd "$scratch" && tar -xf -)
+fi
 rm -f "$scratch"/pyccl/_C*.so
 
 san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
@@ -36,6 +41,9 @@ echo "sanitize: building _C with $san in $scratch"
 so="$(ls "$scratch"/pyccl/_C*.so)"
 libasan="$("$cc" -print-file-name=libasan.so)"
 libubsan="$("$cc" -print-file-name=libubsan.so)"
+for lib in "$libasan" "$libubsan"; do
+    [ -e "$lib" ] || { echo "sanitize: $cc has no $(basename "$lib") (install libasan/libubsan)"; exit 1; }
+done
 ldd "$so" | grep -q libasan || { echo "sanitize: $so is not linked with libasan"; exit 1; }
 
 logs="$scratch/sanitizer-logs"
