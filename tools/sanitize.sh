@@ -26,7 +26,7 @@ trap cleanup EXIT
 # copy without build/ where there is no git.
 if git -C "$repo" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
     (cd "$repo" && git ls-files -z --cached --others --exclude-standard) |
-        (cd "$repo" && xargs -0 cp --parents -t "$scratch")
+        (cd "$repo" && xargs -0 cp --parents -t "$scratch" 2>/dev/null || true)  # a deleted file: skipped
 else
     (cd "$repo" && tar --exclude=./build --exclude=./.git -cf - .) | (cd "$scratch" && tar -xf -)
 fi
