@@ -106,8 +106,10 @@ same_dtype(call_ctx *x, const char *what, const pyccl_tensor *t,
            const char *ref_what, const pyccl_tensor *ref)
 {
     /* table rows when known: a dtype this torch lacks has no object */
-    int same = t->dtype >= 0 || ref->dtype >= 0 ? t->dtype == ref->dtype
-                                                : t->dtype_obj == ref->dtype_obj;
+    int same = t->dtype >= 0 || ref->dtype >= 0
+                   ? t->dtype == ref->dtype
+                   : t->itemsize == ref->itemsize &&
+                         strcmp(t->dtype_name, ref->dtype_name) == 0;
     if (!same) {
         PyObject *a = pyccl_dtype_name(t), *b = pyccl_dtype_name(ref);
         if (a != NULL && b != NULL) {
@@ -154,9 +156,9 @@ slot_or_apart(call_ctx *x, const char *small_what, const pyccl_tensor *small,
     int me = x->c->rank;
     if (list == NULL) {
         PyOS_snprintf(tail, sizeof tail, "rank %d's slot of it", me);
+        /* big holds size x small's elements (checked): this fits */
         return pyccl_check_overlap(x->op, small_what, small, big_what, big,
-                                   (int64_t)me * small->numel * small->itemsize,
-                                   tail);
+                                   (int64_t)me * small->nbytes, tail);
     }
     for (int r = 0; r < x->c->size; r++) {
         PyOS_snprintf(what, sizeof what, "%s[%d]", big_what, r);
@@ -354,8 +356,10 @@ read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
         return -1;
     }
     ncclRedOp_t op;
-    /* with a timeout: not while the watchdog may abort the handle */
-    if (pyccl_comm_enter(x->st, x->op, x->c) < 0) {
+    /* the scalar's own code may have destroyed the communicator; with a
+     * timeout: not while the watchdog may abort the handle */
+    if (pyccl_comm_alive(x->st, x->op, x->c) < 0 ||
+        pyccl_comm_enter(x->st, x->op, x->c) < 0) {
         return -1;
     }
     ncclResult_t r = x->st->api.ncclRedOpCreatePreMulSum(
@@ -393,6 +397,15 @@ static PyObject *
 finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop, int made)
 {
     int rc = 0;
+    /* The last user code (array attributes, stream, op) has run: a
+     * communicator it destroyed or aborted is reported here, not by NCCL.
+     * The tasks hold c->comm as it was when they were made, after that code. */
+    if (n > 0 && pyccl_comm_alive(x->st, x->op, x->c) < 0) {
+        if (made) {
+            destroy_op(x, redop);
+        }
+        return NULL;
+    }
     if (n > 0) {
         x->c->inflight++; /* another thread's destroy() must wait for this */
         if (x->c->watch != NULL) {
@@ -427,37 +440,50 @@ task(pyccl_task *t, pyccl_coll coll, const void *send, void *recv,
 }
 
 /* A list/tuple of exactly `size` arrays like `ref` (same dtype, `numel`
- * elements each), or NULL-with-no-error when obj is not a list/tuple. */
+ * elements each), or NULL-with-no-error when obj is not a list/tuple.  It is
+ * read from a private tuple (*keep, which the caller releases after the
+ * enqueue): the arrays' attributes are user code, which may change the
+ * caller's list, and the tuple keeps every array alive for the call. */
 static pyccl_tensor *
 read_list(call_ctx *x, const char *what, PyObject *obj,
-          const pyccl_tensor *ref, const char *ref_what, int64_t numel)
+          const pyccl_tensor *ref, const char *ref_what, int64_t numel,
+          PyObject **keep)
 {
+    *keep = NULL;
     if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+    PyObject *seq = PySequence_Tuple(obj);
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     if (n != x->c->size) {
         PyErr_Format(PyExc_ValueError,
                      "%s: %s has %zd tensors, expected %d (one per rank)",
                      x->op, what, n, x->c->size);
+        Py_DECREF(seq);
         return NULL;
     }
     pyccl_tensor *ts = PyMem_Calloc((size_t)n, sizeof(pyccl_tensor));
     if (ts == NULL) {
         PyErr_NoMemory();
+        Py_DECREF(seq);
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         char name[64];
         PyOS_snprintf(name, sizeof name, "%s[%zd]", what, i);
-        PyObject *item = PySequence_Fast_GET_ITEM(obj, i);
+        PyObject *item = PyTuple_GET_ITEM(seq, i);
         if (read_on_comm(x, name, item, &ts[i]) < 0 ||
             same_dtype(x, name, &ts[i], ref_what, ref) < 0 ||
             numel_is(x, name, &ts[i], numel, "one chunk per rank") < 0) {
             PyMem_Free(ts);
+            Py_DECREF(seq);
             return NULL;
         }
     }
+    *keep = seq;
     return ts;
 }
 
@@ -594,13 +620,14 @@ pyccl_comm_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                       PyObject *kwnames)
 {
     static const char *const names[] = {"input", "output", "stream"};
-    PyObject *a[3], *res = NULL;
+    PyObject *a[3], *res = NULL, *keep = NULL;
     call_ctx x;
     pyccl_tensor in, out, *list = NULL;
     pyccl_task *tasks = NULL;
     cudaStream_t s;
     int type;
     size_t count;
+    int64_t whole;
     if (parse_args("all_gather", args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
         ctx_init(&x, self, "all_gather") < 0 ||
         read_on_comm(&x, "input", a[0], &in) < 0 ||
@@ -608,15 +635,16 @@ pyccl_comm_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     pyccl_move_type(x.st, &in, &type, &count, (size_t)in.numel);
-    list = read_list(&x, "output", a[1], &in, "input", in.numel);
+    list = read_list(&x, "output", a[1], &in, "input", in.numel, &keep);
     if (list == NULL && PyErr_Occurred()) {
         return NULL;
     }
     if (list == NULL) {
         if (read_on_comm(&x, "output", a[1], &out) < 0 ||
             same_dtype(&x, "output", &out, "input", &in) < 0 ||
-            numel_is(&x, "output", &out, in.numel * x.c->size,
-                     "input size x world size") < 0 ||
+            pyccl_mul_size(x.op, "input", in.numel, x.c->size, "the world size",
+                           &whole) < 0 ||
+            numel_is(&x, "output", &out, whole, "input size x world size") < 0 ||
             slot_or_apart(&x, "input", &in, "output", &out, NULL) < 0) {
             return NULL;
         }
@@ -640,6 +668,7 @@ pyccl_comm_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
 done:
     PyMem_Free(tasks);
     PyMem_Free(list);
+    Py_XDECREF(keep);
     return res;
 }
 
@@ -650,27 +679,29 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
                           Py_ssize_t nargs, PyObject *kwnames)
 {
     static const char *const names[] = {"input", "output", "op", "stream"};
-    PyObject *a[4], *res = NULL;
+    PyObject *a[4], *res = NULL, *keep = NULL;
     call_ctx x;
     pyccl_tensor in, out, *list = NULL;
     pyccl_task *tasks = NULL;
     cudaStream_t s;
     int type, redop, made = 0;
+    int64_t whole;
     if (parse_args("reduce_scatter", args, nargs, kwnames, names, 4, 3, 2, a) < 0 ||
         ctx_init(&x, self, "reduce_scatter") < 0 ||
         read_on_comm(&x, "output", a[1], &out) < 0 ||
         get_stream(&x, a[3], &s) < 0) {
         return NULL;
     }
-    list = read_list(&x, "input", a[0], &out, "output", out.numel);
+    list = read_list(&x, "input", a[0], &out, "output", out.numel, &keep);
     if (list == NULL && PyErr_Occurred()) {
         return NULL;
     }
     if (list == NULL &&
         (read_on_comm(&x, "input", a[0], &in) < 0 ||
          same_dtype(&x, "output", &out, "input", &in) < 0 ||
-         numel_is(&x, "input", &in, out.numel * x.c->size,
-                  "output size x world size") < 0)) {
+         pyccl_mul_size(x.op, "output", out.numel, x.c->size, "the world size",
+                        &whole) < 0 ||
+         numel_is(&x, "input", &in, whole, "output size x world size") < 0)) {
         goto done;
     }
     if (slot_or_apart(&x, "output", &out, "input", &in, list) < 0) {
@@ -684,7 +715,9 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
     if (list == NULL) {
         pyccl_task tk;
         task(&tk, PYCCL_REDUCE_SCATTER, in.ptr, out.ptr, count, type, 0, &x, s);
-        return finish(&x, &tk, count > 0, redop, made);
+        res = finish(&x, &tk, count > 0, redop, made);
+        made = 0;
+        goto done;
     }
     tasks = PyMem_Calloc((size_t)x.c->size, sizeof(pyccl_task));
     if (tasks == NULL) {
@@ -703,6 +736,7 @@ done:
     }
     PyMem_Free(tasks);
     PyMem_Free(list);
+    Py_XDECREF(keep);
     return res;
 }
 
@@ -749,6 +783,7 @@ pyccl_comm_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
 typedef struct {
     pyccl_tensor whole;
     pyccl_tensor *list;
+    PyObject *keep;      /* the list's private tuple, released after the call */
 } chunks;
 
 static int
@@ -756,17 +791,19 @@ read_chunks(call_ctx *x, const char *what, PyObject *obj,
             const pyccl_tensor *ref, const char *ref_what, int64_t chunk,
             chunks *out)
 {
-    out->list = read_list(x, what, obj, ref, ref_what, chunk);
+    out->list = read_list(x, what, obj, ref, ref_what, chunk, &out->keep);
     if (out->list != NULL) {
         return 0;
     }
     if (PyErr_Occurred()) {
         return -1;
     }
+    int64_t whole;
     if (read_on_comm(x, what, obj, &out->whole) < 0 ||
         same_dtype(x, what, &out->whole, ref_what, ref) < 0 ||
-        numel_is(x, what, &out->whole, chunk * x->c->size,
-                 "one chunk per rank") < 0) {
+        pyccl_mul_size(x->op, ref_what, chunk, x->c->size, "the world size",
+                       &whole) < 0 ||
+        numel_is(x, what, &out->whole, whole, "one chunk per rank") < 0) {
         return -1;
     }
     return 0;
@@ -785,7 +822,7 @@ pyccl_comm_all_to_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                       PyObject *kwnames)
 {
     static const char *const names[] = {"input", "output", "stream"};
-    PyObject *a[3], *res = NULL;
+    PyObject *a[3], *res = NULL, *inobj = NULL;
     call_ctx x;
     chunks in = {0}, out = {0};
     pyccl_task *tasks = NULL;
@@ -799,39 +836,45 @@ pyccl_comm_all_to_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     pyccl_tensor first;
     int64_t chunk;
     if (PyList_Check(a[0]) || PyTuple_Check(a[0])) {
-        if (PySequence_Fast_GET_SIZE(a[0]) == 0) {
+        /* a private tuple: reading input[0] runs user code that may change
+         * the list (read_list takes this tuple as it is) */
+        if ((inobj = PySequence_Tuple(a[0])) == NULL) {
+            return NULL;
+        }
+        if (PyTuple_GET_SIZE(inobj) == 0) {
             PyErr_Format(PyExc_ValueError,
                          "all_to_all: input has 0 tensors, expected %d (one "
                          "per rank)", x.c->size);
-            return NULL;
+            goto done;
         }
-        if (read_on_comm(&x, "input[0]", PySequence_Fast_GET_ITEM(a[0], 0),
+        if (read_on_comm(&x, "input[0]", PyTuple_GET_ITEM(inobj, 0),
                          &first) < 0) {
-            return NULL;
+            goto done;
         }
         chunk = first.numel;
     }
     else {
+        inobj = Py_NewRef(a[0]);
         if (read_on_comm(&x, "input", a[0], &first) < 0) {
-            return NULL;
+            goto done;
         }
         if (first.numel % x.c->size != 0) {
             PyErr_Format(PyExc_ValueError,
                          "all_to_all: input has %lld elements, not a multiple "
                          "of the world size %d",
                          (long long)first.numel, x.c->size);
-            return NULL;
+            goto done;
         }
         chunk = first.numel / x.c->size;
     }
-    if (read_chunks(&x, "input", a[0], &first, "input", chunk, &in) < 0 ||
+    if (read_chunks(&x, "input", inobj, &first, "input", chunk, &in) < 0 ||
         read_chunks(&x, "output", a[1], &first, "input", chunk, &out) < 0) {
         goto done;
     }
     int type;
     size_t count;
     pyccl_move_type(x.st, &first, &type, &count, (size_t)chunk);
-    size_t bytes = (size_t)chunk * (size_t)first.itemsize;
+    size_t bytes = (size_t)chunk * (size_t)first.itemsize; /* <= first.nbytes */
     tasks = PyMem_Calloc(2 * (size_t)x.c->size, sizeof(pyccl_task));
     if (tasks == NULL) {
         PyErr_NoMemory();
@@ -849,6 +892,9 @@ done:
     PyMem_Free(tasks);
     PyMem_Free(in.list);
     PyMem_Free(out.list);
+    Py_XDECREF(in.keep);
+    Py_XDECREF(out.keep);
+    Py_XDECREF(inobj);
     return res;
 }
 
@@ -876,7 +922,7 @@ read_splits(call_ctx *x, const char *what, PyObject *obj, int64_t rows,
         *out = v;
         return 0;
     }
-    PyObject *seq = PySequence_Fast(obj, "");
+    PyObject *seq = PySequence_Tuple(obj);
     if (seq == NULL || PySequence_Fast_GET_SIZE(seq) != x->c->size) {
         PyErr_Clear();
         PyErr_Format(PyExc_ValueError,
@@ -937,6 +983,36 @@ read_splits(call_ctx *x, const char *what, PyObject *obj, int64_t rows,
     return 0;
 }
 
+/* The rows (dim 0) of an all_to_all_single side: the reader's, for a
+ * __cuda_array_interface__ array, else len(); 0 when there are no elements.
+ * The elements must split into that many equal rows. */
+static int
+dim0(call_ctx *x, const char *what, PyObject *obj, const pyccl_tensor *t,
+     int64_t *rows)
+{
+    if (t->numel == 0) {
+        *rows = 0;
+        return 0;
+    }
+    int64_t r = t->rows;
+    if (r < 0) {
+        Py_ssize_t n = PyObject_Size(obj);
+        if (n < 0) {
+            return -1;
+        }
+        r = n;
+    }
+    if (r == 0 || t->numel % r != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s has %lld elements, which do not make %lld rows "
+                     "(dim 0) of equal size",
+                     x->op, what, (long long)t->numel, (long long)r);
+        return -1;
+    }
+    *rows = r;
+    return 0;
+}
+
 /* all_to_all_single(input, output, input_splits=None, output_splits=None, *,
  * stream=None): splits count dim-0 rows, as in torch.distributed. */
 PyObject *
@@ -959,9 +1035,9 @@ pyccl_comm_all_to_all_single(PyObject *self, PyObject *const *args,
         get_stream(&x, a[4], &s) < 0) {
         return NULL;
     }
-    Py_ssize_t in_rows = in.numel ? PyObject_Size(a[0]) : 0;
-    Py_ssize_t out_rows = out.numel ? PyObject_Size(a[1]) : 0;
-    if (in_rows < 0 || out_rows < 0) {
+    int64_t in_rows, out_rows;
+    if (dim0(&x, "input", a[0], &in, &in_rows) < 0 ||
+        dim0(&x, "output", a[1], &out, &out_rows) < 0) {
         return NULL;
     }
     int64_t in_row = in_rows ? in.numel / in_rows : 0;
@@ -1053,7 +1129,7 @@ gather_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     int type;
     size_t count;
     pyccl_move_type(x.st, &t, &type, &count, (size_t)t.numel);
-    size_t bytes = (size_t)t.numel * (size_t)t.itemsize;
+    size_t bytes = (size_t)t.nbytes;
     tasks = PyMem_Calloc((size_t)x.c->size + 1, sizeof(pyccl_task));
     if (tasks == NULL) {
         PyErr_NoMemory();
@@ -1073,6 +1149,7 @@ gather_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
 done:
     PyMem_Free(tasks);
     PyMem_Free(many.list);
+    Py_XDECREF(many.keep);
     return res;
 }
 
@@ -1101,7 +1178,8 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     call_ctx x;
     cudaStream_t s;
     if (parse_args("barrier", args, nargs, kwnames, names, 1, 0, 0, a) < 0 ||
-        ctx_init(&x, self, "barrier") < 0 || get_stream(&x, a[0], &s) < 0) {
+        ctx_init(&x, self, "barrier") < 0 || get_stream(&x, a[0], &s) < 0 ||
+        pyccl_comm_alive(x.st, "barrier", x.c) < 0) { /* after the stream's code */
         return NULL;
     }
     const pyccl_api *api = &x.st->api;
@@ -1297,8 +1375,14 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
                      op, Py_TYPE(a[0])->tp_name);
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(a[0]);
+    /* a private tuple: each tensor's own code may change the caller's list */
+    PyObject *tensors = PySequence_Tuple(a[0]);
+    if (tensors == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(tensors);
     if (n == 0) {
+        Py_DECREF(tensors);
         Py_RETURN_NONE;
     }
     pyccl_tensor first, t;
@@ -1310,7 +1394,7 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
     for (Py_ssize_t i = 0; i < n; i++) {
         char name[64];
         PyOS_snprintf(name, sizeof name, "tensors[%zd]", i);
-        PyObject *item = PySequence_Fast_GET_ITEM(a[0], i);
+        PyObject *item = PyTuple_GET_ITEM(tensors, i);
         if (!pyccl_is_tensor(x.st, item)) {
             PyErr_Format(PyExc_TypeError, "%s: %s must be a torch.Tensor, got %.200s", op, name,
                          Py_TYPE(item)->tp_name);
@@ -1365,6 +1449,7 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
     Py_CLEAR(r);
     r = Py_NewRef(Py_None);
 done:
+    Py_XDECREF(tensors);
     Py_XDECREF(flats);
     Py_XDECREF(sizes);
     Py_XDECREF(torch);

@@ -197,6 +197,7 @@ module_exec(PyObject *m)
     INTERN(s_cuda_stream, "cuda_stream")
     INTERN(s_device_index, "device_index")
     INTERN(s_itemsize, "itemsize")
+    INTERN(s_device, "device")
     INTERN(s_cai, "__cuda_array_interface__")
     INTERN(s_shape, "shape")
     INTERN(s_typestr, "typestr")
@@ -287,6 +288,7 @@ module_clear(PyObject *m)
     Py_CLEAR(st->s_cuda_stream);
     Py_CLEAR(st->s_device_index);
     Py_CLEAR(st->s_itemsize);
+    Py_CLEAR(st->s_device);
     Py_CLEAR(st->s_cai);
     Py_CLEAR(st->s_shape);
     Py_CLEAR(st->s_typestr);

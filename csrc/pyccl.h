@@ -133,7 +133,7 @@ typedef struct {
     PyObject *s_is_cuda, *s_layout, *s_dtype, *s_is_contiguous, *s_numel,
              *s_get_device, *s_data_ptr, *s_cuda_stream, *s_device_index,
              *s_itemsize, *s_cai, *s_shape, *s_typestr, *s_data, *s_strides,
-             *s_premul;
+             *s_premul, *s_device;
     /* comms=None: one clique of communicators per ordered device tuple */
     PyObject *cliques;           /* dict: tuple of ints -> tuple of Communicator */
     /* the last clique used, to skip building a key on repeated calls */
@@ -176,30 +176,44 @@ void pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
 
 /* ---- tensor.c ---- */
 int pyccl_torch_init(pyccl_state *st);
+/* One array as read and checked by the reader (tensor.c), the only code that
+ * reads a tensor's attributes: numel >= 0, numel * itemsize fits in int64,
+ * device in 0..INT_MAX, data pointer non-null when there are bytes and not
+ * wrapping the address space, itemsize that of a known dtype.  Nothing in it
+ * refers to the dtype object: a `dtype` property may return a fresh object
+ * each time, so what is needed of an unknown dtype is copied. */
 typedef struct {
-    PyObject *obj;     /* borrowed */
+    PyObject *obj;     /* borrowed: the caller keeps it alive for the call */
     char *ptr;
     int64_t numel;
+    int64_t nbytes;    /* numel * itemsize, overflow-checked */
+    int64_t rows;      /* dim 0 of a __cuda_array_interface__ array; -1: unknown */
     int device;
     int dtype;         /* row of pyccl_dtype_table, or -1 */
-    PyObject *dtype_obj; /* borrowed from the table or the tensor's own */
     int itemsize;
+    char dtype_name[64]; /* str(dtype) of a dtype not in the table ("" else) */
 } pyccl_tensor;
 int pyccl_is_tensor(pyccl_state *st, PyObject *obj);
 /* The torch-order checks of one tensor: cuda dense, dtype == *ref_dtype
- * (set it when NULL), contiguous.  Fills t.  RuntimeError with torch's texts. */
-int pyccl_check_tensor(pyccl_state *st, PyObject *obj, PyObject **ref_dtype,
-                       pyccl_tensor *t);
-/* NCCL type to reduce t with, or -1 with RuntimeError (op names the call). */
+ * (set it, a new reference the caller releases, when NULL), contiguous.
+ * Fills t.  RuntimeError with torch's texts; a nonsense attribute value
+ * raises ValueError naming op and what ("inputs[0]"). */
+int pyccl_check_tensor(pyccl_state *st, const char *op, const char *what,
+                       PyObject *obj, PyObject **ref_dtype, pyccl_tensor *t);
 /* The Communicator API's reader: a CUDA torch.Tensor or an object with
  * __cuda_array_interface__ (CuPy, Numba, JAX), dense and contiguous, with the
  * Communicator API's messages ("<op>: <what> ..."). */
 int pyccl_read_array(pyccl_state *st, const char *op, const char *what,
                      PyObject *obj, pyccl_tensor *t);
+/* NCCL type to reduce t with, or -1 with RuntimeError (op names the call). */
 int pyccl_reduce_type(pyccl_state *st, const char *op, const pyccl_tensor *t);
 /* NCCL type and count that move t's bytes unchanged. */
 void pyccl_move_type(pyccl_state *st, const pyccl_tensor *t, int *type,
                      size_t *count, size_t numel);
+/* *out = a * b (a, b >= 0), or -1 with a ValueError naming op, what has a
+ * (elements or bytes) and `how` it is multiplied, when that overflows int64. */
+int pyccl_mul_size(const char *op, const char *what, int64_t a, int64_t b,
+                   const char *how, int64_t *out);
 /* a and b may share memory only as NCCL's in-place form: a exactly at
  * b + offset bytes (`slot` names that place, e.g. "rank 1's slot of it").
  * offset < 0: no sharing allowed, and `slot` is the message's tail.  Any
@@ -214,7 +228,6 @@ int pyccl_check_overlap(const char *op, const char *a_what, const pyccl_tensor *
 int pyccl_stream(pyccl_state *st, const char *op, const char *what,
                  PyObject *stream, int device, const char *owner,
                  cudaStream_t *out);
-PyObject *pyccl_dtype_str(PyObject *dtype_obj);
 /* "torch.float32"-style name of t's dtype (works for rows with no object). */
 PyObject *pyccl_dtype_name(const pyccl_tensor *t);
 

@@ -33,13 +33,15 @@ check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
     return 0;
 }
 
-/* A collection of tensors (any iterable but a tensor), as a fast sequence. */
+/* A collection of tensors (any iterable but a tensor), as a private tuple:
+ * the checks run user code (a tensor-like's properties), which may change
+ * the caller's list, and the tuple keeps every item alive for the call. */
 static PyObject *
 tensor_seq(pyccl_state *st, PyObject *obj, const char *op, const char *what)
 {
     PyObject *seq;
     if (pyccl_is_tensor(st, obj) ||
-        (seq = PySequence_Fast(obj, "")) == NULL) {
+        (seq = PySequence_Tuple(obj)) == NULL) {
         PyErr_Clear();
         if (strcmp(what, "inputs") == 0) {
             PyErr_SetString(PyExc_TypeError,
@@ -113,13 +115,15 @@ check_in_place(const char *op, const coll_desc *d, Py_ssize_t i, int rank,
     if (d->out_mult_is_n || d->in_mult_is_n) {
         PyOS_snprintf(slot, sizeof slot, "rank %d's slot of it", rank);
     }
+    /* rank < N and the big side holds N x the small one's bytes (checked
+     * before), so these products fit */
     if (d->out_mult_is_n) {
         return pyccl_check_overlap(op, in_what, in, out_what, out,
-                                   (int64_t)rank * in->numel * in->itemsize, slot);
+                                   (int64_t)rank * in->nbytes, slot);
     }
     if (d->in_mult_is_n) {
         return pyccl_check_overlap(op, out_what, out, in_what, in,
-                                   (int64_t)rank * out->numel * out->itemsize, slot);
+                                   (int64_t)rank * out->nbytes, slot);
     }
     return pyccl_check_overlap(op, out_what, out, in_what, in, 0,
                                "the same memory");
@@ -241,7 +245,9 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
     Py_ssize_t root_idx = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *in = PySequence_Fast_GET_ITEM(inputs, i);
-        if (pyccl_check_tensor(st, in, &ref_dtype, &tin[i]) < 0) {
+        char what[32];
+        PyOS_snprintf(what, sizeof what, "inputs[%zd]", i);
+        if (pyccl_check_tensor(st, op, what, in, &ref_dtype, &tin[i]) < 0) {
             goto error;
         }
         if (tin[i].numel != tin[0].numel) {
@@ -260,7 +266,8 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
         }
         if (outputs != NULL) {
             PyObject *out = PySequence_Fast_GET_ITEM(outputs, i);
-            if (pyccl_check_tensor(st, out, &ref_dtype, &tout[i]) < 0) {
+            PyOS_snprintf(what, sizeof what, "outputs[%zd]", i);
+            if (pyccl_check_tensor(st, op, what, out, &ref_dtype, &tout[i]) < 0) {
                 goto error;
             }
             if (tout[i].device != tin[i].device) {
@@ -270,8 +277,16 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
             }
             /* torch's rule, output * out_mult == input * in_mult, with N the
              * communicator's rank count (torch uses len(inputs)). */
-            int64_t lhs = tout[i].numel * (d->in_mult_is_n ? size_i : 1);
-            int64_t rhs = tin[0].numel * (d->out_mult_is_n ? size_i : 1);
+            int64_t lhs, rhs;
+            PyOS_snprintf(what, sizeof what, "outputs[%zd]", i);
+            if (pyccl_mul_size(op, what, tout[i].numel,
+                               d->in_mult_is_n ? size_i : 1, "the world size",
+                               &lhs) < 0 ||
+                pyccl_mul_size(op, "inputs[0]", tin[0].numel,
+                               d->out_mult_is_n ? size_i : 1, "the world size",
+                               &rhs) < 0) {
+                goto error;
+            }
             if (lhs != rhs) {
                 PyErr_SetString(PyExc_RuntimeError,
                                 "output must be of size input_size * "
@@ -308,7 +323,8 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
         /* reduce: one output, written on the root only; None = in place. */
         if (outputs_obj != Py_None) {
             pyccl_tensor o;
-            if (pyccl_check_tensor(st, outputs_obj, &ref_dtype, &o) < 0) {
+            if (pyccl_check_tensor(st, op, "output", outputs_obj, &ref_dtype,
+                                   &o) < 0) {
                 goto error;
             }
             if (root_idx >= 0) {
@@ -365,11 +381,35 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
             goto error;
         }
     }
+    /* The last user code (tensor-likes' attributes, streams) has run: a
+     * communicator it destroyed or aborted is reported here, not by NCCL. */
+    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+        if (pyccl_comm_alive(st, op, (pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i)) < 0) {
+            goto error;
+        }
+    }
     /* Zero elements: NCCL would do nothing, so neither a clique nor a GPU is
      * needed (and every rank sees the same count, so every rank skips). */
     if (count == 0) {
         result = Py_NewRef(Py_None);
         goto error;
+    }
+    if (!have_comms) { /* devices read from user code: in range? */
+        int ndev = 0;
+        cudaError_t ce = st->api.cudaGetDeviceCount(&ndev);
+        if (ce != cudaSuccess) {
+            st->api.cudaGetLastError();
+            ndev = 0;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (devices[i] >= ndev) {
+                PyErr_Format(PyExc_RuntimeError,
+                             "%s: inputs[%zd] is on cuda:%d but this process "
+                             "has %d CUDA device%s",
+                             op, i, devices[i], ndev, ndev == 1 ? "" : "s");
+                goto error;
+            }
+        }
     }
     PyObject *clique = NULL;
     if (!have_comms) {
@@ -426,6 +466,7 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
     result = Py_NewRef(Py_None);
 error:
     PyMem_Free(block);
+    Py_XDECREF(ref_dtype);
     Py_XDECREF(inputs);
     Py_XDECREF(outputs);
     Py_XDECREF(streams);

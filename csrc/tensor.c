@@ -8,6 +8,7 @@
  * the way torch does. */
 #include "pyccl.h"
 
+#include <limits.h>
 #include <string.h>
 
 /* fp8 reductions need NCCL's native fp8 types (NCCL 2.24); torch sends fp8
@@ -101,7 +102,8 @@ call0(PyObject *obj, PyObject *name)
         name, &obj, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
 }
 
-/* Read an int-returning method or attribute; -1 on error with exception. */
+/* Read an int-returning method or attribute (for stream attributes, which
+ * are torch's own); -1 on error with exception. */
 static int
 read_i64(PyObject *obj, PyObject *name, int method, int64_t *out)
 {
@@ -130,12 +132,103 @@ read_bool(PyObject *obj, PyObject *name, int method)
     return r;
 }
 
-static int fill_tensor(pyccl_state *st, PyObject *obj, PyObject *dtype,
-                       pyccl_tensor *t);
+/* ---- the reader: every attribute read is checked here ---- */
+
+/* An attribute value that must be an int in [lo, hi]: TypeError when it is
+ * no int, ValueError "<op>: <what><label> is V, expected <expect>" when it
+ * is out of range.  The value's own __index__ may run (numpy ints). */
+static int
+checked_int(const char *op, const char *what, const char *label, PyObject *v,
+            long long lo, long long hi, const char *expect, int64_t *out)
+{
+    PyObject *i = PyNumber_Index(v);
+    if (i == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+            return -1; /* the object's own __index__ raised: keep that */
+        }
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: %s%s returned %.200s, expected an int",
+                     op, what, label, Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(i, &overflow);
+    if (x == -1 && PyErr_Occurred()) {
+        Py_DECREF(i);
+        return -1;
+    }
+    if (overflow || x < lo || x > hi) {
+        PyErr_Format(PyExc_ValueError, "%s: %s%s is %S, expected %s", op, what,
+                     label, i, expect);
+        Py_DECREF(i);
+        return -1;
+    }
+    Py_DECREF(i);
+    *out = (int64_t)x;
+    return 0;
+}
+
+/* checked_int of obj.name() (method) or obj.name. */
+static int
+read_checked(PyObject *obj, PyObject *name, int method, const char *op,
+             const char *what, const char *label, long long lo, long long hi,
+             const char *expect, int64_t *out)
+{
+    PyObject *v = method ? call0(obj, name) : PyObject_GetAttr(obj, name);
+    if (v == NULL) {
+        return -1;
+    }
+    int rc = checked_int(op, what, label, v, lo, hi, expect, out);
+    Py_DECREF(v);
+    return rc;
+}
 
 int
-pyccl_check_tensor(pyccl_state *st, PyObject *obj, PyObject **ref_dtype,
-                   pyccl_tensor *t)
+pyccl_mul_size(const char *op, const char *what, int64_t a, int64_t b,
+               const char *how, int64_t *out)
+{
+    if (__builtin_mul_overflow(a, b, out)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s has %lld elements; times %s %lld that overflows "
+                     "a 64-bit count",
+                     op, what, (long long)a, how, (long long)b);
+        return -1;
+    }
+    return 0;
+}
+
+/* The checks every array passes, whichever way it was read: byte size
+ * without overflow, a pointer when there are bytes, no wrap past the top of
+ * the address space. */
+static int
+check_extent(const char *op, const char *what, pyccl_tensor *t)
+{
+    if (pyccl_mul_size(op, what, t->numel, t->itemsize, "the item size",
+                       &t->nbytes) < 0) {
+        return -1;
+    }
+    uintptr_t lo = (uintptr_t)t->ptr;
+    if (t->nbytes > 0 && lo == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: %s has a null data pointer", op,
+                     what);
+        return -1;
+    }
+    if (lo + (uintptr_t)t->nbytes < lo) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s (%lld bytes at %p) runs past the end of the "
+                     "address space",
+                     op, what, (long long)t->nbytes, (void *)lo);
+        return -1;
+    }
+    return 0;
+}
+
+static int fill_tensor(pyccl_state *st, const char *op, const char *what,
+                       PyObject *obj, PyObject *dtype, pyccl_tensor *t);
+
+int
+pyccl_check_tensor(pyccl_state *st, const char *op, const char *what,
+                   PyObject *obj, PyObject **ref_dtype, pyccl_tensor *t)
 {
     int is_cuda = read_bool(obj, st->s_is_cuda, 0);
     if (is_cuda < 0) {
@@ -156,15 +249,20 @@ pyccl_check_tensor(pyccl_state *st, PyObject *obj, PyObject **ref_dtype,
     if (dtype == NULL) {
         return -1;
     }
-    /* dtype objects are singletons; the reference keeps this one alive. */
-    Py_DECREF(dtype);
+    /* The first dtype is kept (the caller releases it): a `dtype` property
+     * may return a fresh object, which must outlive the comparisons. */
     if (*ref_dtype == NULL) {
         *ref_dtype = dtype;
     }
-    else if (dtype != *ref_dtype) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "all inputs and outputs must be of the same Tensor dtype");
-        return -1;
+    else {
+        int same = dtype == *ref_dtype;
+        Py_DECREF(dtype);
+        dtype = *ref_dtype;
+        if (!same) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "all inputs and outputs must be of the same Tensor dtype");
+            return -1;
+        }
     }
     int contiguous = read_bool(obj, st->s_is_contiguous, 1);
     if (contiguous < 0) {
@@ -175,26 +273,59 @@ pyccl_check_tensor(pyccl_state *st, PyObject *obj, PyObject **ref_dtype,
                         "all inputs and outputs have to be contiguous");
         return -1;
     }
-    return fill_tensor(st, obj, dtype, t);
+    return fill_tensor(st, op, what, obj, dtype, t);
 }
 
-/* Read numel, device and data pointer, and place the dtype in the table. */
+/* Read numel, device and data pointer, place the dtype in the table, and
+ * check them all.  `dtype` is only borrowed for this call. */
 static int
-fill_tensor(pyccl_state *st, PyObject *obj, PyObject *dtype, pyccl_tensor *t)
+fill_tensor(pyccl_state *st, const char *op, const char *what, PyObject *obj,
+            PyObject *dtype, pyccl_tensor *t)
 {
     int64_t numel, device, ptr;
-    if (read_i64(obj, st->s_numel, 1, &numel) < 0 ||
-        read_i64(obj, st->s_get_device, 1, &device) < 0 ||
-        read_i64(obj, st->s_data_ptr, 1, &ptr) < 0) {
+    if (read_checked(obj, st->s_numel, 1, op, what, ".numel()", 0, INT64_MAX,
+                     "0 or more", &numel) < 0 ||
+        read_checked(obj, st->s_get_device, 1, op, what, ".get_device()", 0,
+                     INT_MAX, "a CUDA device index (0 to 2147483647)",
+                     &device) < 0) {
         return -1;
     }
+    /* an address is unsigned: read it as such */
+    PyObject *pv = call0(obj, st->s_data_ptr);
+    if (pv == NULL) {
+        return -1;
+    }
+    PyObject *pi = PyNumber_Index(pv);
+    if (pi == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "%s: %s.data_ptr() returned %.200s, expected an int",
+                         op, what, Py_TYPE(pv)->tp_name);
+        }
+        Py_DECREF(pv);
+        return -1;
+    }
+    Py_DECREF(pv);
+    unsigned long long uptr = PyLong_AsUnsignedLongLong(pi);
+    if (uptr == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s.data_ptr() is %S, expected an address (0 to 2**64-1)",
+                     op, what, pi);
+        Py_DECREF(pi);
+        return -1;
+    }
+    Py_DECREF(pi);
+    ptr = (int64_t)uptr;
     t->obj = obj;
-    t->ptr = (char *)(intptr_t)ptr;
+    t->ptr = (char *)(uintptr_t)ptr;
     t->numel = numel;
+    t->rows = -1;
     t->device = (int)device;
-    t->dtype_obj = dtype;
     t->dtype = -1;
     t->itemsize = 0;
+    t->dtype_name[0] = '\0';
     for (int i = 0; i < PYCCL_NDTYPES; i++) {
         if (st->dtypes[i] == dtype) {
             t->dtype = i;
@@ -203,27 +334,59 @@ fill_tensor(pyccl_state *st, PyObject *obj, PyObject *dtype, pyccl_tensor *t)
         }
     }
     if (t->dtype < 0) {
-        /* A dtype newer than this table: its size still lets it move. */
+        /* A dtype newer than this table: its size still lets it move.  Its
+         * name is copied for messages and comparisons: the object itself may
+         * be gone when they are made. */
         int64_t isz;
-        if (read_i64(dtype, st->s_itemsize, 0, &isz) < 0) {
+        PyObject *iv;
+        if (PyObject_GetOptionalAttr(dtype, st->s_itemsize, &iv) < 0) {
+            return -1;
+        }
+        if (iv == NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: %s.dtype is a %.200s, expected a torch.dtype "
+                         "(or an object with an itemsize)",
+                         op, what, Py_TYPE(dtype)->tp_name);
+            return -1;
+        }
+        int rc = checked_int(op, what, ".dtype.itemsize", iv, 0, 16,
+                             "1, 2, 4, 8 or 16", &isz);
+        Py_DECREF(iv);
+        if (rc < 0) {
+            return -1;
+        }
+        if (isz == 0 || (isz & (isz - 1)) != 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: %s.dtype.itemsize is %lld, expected 1, 2, 4, 8 or 16",
+                         op, what, (long long)isz);
             return -1;
         }
         t->itemsize = (int)isz;
+        PyObject *s = PyObject_Str(dtype);
+        if (s == NULL) {
+            return -1;
+        }
+        Py_ssize_t len;
+        const char *u = PyUnicode_AsUTF8AndSize(s, &len);
+        if (u == NULL) {
+            Py_DECREF(s);
+            return -1;
+        }
+        if ((size_t)len >= sizeof t->dtype_name) {
+            len = (Py_ssize_t)sizeof t->dtype_name - 1;
+        }
+        memcpy(t->dtype_name, u, (size_t)len);
+        t->dtype_name[len] = '\0';
+        Py_DECREF(s);
     }
-    return 0;
-}
-
-PyObject *
-pyccl_dtype_str(PyObject *dtype_obj)
-{
-    return PyObject_Str(dtype_obj);
+    return check_extent(op, what, t);
 }
 
 PyObject *
 pyccl_dtype_name(const pyccl_tensor *t)
 {
-    if (t->dtype_obj != NULL) {
-        return PyObject_Str(t->dtype_obj);
+    if (t->dtype < 0) {
+        return PyUnicode_FromString(t->dtype_name);
     }
     return PyUnicode_FromFormat("torch.%s", pyccl_dtype_table[t->dtype].attr);
 }
@@ -255,11 +418,8 @@ pyccl_reduce_type(pyccl_state *st, const char *op, const pyccl_tensor *t)
                      d->scalar_name);
         return -1;
     }
-    PyObject *s = pyccl_dtype_str(t->dtype_obj);
-    if (s != NULL) {
-        PyErr_Format(PyExc_RuntimeError, "Unconvertible NCCL type %U", s);
-        Py_DECREF(s);
-    }
+    PyErr_Format(PyExc_RuntimeError, "Unconvertible NCCL type %s",
+                 t->dtype_name);
     return -1;
 }
 
@@ -285,7 +445,7 @@ pyccl_check_overlap(const char *op, const char *a_what, const pyccl_tensor *a,
                     int64_t offset, const char *slot)
 {
     uintptr_t a_lo = (uintptr_t)a->ptr, b_lo = (uintptr_t)b->ptr;
-    int64_t a_bytes = a->numel * a->itemsize, b_bytes = b->numel * b->itemsize;
+    int64_t a_bytes = a->nbytes, b_bytes = b->nbytes;
     if (a_bytes == 0 || b_bytes == 0 || a_lo >= b_lo + (uintptr_t)b_bytes ||
         b_lo >= a_lo + (uintptr_t)a_bytes) {
         return 0; /* disjoint */
@@ -408,15 +568,36 @@ malformed(const char *op, const char *what, const char *key)
     return -1;
 }
 
+/* cai[key] as a new reference (NULL: absent, or an error is set).  Held
+ * because a later lookup may run a hostile key's __eq__, which can change
+ * the dict. */
+static PyObject *
+cai_get(PyObject *cai, PyObject *key)
+{
+    PyObject *v = PyDict_GetItemWithError(cai, key);
+    Py_XINCREF(v);
+    return v;
+}
+
+static int
+read_cai_items(pyccl_state *st, const char *op, const char *what, PyObject *obj,
+               PyObject *shape, PyObject *typestr, PyObject *data,
+               PyObject *strides, PyObject *mask, pyccl_tensor *t);
+
 static int
 read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
          PyObject *cai, pyccl_tensor *t)
 {
-    PyObject *shape, *typestr, *data, *strides;
+    PyObject *shape = NULL, *typestr = NULL, *data = NULL, *strides = NULL,
+             *mask = NULL, *mask_key = NULL;
+    int rc = -1;
     if (!PyDict_Check(cai) ||
-        (shape = PyDict_GetItemWithError(cai, st->s_shape)) == NULL ||
-        (typestr = PyDict_GetItemWithError(cai, st->s_typestr)) == NULL ||
-        (data = PyDict_GetItemWithError(cai, st->s_data)) == NULL ||
+        (shape = cai_get(cai, st->s_shape)) == NULL ||
+        (typestr = cai_get(cai, st->s_typestr)) == NULL ||
+        (data = cai_get(cai, st->s_data)) == NULL ||
+        ((strides = cai_get(cai, st->s_strides)) == NULL && PyErr_Occurred()) ||
+        (mask_key = PyUnicode_FromString("mask")) == NULL ||
+        ((mask = cai_get(cai, mask_key)) == NULL && PyErr_Occurred()) ||
         !PyTuple_Check(shape) || !PyUnicode_Check(typestr) ||
         !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1) {
         if (!PyErr_Occurred()) {
@@ -424,8 +605,26 @@ read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
                          "%s: %s has a malformed __cuda_array_interface__",
                          op, what);
         }
-        return -1;
+        goto done;
     }
+    rc = read_cai_items(st, op, what, obj, shape, typestr, data, strides, mask,
+                        t);
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(typestr);
+    Py_XDECREF(data);
+    Py_XDECREF(strides);
+    Py_XDECREF(mask);
+    Py_XDECREF(mask_key);
+    return rc;
+}
+
+/* read_cai's checks, on the items it took out of the dict (held). */
+static int
+read_cai_items(pyccl_state *st, const char *op, const char *what, PyObject *obj,
+               PyObject *shape, PyObject *typestr, PyObject *data,
+               PyObject *strides, PyObject *mask, pyccl_tensor *t)
+{
     const char *ts = PyUnicode_AsUTF8(typestr);
     if (ts == NULL) {
         return -1;
@@ -456,8 +655,8 @@ read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
         numel *= d;
     }
     int itemsize = pyccl_dtype_table[row].itemsize;
-    strides = PyDict_GetItemWithError(cai, st->s_strides);
-    if (strides == NULL && PyErr_Occurred()) {
+    int64_t nbytes;
+    if (pyccl_mul_size(op, what, numel, itemsize, "the item size", &nbytes) < 0) {
         return -1;
     }
     if (strides != NULL && strides != Py_None &&
@@ -488,7 +687,6 @@ read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
             expect *= dim;
         }
     }
-    PyObject *mask = PyDict_GetItemString(cai, "mask");
     if (mask != NULL && mask != Py_None) {
         PyErr_Format(PyExc_ValueError,
                      "%s: %s is a masked array (its __cuda_array_interface__ "
@@ -527,11 +725,12 @@ read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
     t->obj = obj;
     t->ptr = (char *)(uintptr_t)ptr;
     t->numel = numel;
+    t->rows = nd > 0 ? PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 0)) : 1;
     t->device = device;
     t->dtype = row;
-    t->dtype_obj = st->dtypes[row];
     t->itemsize = itemsize;
-    return 0;
+    t->dtype_name[0] = '\0';
+    return check_extent(op, what, t);
 }
 
 int
@@ -559,13 +758,20 @@ pyccl_read_array(pyccl_state *st, const char *op, const char *what,
         return -1;
     }
     if (!is_cuda) {
-        PyObject *dev = PyObject_GetAttrString(obj, "device");
-        if (dev != NULL) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: %s must be a CUDA tensor, got one on %S", op,
-                         what, dev);
-            Py_DECREF(dev);
+        PyObject *dev;
+        if (PyObject_GetOptionalAttr(obj, st->s_device, &dev) < 0) {
+            return -1;
         }
+        if (dev == NULL) { /* a tensor-like without .device */
+            PyErr_Format(PyExc_ValueError,
+                         "%s: %s must be a CUDA tensor, got one whose is_cuda "
+                         "is false", op, what);
+            return -1;
+        }
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s must be a CUDA tensor, got one on %S", op, what,
+                     dev);
+        Py_DECREF(dev);
         return -1;
     }
     PyObject *layout = PyObject_GetAttr(obj, st->s_layout);
@@ -592,6 +798,8 @@ pyccl_read_array(pyccl_state *st, const char *op, const char *what,
     if (dtype == NULL) {
         return -1;
     }
-    Py_DECREF(dtype); /* dtype objects are immortal singletons of torch */
-    return fill_tensor(st, obj, dtype, t);
+    /* held while it is read: a `dtype` property may return a fresh object */
+    int rc = fill_tensor(st, op, what, obj, dtype, t);
+    Py_DECREF(dtype);
+    return rc;
 }

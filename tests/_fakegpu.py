@@ -53,6 +53,10 @@ def _stub_torch():
     torch.cuda = cuda
     c = types.ModuleType("torch._C")
     c._cuda_getCurrentRawStream = lambda dev: 0x7000 + dev
+
+    def no_kernels(*a, **k):
+        raise RuntimeError("stub torch runs no kernels")
+    torch.cat = torch._foreach_copy_ = no_kernels
     torch._C = c
     sys.modules.update({"torch": torch, "torch.cuda": cuda, "torch._C": c})
 
@@ -641,6 +645,97 @@ def no_kernel_image():
 def no_peer_access():
     return _own_kernels_unavailable(
         "no_p2p", 1, lambda r: f"cuda:{r} has no peer access to cuda:{1 - r} (rank {1 - r})")
+
+
+def _refs(args, kw):
+    """The objects whose refcounts a call must leave unchanged: the arguments
+    and the items of list/tuple arguments (a snapshot: `slots` says how many
+    times each item sits in those lists now)."""
+    tops = list(args) + list(kw.values())
+    seqs = [a for a in tops if isinstance(a, (list, tuple))]
+    items = [i for a in seqs for i in a]
+    return tops, seqs, items, _slots(seqs, items), [len(a) for a in tops if isinstance(a, list)]
+
+
+def _slots(seqs, items):
+    return [sum(1 for q in seqs for x in q if x is o) for o in items]
+
+
+def _counts(snap):
+    tops, _, items, _, _ = snap
+    return [sys.getrefcount(o) for o in tops + items]
+
+
+def _refs_want(snap, before):
+    """What the counts must be after the call: unchanged, except that an item
+    the row removed from its list lost that list's reference, and a list that
+    was emptied is left out (its removed items may have held it)."""
+    tops, seqs, items, slots, lens = snap
+    now = _slots(seqs, items)
+    want = list(before)
+    for k, (was, is_) in enumerate(zip(slots, now)):
+        want[len(tops) + k] -= was - is_
+    lists = [k for k, o in enumerate(tops) if isinstance(o, list)]
+    for k, n in zip(lists, lens):
+        if len(tops[k]) != n:
+            want[k] = None
+    return want
+
+
+def _usable(c):
+    """A correct call afterwards: on a fresh communicator, and on c if alive."""
+    for comm in [pyccl.Communicator(2, pyccl.unique_id(), 0)] + ([] if c.destroyed else [c]):
+        a = Array([1.0, 2.0])
+        comm.all_reduce(a)
+        assert a.tolist() == [2.0, 4.0], a.tolist()
+        t = Tensor([3.0], 0)
+        pyccl.nccl.all_reduce([t], comms=[comm])
+        assert t.tolist() == [6.0], t.tolist()
+        comm.destroy()
+
+
+def bad_input():
+    """Rows of the bad-input catalogue (JSON on stdin: id, code): run
+    each row's code (it sets fn, args and maybe kw), call fn, and report the
+    exception, whether the arguments' refcounts are unchanged, and whether
+    correct calls work afterwards."""
+    import _hostile
+    rows = json.loads(sys.stdin.read())
+    out = {}
+    for row in rows:
+        ns = dict(_hostile.NAMESPACE, Array=Array, Tensor=Tensor, stream=stream)
+        ns["c"] = pyccl.Communicator(2, pyccl.unique_id(), 0)
+        exec(row["code"], ns)
+        fn, args, kw = ns["fn"], ns["args"], ns.get("kw", {})
+        snap = _refs(args, kw)
+        before = _counts(snap)
+        got = None
+        try:
+            fn(*args, **kw)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            got = [type(e).__name__, str(e)]
+        after = _counts(snap)
+        want = _refs_want(snap, before)
+        after = [None if w is None else a for w, a in zip(want, after)]
+        usable = "ok"
+        try:
+            _usable(ns["c"])
+            clean()
+        except BaseException as e:  # noqa: BLE001
+            usable = repr(e)
+        out[row["id"]] = {"exc": got, "refs_ok": want == after, "refs": [before, want, after],
+                          "usable": usable}
+        ns.clear()
+    return out
+
+
+def fuzz():
+    """tests/test_fuzz_cpu.py: PYCCL_FUZZ_SEED and PYCCL_FUZZ_N from the environment."""
+    import _fuzz
+    seed, n = int(os.environ["PYCCL_FUZZ_SEED"]), int(os.environ["PYCCL_FUZZ_N"])
+    counts = _fuzz.run(seed, n, lambda: get("misuse"))
+    clean()
+    return {"seed": seed, "calls": n, "counts": counts}
 
 
 if __name__ == "__main__":

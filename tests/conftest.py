@@ -47,3 +47,21 @@ class FakeCuda(torch.Tensor):
 
 def fake(n=4, device=0, dtype=torch.float32):
     return FakeCuda(torch.arange(n).to(dtype), device)
+
+
+def build_fakegpu(out_dir):
+    """Compile tests/fakegpu/fakegpu.c (a stand-in libnccl + libcudart) into
+    out_dir; the path of the library, or None when there is no C compiler."""
+    import shlex
+    import shutil
+    import subprocess
+    import sysconfig
+    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    if shutil.which(cc[0]) is None:
+        return None
+    out = os.path.join(str(out_dir), "libfakegpu.so")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakegpu", "fakegpu.c")
+    r = subprocess.run(cc + ["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o", out, src,
+                             "-lpthread", "-lm"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return out

@@ -283,7 +283,138 @@ def _cpu_cases():
         "premul_sum: scalar must be a real number, got str")
     add("premul_sum_object", "comm", lambda h: pyccl.premul_sum(object()), TypeError,
         "premul_sum: scalar must be a real number, got object")
+    _hostile_cpu_cases(add)
     return C
+
+
+class FreshDtype:
+    """A dtype-like object pyccl's table does not know, new on every read."""
+    live = 0
+
+    def __init__(self, itemsize=4):
+        self.itemsize = itemsize
+        FreshDtype.live += 1
+
+    def __del__(self):
+        FreshDtype.live -= 1
+
+    def __repr__(self):
+        return "FreshDtype"
+
+
+class Lying(FakeCuda):
+    """FakeCuda whose attributes (numel, get_device, data_ptr, dtype) may be
+    replaced by a value or by a function of no arguments run on every read:
+    user code that lies, returns fresh objects or mutates its container."""
+
+    @staticmethod
+    def __new__(cls, data, device=0, **over):
+        t = FakeCuda.__new__(cls, data, device)
+        t._over = over
+        return t
+
+    def _get(self, name, default):
+        v = self._over.get(name, default)
+        return v() if callable(v) and name in self._over else v
+
+    def numel(self):
+        return self._get("numel", super().numel())
+
+    def get_device(self):
+        return self._get("get_device", super().get_device())
+
+    def data_ptr(self):
+        return self._get("data_ptr", super().data_ptr())
+
+    @property
+    def dtype(self):
+        return self._get("dtype", super().dtype)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # keep torch from re-wrapping results (and from calling our overrides)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def lying(n=4, device=0, kind=torch.float32, **over):
+    return Lying(torch.arange(n).to(kind), device, **over)
+
+
+def _cleared_list(second):
+    """[a, second] where reading a's numel() empties the list (issue #15, item 2)."""
+    lst = []
+    lst += [lying(4, 0, numel=lambda: (lst.clear(), 4)[1]), second]
+    return lst
+
+
+HUGE = 1 << 62  # numel * 4 or numel * 2 overflows int64
+
+
+def _hostile_cpu_cases(add):
+    """Issue #15: hostile tensor-likes against pyccl.nccl (CPU tier, in process)."""
+    # 1. a dtype that is a fresh object on every read: never kept as a borrowed pointer
+    add("dtype_fresh_object", "nccl", lambda h: nccl.reduce([lying(dtype=lambda: FreshDtype())]),
+        RuntimeError, "Unconvertible NCCL type FreshDtype")
+    add("dtype_fresh_object_in_and_out", "nccl", lambda h: nccl.all_reduce([lying(dtype=lambda: FreshDtype())]),
+        RuntimeError, "all inputs and outputs must be of the same Tensor dtype")
+    add("dtype_fresh_object_twice", "nccl",
+        lambda h: nccl.broadcast([lying(0, dtype=lambda: FreshDtype()), lying(1, 1, dtype=lambda: FreshDtype())]),
+        RuntimeError, "all inputs and outputs must be of the same Tensor dtype")
+    # 2. the list emptied while it is checked: the private tuple still holds both
+    add("list_cleared_while_checked", "nccl", lambda h: nccl.all_reduce(_cleared_list(fake(3, 1))),
+        RuntimeError, "all inputs must have the same number of elements")
+    add("outputs_cleared_while_checked", "nccl",
+        lambda h: nccl.all_reduce([fake(4, 0), fake(4, 1)], _cleared_list(fake(3, 1))),
+        RuntimeError, "output must be of size input_size * size_multiplier")
+    # 4. sizes that overflow 64 bits
+    add("numel_times_itemsize_overflows", "nccl", lambda h: nccl.all_reduce([lying(numel=HUGE)]),
+        ValueError, "all_reduce: inputs[0] has 4611686018427387904 elements; times the item size 4 "
+                    "that overflows a 64-bit count")
+    add("numel_times_world_size_overflows", "nccl",
+        lambda h: nccl.all_gather([lying(4, 0, torch.int8, numel=HUGE), lying(4, 1, torch.int8, numel=HUGE)],
+                                  [lying(8, 0, torch.int8, numel=HUGE), lying(8, 1, torch.int8, numel=HUGE)]),
+        ValueError, "all_gather: inputs[0] has 4611686018427387904 elements; times the world size 2 "
+                    "that overflows a 64-bit count")
+    add("output_times_world_size_overflows", "nccl",
+        lambda h: nccl.reduce_scatter([fake(8, 0, torch.int8), fake(8, 1, torch.int8)],
+                                      [lying(4, 0, torch.int8, numel=HUGE), lying(4, 1, torch.int8, numel=HUGE)]),
+        ValueError, "reduce_scatter: outputs[0] has 4611686018427387904 elements; times the world size 2 "
+                    "that overflows a 64-bit count")
+    # 5. nonsense sizes, devices, pointers and item sizes
+    add("numel_negative", "nccl", lambda h: nccl.all_reduce([lying(numel=-3)]),
+        ValueError, "all_reduce: inputs[0].numel() is -3, expected 0 or more")
+    add("numel_minus_one_output", "nccl", lambda h: nccl.all_reduce([fake(4, 0)], [lying(numel=-1)]),
+        ValueError, "all_reduce: outputs[0].numel() is -1, expected 0 or more")
+    add("numel_past_int64", "nccl", lambda h: nccl.broadcast([lying(numel=1 << 64)]),
+        ValueError, "broadcast: inputs[0].numel() is 18446744073709551616, expected 0 or more")
+    add("numel_not_an_int", "nccl", lambda h: nccl.broadcast([lying(numel="4")]),
+        TypeError, "broadcast: inputs[0].numel() returned str, expected an int")
+    add("device_past_int", "nccl", lambda h: nccl.all_reduce([lying(get_device=1 << 32)]),
+        ValueError, "all_reduce: inputs[0].get_device() is 4294967296, expected a CUDA device index "
+                    "(0 to 2147483647)")
+    add("device_negative", "nccl", lambda h: nccl.reduce([lying(get_device=-1)], root=0),
+        ValueError, "reduce: inputs[0].get_device() is -1, expected a CUDA device index (0 to 2147483647)")
+    add("device_negative_reduce_output", "nccl",
+        lambda h: nccl.reduce([fake(4, 0)], lying(get_device=-1), root=0),
+        ValueError, "reduce: output.get_device() is -1, expected a CUDA device index (0 to 2147483647)")
+    add("data_ptr_negative", "nccl", lambda h: nccl.all_reduce([lying(data_ptr=-8)]),
+        ValueError, "all_reduce: inputs[0].data_ptr() is -8, expected an address (0 to 2**64-1)")
+    add("data_ptr_null", "nccl", lambda h: nccl.all_reduce([lying(data_ptr=0)]),
+        ValueError, "all_reduce: inputs[0] has a null data pointer")
+    add("data_ptr_wraps", "nccl", lambda h: nccl.all_reduce([lying(data_ptr=(1 << 64) - 8)]),
+        ValueError, "all_reduce: inputs[0] (16 bytes at 0xfffffffffffffff8) runs past the end of the "
+                    "address space")
+    add("itemsize_negative", "nccl", lambda h: nccl.broadcast([lying(dtype=FreshDtype(-4))]),
+        ValueError, "broadcast: inputs[0].dtype.itemsize is -4, expected 1, 2, 4, 8 or 16")
+    add("itemsize_three", "nccl", lambda h: nccl.broadcast([lying(dtype=FreshDtype(3))]),
+        ValueError, "broadcast: inputs[0].dtype.itemsize is 3, expected 1, 2, 4, 8 or 16")
+    add("numel_raises", "nccl", lambda h: nccl.all_reduce([lying(numel=_raise)]),
+        LookupError, "numel says no")
+
+
+def _raise():
+    raise LookupError("numel says no")
 
 
 CPU_CASES = _cpu_cases()
@@ -354,6 +485,202 @@ def test_refcounts_unchanged_after_overlap_errors(host):
         with pytest.raises(ValueError):
             nccl.all_reduce(outs, ins)
     assert [sys.getrefcount(x) for x in (ins, outs, ins[0], outs[0])] == before
+
+
+def test_refcounts_unchanged_after_hostile_rows():
+    """Issue #15's drop-in rows leave no reference behind: arguments, their
+    items, and the fresh dtype objects (none may be kept alive)."""
+    import gc
+    live_dtypes = lambda: FreshDtype.live  # noqa: E731
+    fresh = lying(dtype=lambda: FreshDtype())
+    cases = [
+        (lambda: nccl.reduce([fresh]), [fresh], RuntimeError),
+        (lambda: nccl.all_reduce([fresh]), [fresh], RuntimeError),
+        (lambda: nccl.all_reduce([lying(numel=-3)]), [], ValueError),
+        (lambda: nccl.all_reduce([lying(numel=HUGE)]), [], ValueError),
+        (lambda: nccl.all_reduce([lying(get_device=1 << 32)]), [], ValueError),
+    ]
+    a, b = fake(4, 0), fake(4, 1)
+    ins, outs = [a, b], [fake(4, 0), fake(3, 1)]
+    cases.append((lambda: nccl.all_reduce(ins, outs), [ins, outs, a, b] + outs, RuntimeError))
+    gc.collect()
+    dtypes_before = live_dtypes()
+    for call, objs, exc in cases:
+        before = [sys.getrefcount(o) for o in objs]
+        for _ in range(20):
+            with pytest.raises(exc):
+                call()
+        assert [sys.getrefcount(o) for o in objs] == before
+    # a list emptied while checked: each item loses just the list's reference
+    x, y = lying(4, 0), fake(3, 1)
+    rx, ry = sys.getrefcount(x), sys.getrefcount(y)
+    lst = [x, y]
+    x._over["numel"] = lambda: (lst.clear(), 4)[1]
+    with pytest.raises(RuntimeError):
+        nccl.all_reduce(lst)
+    assert lst == [] and (sys.getrefcount(x), sys.getrefcount(y)) == (rx, ry)
+    del x._over["numel"]
+    gc.collect()
+    assert live_dtypes() == dtypes_before
+
+
+# ------------------------------------------- CPU tier on the stand-in GPU library
+#
+# Communicator methods and pyccl.nccl with comms= driven through
+# tests/fakegpu/fakegpu.c (a stand-in libnccl/libcudart) under a stub torch,
+# in one child process (tests/_fakegpu.py, scenario bad_input).  Each row's
+# code runs there with the names of tests/_hostile.py and `c`, a fresh
+# untimed 2-rank communicator (rank 0, cuda:0); it sets fn, args (and maybe
+# kw).  The child reports the exception, whether the refcounts of the
+# arguments and of their items are unchanged (an item a row removed from its
+# list loses just that list's reference), and whether correct calls work
+# afterwards (on a fresh communicator, and on c if it is alive).
+
+
+class StandIn(NamedTuple):
+    id: str
+    api: str
+    code: str
+    exc: Any            # exception class name, or None: the call must succeed
+    msg: Any
+
+
+GONE = "the communicator (rank 0 of 2) has been destroyed"
+ABORTED = "the communicator (rank 0 of 2) has been aborted"
+HUGE_F32 = "has 4611686018427387904 elements; times the item size 4 that overflows a 64-bit count"
+HUGE_N = "has 4611686018427387904 elements; times the world size 2 that overflows a 64-bit count"
+DEV = "expected a CUDA device index (0 to 2147483647)"
+STAND_IN_CASES = [
+    # 1. a dtype object that is new on every read
+    StandIn("dtype_fresh-all_reduce", "comm", "fn, args = c.all_reduce, (T(dtype=fresh_dtype()),)",
+            "RuntimeError", "Unconvertible NCCL type FreshDtype"),
+    StandIn("dtype_fresh-broadcast_out", "comm",
+            "fn, args, kw = c.broadcast, (T(dtype=fresh_dtype()), 0), {'out': T(dtype=fresh_dtype(8))}",
+            "TypeError", "broadcast: out has dtype FreshDtype but tensor has FreshDtype"),
+    StandIn("dtype_fresh-moves", "comm", "fn, args = c.broadcast, (T(dtype=fresh_dtype()), 0)", None, None),
+    StandIn("dtype_fresh-comms", "nccl", "fn, args, kw = nccl.broadcast, ([T(dtype=fresh_dtype())],), {'comms': [c]}",
+            None, None),
+    # 2. the list emptied while it is checked (by an item's numel() or __cuda_array_interface__)
+    StandIn("list_cleared-all_gather", "comm",
+            "lst = []\nlst += [T(numel=then(lst.clear, 4)), T(3)]\nfn, args = c.all_gather, (T(), lst)",
+            "ValueError", "all_gather: output[1] has 3 elements, expected 4 (one chunk per rank)"),
+    StandIn("list_cleared_by_cai-reduce_scatter", "comm",
+            "lst = []\nlst += [A(4, on_read=lst.clear), A(3)]\nfn, args = c.reduce_scatter, (lst, T())",
+            "ValueError", "reduce_scatter: input[1] has 3 elements, expected 4 (one chunk per rank)"),
+    StandIn("list_cleared-all_to_all_first", "comm",
+            "lst = []\nlst += [T(numel=then(lst.clear, 4)), T(3)]\nfn, args = c.all_to_all, (lst, T(8))",
+            "ValueError", "all_to_all: input[1] has 3 elements, expected 4 (one chunk per rank)"),
+    StandIn("list_cleared-gather", "comm",
+            "lst = []\nlst += [T(numel=then(lst.clear, 4)), T(3)]\nfn, args = c.gather, (T(), lst, 0)",
+            "ValueError", "gather: outputs[1] has 3 elements, expected 4 (one chunk per rank)"),
+    StandIn("list_cleared-all_reduce_coalesced", "comm",
+            "lst = []\nlst += [T(numel=then(lst.clear, 4)), T(dtype=torch.int32)]\n"
+            "fn, args = c.all_reduce_coalesced, (lst,)",
+            "TypeError", "all_reduce_coalesced: tensors[1] has dtype torch.int32 but tensors[0] has torch.float32"),
+    StandIn("list_cleared-comms", "nccl",
+            "lst = []\nlst += [T(numel=then(lst.clear, 4)), T(3, 1)]\n"
+            "c1 = comm(device=1)\nfn, args, kw = nccl.all_reduce, (lst,), {'comms': [c, c1]}",
+            "RuntimeError", "all inputs must have the same number of elements"),
+    # 3. all_to_all_single: len() raising, lying, or absent (__cuda_array_interface__ only)
+    StandIn("len_raises-all_to_all_single", "comm",
+            "fn, args = c.all_to_all_single, (T(4, len=raising('len')), T(4, len=raising('len')))",
+            "HostileError", "len"),
+    StandIn("len_lies-all_to_all_single", "comm", "fn, args = c.all_to_all_single, (T(6, len=4), T(6))",
+            "ValueError", "all_to_all_single: input has 6 elements, which do not make 4 rows (dim 0) of equal size"),
+    StandIn("cai_only-all_to_all_single", "comm",
+            "fn, args = c.all_to_all_single, (A(4, shape=(2, 2)), A(4, shape=(2, 2)))", None, None),
+    StandIn("cai_only_odd_rows-all_to_all_single", "comm",
+            "fn, args = c.all_to_all_single, (A(3), A(3))",
+            "ValueError", "all_to_all_single: input_splits is None but dim 0 (3) is not a multiple of the world "
+                          "size 2"),
+    # 4. sizes that overflow 64 bits
+    StandIn("cai_shape_2_62-all_reduce", "comm", "fn, args = c.all_reduce, (A(4, shape=(1 << 62,)),)",
+            "ValueError", "all_reduce: tensor " + HUGE_F32),
+    StandIn("numel_2_62-broadcast", "comm", "fn, args = c.broadcast, (T(numel=1 << 62), 0)",
+            "ValueError", "broadcast: tensor " + HUGE_F32),
+    StandIn("world_size_overflow-all_gather", "comm",
+            "fn, args = c.all_gather, (A(4, shape=(1 << 62,), typestr='|i1'), A(4, shape=(1 << 62,), typestr='|i1'))",
+            "ValueError", "all_gather: input " + HUGE_N),
+    StandIn("world_size_overflow-reduce_scatter", "comm",
+            "fn, args = c.reduce_scatter, (A(4, shape=(1 << 62,), typestr='|i1'), "
+            "A(4, shape=(1 << 62,), typestr='|i1'))",
+            "ValueError", "reduce_scatter: output " + HUGE_N),
+    StandIn("world_size_overflow-gather", "comm",
+            "fn, args = c.gather, (A(4, shape=(1 << 62,), typestr='|i1'), A(4, shape=(1 << 62,), typestr='|i1'), 0)",
+            "ValueError", "gather: tensor " + HUGE_N),
+    StandIn("world_size_overflow-scatter", "comm",
+            "fn, args = c.scatter, (A(4, shape=(1 << 62,), typestr='|i1'), A(4, shape=(1 << 62,), typestr='|i1'), 0)",
+            "ValueError", "scatter: tensor " + HUGE_N),
+    # 5. nonsense sizes, devices, pointers, item sizes
+    StandIn("numel_negative-all_reduce", "comm", "fn, args = c.all_reduce, (T(numel=-3),)",
+            "ValueError", "all_reduce: tensor.numel() is -3, expected 0 or more"),
+    StandIn("numel_minus_one-broadcast", "comm", "fn, args = c.broadcast, (T(numel=-1), 0)",
+            "ValueError", "broadcast: tensor.numel() is -1, expected 0 or more"),
+    StandIn("itemsize_negative-broadcast", "comm", "fn, args = c.broadcast, (T(dtype=FreshDtype(-4)), 0)",
+            "ValueError", "broadcast: tensor.dtype.itemsize is -4, expected 1, 2, 4, 8 or 16"),
+    StandIn("device_2_32-all_reduce", "comm", "fn, args = c.all_reduce, (T(get_device=1 << 32),)",
+            "ValueError", "all_reduce: tensor.get_device() is 4294967296, " + DEV),
+    StandIn("device_2_32-comms", "nccl", "fn, args, kw = nccl.all_reduce, ([T(get_device=1 << 32)],), {'comms': [c]}",
+            "ValueError", "all_reduce: inputs[0].get_device() is 4294967296, " + DEV),
+    StandIn("device_out_of_range-clique", "nccl", "fn, args = nccl.all_reduce, ([T(get_device=7)],)",
+            "RuntimeError", "all_reduce: inputs[0] is on cuda:7 but this process has 2 CUDA devices"),
+    StandIn("data_ptr_negative-send", "comm", "fn, args = c.send, (T(data_ptr=-4096), 1)",
+            "ValueError", "send: tensor.data_ptr() is -4096, expected an address (0 to 2**64-1)"),
+    StandIn("data_ptr_null-recv", "comm", "fn, args = c.recv, (T(data_ptr=0), 1)",
+            "ValueError", "recv: tensor has a null data pointer"),
+    # 6. the communicator destroyed or aborted by user code during the checks
+    StandIn("destroyed_by_numel-all_reduce", "comm", "fn, args = c.all_reduce, (T(numel=then(c.destroy, 4)),)",
+            "RuntimeError", "all_reduce: " + GONE),
+    StandIn("destroyed_by_cai-all_gather", "comm",
+            "fn, args = c.all_gather, (A(2), A(4, on_read=c.destroy))", "RuntimeError", "all_gather: " + GONE),
+    StandIn("destroyed_by_stream-broadcast", "comm",
+            "fn, args, kw = c.broadcast, (T(), 0), {'stream': HostileStream(c.destroy)}",
+            "RuntimeError", "broadcast: " + GONE),
+    StandIn("destroyed_by_stream-barrier", "comm", "fn, args, kw = c.barrier, (), {'stream': HostileStream(c.destroy)}",
+            "RuntimeError", "barrier: " + GONE),
+    StandIn("destroyed_by_premul-all_reduce", "comm", "fn, args = c.all_reduce, (T(), HostileOp(c.destroy))",
+            "RuntimeError", "all_reduce: " + GONE),
+    StandIn("aborted_by_numel-reduce_scatter", "comm",
+            "fn, args = c.reduce_scatter, (T(8), T(numel=then(c.abort, 4)))", "RuntimeError", "reduce_scatter: " + ABORTED),
+    StandIn("destroyed_by_numel-comms", "nccl",
+            "fn, args, kw = nccl.all_reduce, ([T(numel=then(c.destroy, 4))],), {'comms': [c]}",
+            "RuntimeError", "all_reduce: " + GONE),
+    StandIn("destroyed_by_stream-comms", "nccl",
+            "fn, args, kw = nccl.broadcast, ([T()],), {'comms': [c], 'streams': [HostileStream(c.destroy)]}",
+            "RuntimeError", "broadcast: " + GONE),
+    StandIn("timed_destroyed_by_numel-all_reduce", "comm",
+            "ct = comm(timeout=5)\nfn, args = ct.all_reduce, (T(numel=then(ct.destroy, 4)),)",
+            "RuntimeError", "all_reduce: " + GONE),
+]
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory):
+    from conftest import build_fakegpu
+    import json
+    import os
+    import subprocess
+    lib = build_fakegpu(tmp_path_factory.mktemp("fakegpu"))
+    if lib is None:
+        pytest.skip("no C compiler to build the stand-in GPU library")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    rows = [{"id": f"{c.api}-{c.id}", "code": c.code} for c in STAND_IN_CASES]
+    r = subprocess.run([sys.executable, os.path.join(here, "_fakegpu.py"), lib, "bad_input"],
+                       input=json.dumps(rows), capture_output=True, text=True, timeout=120, env=env)
+    results = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and results, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return results[0]
+
+
+@pytest.mark.parametrize("case", STAND_IN_CASES, ids=_ids(STAND_IN_CASES))
+def test_stand_in_tier(case, stand_in):
+    got = stand_in[f"{case.api}-{case.id}"]
+    want = None if case.exc is None else [case.exc, case.msg]
+    assert got["exc"] == want
+    assert got["refs_ok"], got["refs"]
+    assert got["usable"] == "ok"
 
 
 # ====================================================================== GPU tier
