@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import _fastar as fa
-from _ranks import run_ranks
+from _ranks import _kill_group, run_ranks
 from conftest import gpu_count, needs_gpus
 
 W = max(2, min(gpu_count(), 8))
@@ -161,15 +161,16 @@ def test_compute_sanitizer_clean(tool, tmp_path):
         ["compute-sanitizer", "--tool", tool, "--error-exitcode", "9", "--target-processes", "all",
          "--report-api-errors", "no",
          sys.executable, os.path.join(HERE, "fastar_child.py"), str(r), "2", uid],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True) for r in range(2)]
     outs = []
     try:
         for p in procs:
             outs.append(p.communicate(timeout=300)[0])
     finally:
-        for p in procs:
+        for p in procs:  # the sanitizer and the python under it: the whole group
             if p.poll() is None:
-                p.kill()
+                _kill_group(p.pid)
                 p.wait(10)
     for r, (p, out) in enumerate(zip(procs, outs)):
         (tmp_path / f"rank{r}.txt").write_text(out)
