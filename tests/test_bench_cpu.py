@@ -18,6 +18,8 @@ import time
 import pytest
 import torch
 
+pytestmark = pytest.mark.bench
+
 BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "pyccl" / "bench"
 try:
     import pyccl.bench  # noqa: F401

@@ -3,8 +3,12 @@ import json
 import os
 import sys
 
+import pytest
+
 from conftest import gpu_count, needs_gpus
 from _ranks import run_bounded
+
+pytestmark = pytest.mark.bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = gpu_count()

@@ -102,3 +102,65 @@ def test_reserved_port_stays_ours_and_lets_the_master_listen():
                 other.bind(("127.0.0.1", port))
         fd = _listen_fd("127.0.0.1", port)  # the rendezvous master is not
         os.close(fd)
+
+
+# ---------------- PYCCL_EXPECT_GPUS (_gpu_tier.py) ----------------
+
+_SKIPPING = '''
+import pytest
+from _gpu_tier import needs_gpus
+
+@pytest.mark.bench
+def test_bench_passes():
+    pass
+
+def test_passes():
+    pass
+
+@needs_gpus(1000)
+def test_needs_more_gpus_than_any_machine():
+    pass
+
+def test_a_missing_tool():
+    pytest.skip("mpirun is not installed")
+
+@pytest.mark.skipif(True, reason="checks the no-GPU message; this machine has a GPU")
+def test_no_gpu_path_only():
+    pass
+'''
+
+
+def _pytest_on(tmp_path, expect):
+    (tmp_path / "test_skips.py").write_text(_SKIPPING)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))
+    env.pop("PYCCL_EXPECT_GPUS", None)
+    if expect is not None:
+        env["PYCCL_EXPECT_GPUS"] = str(expect)
+    return run_bounded([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-c", os.devnull,
+                        "-p", "_gpu_tier", "-W", "ignore::pytest.PytestUnknownMarkWarning",
+                        str(tmp_path / "test_skips.py")], 120, env=env, cwd=str(tmp_path))
+
+
+def test_without_expect_gpus_skips_are_skips(tmp_path):
+    r = _pytest_on(tmp_path, None)
+    assert r.returncode == 0, r.stdout
+    assert "2 passed, 3 skipped" in r.stdout, r.stdout
+    assert "passed: 1 pyccl behaviour, 1 benchmark tool" in r.stdout, r.stdout
+
+
+def test_with_expect_gpus_a_missing_tool_fails(tmp_path):
+    r = _pytest_on(tmp_path, 0)
+    assert r.returncode == 1, r.stdout
+    # needing 1000 GPUs when 0 are expected, and a no-GPU-only check, still skip
+    assert "1 failed, 2 passed, 2 skipped" in r.stdout, r.stdout
+    assert ("_ test_a_missing_tool _" in r.stdout and "PYCCL_EXPECT_GPUS=0: this test would have been "
+            "skipped (Skipped: mpirun is not installed); on this machine that is a failure" in r.stdout), r.stdout
+
+
+def test_expect_gpus_with_broken_cuda_stops_the_session(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: CUDA initialises")
+    r = _pytest_on(tmp_path, 2)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "PYCCL_EXPECT_GPUS=2, but CUDA initialisation failed" in r.stdout + r.stderr
