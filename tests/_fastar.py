@@ -325,10 +325,14 @@ def destroy_collective(comm):
     t = torch.arange(64, dtype=torch.int32, device=dev) + r
     comm.all_reduce(t, algo="oneshot")
     _check(t, sum(torch.arange(64, dtype=torch.int32) + q for q in range(W)), "before destroy")
+    info = comm.all_reduce_info
+    # the region README promises to free: two halves of the buffer plus the LL areas
+    region = 2 * info["buffer_bytes"] + 2 * W * 2 * info["ll_max"]
+    torch.cuda.synchronize()
     before = torch.cuda.mem_get_info(comm.device)[0]
     comm.destroy()
     after = torch.cuda.mem_get_info(comm.device)[0]
-    return before, after
+    return before, after, region
 
 
 def coalesced(comm):

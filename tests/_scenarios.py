@@ -151,7 +151,16 @@ def p2p_and_friends(comm):
     t = torch.full((5,), float(r + 1), device=dev)
     sub.all_reduce(t)
     _check(t, torch.full((5,), float(sum(k + 1 for k in members))), "split")
-    assert comm.split(-1 if r == 0 else 0) is None or r != 0
+    # rank 0 leaves (color -1: None); the others get a communicator of W-1 ranks that works
+    part = comm.split(-1 if r == 0 else 0)
+    if r == 0:
+        assert part is None
+    else:
+        assert (part.size, part.rank) == (W - 1, r - 1)
+        t = torch.full((5,), float(r + 1), device=dev)
+        part.all_reduce(t)
+        _check(t, torch.full((5,), float(sum(k + 1 for k in range(1, W)))), "split without rank 0")
+        part.destroy()
     sub.destroy()
     # stream= with work queued on a side stream
     s = torch.cuda.Stream()

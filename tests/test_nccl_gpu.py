@@ -287,9 +287,20 @@ def test_single_rank_comm_destroy_and_nccl_error():
 
 @needs_gpus(1)
 def test_zero_elements():
-    t = torch.empty(0, device="cuda:0")
-    nccl.all_reduce([t])
-    nccl.broadcast([t])
+    """Zero elements move nothing (the memory around the empty view keeps its bits) and
+    leave nothing half-done: a real call right after gives the exact sum."""
+    n = min(W, 2)
+    bufs = [torch.arange(1, 9, dtype=torch.float32, device=f"cuda:{d}") * (d + 1) for d in range(n)]
+    empty = [b[4:4] for b in bufs]  # zero elements, pointing into the middle of bufs
+    assert nccl.all_reduce(empty) is None
+    assert nccl.broadcast(empty) is None
+    for d in range(n):
+        torch.cuda.synchronize(d)
+        assert same_bits(bufs[d].cpu(), torch.arange(1, 9, dtype=torch.float32) * (d + 1))
+    nccl.all_reduce(bufs)
+    for d in range(n):
+        torch.cuda.synchronize(d)
+        assert same_bits(bufs[d].cpu(), torch.arange(1, 9, dtype=torch.float32) * sum(range(1, n + 1)))
 
 
 # ---------- one process per GPU, comms from init_rank ----------
