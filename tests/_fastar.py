@@ -58,9 +58,25 @@ def exact(comm):
     return checks, comm.all_reduce_info
 
 
+def rank_order_sum(vals, dtype, reverse=False, acc16=False):
+    """What the own kernels promise, on the CPU: float32 accumulation in rank order
+    0..W-1 and one rounding to `dtype` at the end (IEEE adds, so bit for bit).
+    reverse / acc16: the faults (another order; 16-bit types summed in 16 bits)."""
+    order = list(reversed(vals)) if reverse else list(vals)
+    acc = order[0].to(dtype).float()
+    for v in order[1:]:
+        acc = acc + v.to(dtype).float()
+        if acc16:
+            acc = acc.to(dtype).float()
+    return acc.to(dtype)
+
+
 def random_data(comm):
-    """Random normal data against a float64 reference, and every rank holds the same
-    bits (fixed accumulation order)."""
+    """Random normal data, bit for bit against the promised sum (rank_order_sum), and every
+    rank holds the same bits (fixed accumulation order).  At 2 ranks that is the correctly
+    rounded a+b: it catches a wrong element, a skipped tail, a wrong rounding (_rz for _rn),
+    any precision lost in between; it cannot see the rank order nor 16-bit accumulation
+    (a+b rounded once either way): order_and_accumulation does, at 3+ ranks."""
     W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
     out = {}
@@ -75,6 +91,11 @@ def random_data(comm):
                 got = t.to(torch.float64).cpu()
                 err = ((got - want).abs() / (want.abs() + 1)).max().item()
                 assert err <= rtol, (dtype, algo, count, err)
+                exact = rank_order_sum(vals, dtype)
+                wrong = (t.cpu().view(torch.int16 if dtype.itemsize == 2 else torch.int32)
+                         != exact.view(torch.int16 if dtype.itemsize == 2 else torch.int32))
+                assert not wrong.any(), (dtype, algo, count, "not the rank-order float32 sum at",
+                                         wrong.nonzero().flatten()[:5].tolist())
                 # all ranks' results, bit for bit
                 allr = torch.empty(W * count, dtype=dtype, device=dev)
                 comm.all_gather(t, allr)
@@ -84,6 +105,45 @@ def random_data(comm):
                 assert all(torch.equal(rows[0], rows[k]) for k in range(W)), (dtype, algo, count)
                 out[(str(dtype), algo, count)] = err
     return out
+
+
+def _order_data(W, count, dtype):
+    """Per-rank data whose sum tells the rank order and the accumulator apart (3+ ranks).
+    float32: rank 0 holds s, the others s*2^-24: in rank order every add ties back to s;
+    from the other end the small ones add up first and survive.  16-bit types: rank 0
+    holds 256s (bf16) / 2048s (fp16), the others s: float32 keeps (W-1)s, a 16-bit
+    running sum rounds each +s away (ties to even).  s varies over 2^-4..2^3."""
+    s = torch.pow(2.0, (torch.arange(count) % 8 - 4).double())
+    big, small = {torch.float32: (s, s * 2.0 ** -24), torch.bfloat16: (256 * s, s),
+                  torch.float16: (2048 * s, s)}[dtype]
+    return [big if k == 0 else small for k in range(W)]
+
+
+def order_and_accumulation(comm):
+    """3+ ranks: one-shot (LL and not) and two-shot sums are bitwise the rank-order
+    float32 sum, which the data makes differ from the reversed order and from 16-bit
+    accumulation; every rank holds the same bits."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    assert W >= 3
+    checks = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for count in (1003, 100003):  # below and above the LL limit, with a tail
+            vals = _order_data(W, count, dtype)
+            want = rank_order_sum(vals, dtype)
+            if dtype == torch.float32:
+                assert not same_bits(want, rank_order_sum(vals, dtype, reverse=True))
+            else:
+                assert not same_bits(want, rank_order_sum(vals, dtype, acc16=True))
+            for algo in ALGOS:
+                t = vals[r].to(dtype).to(dev)
+                comm.all_reduce(t, algo=algo)
+                _check(t, want, "rank order / float32 accumulation", dtype, algo, count)
+                allr = torch.empty(W * count, dtype=dtype, device=dev)
+                comm.all_gather(t, allr)
+                rows = allr.view(W, count)
+                _check(rows, want.view(1, count).expand(W, count), "same bits on every rank", dtype, algo)
+                checks += 1
+    return checks
 
 
 def many_calls(comm, n=10000):

@@ -43,6 +43,15 @@ def test_random_data_float64_reference_and_same_bits_everywhere():
     assert len(res[0]) == 3 * 2 * 3
 
 
+@needs_gpus(3)
+@needs_kernels
+def test_rank_order_and_float32_accumulation_bitwise():
+    # At 2 ranks a+b is rounded once whatever the order or the accumulator: only 3+
+    # ranks can show a reversed rank order or 16-bit accumulation.
+    res = run_ranks(fa.order_and_accumulation, W)
+    assert all(n == 12 for n in res.values()), res
+
+
 @needs_gpus(2)
 @needs_kernels
 @pytest.mark.parametrize("ll_max", ["default", "0"])
