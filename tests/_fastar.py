@@ -146,6 +146,38 @@ def order_and_accumulation(comm):
     return checks
 
 
+SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: about 0.1 s at 2 GHz
+
+
+def two_streams(comm):
+    """Own-kernel calls on two streams, no user sync between: the second must wait for the
+    first (fastar.c's order event).  Rank 0's first call is held ~0.1 s behind a sleep on
+    its stream, so without that wait its second call would run first and meet the peers'
+    first call (the epoch is read on the GPU): both results would mix x with y."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    comm.all_reduce(torch.ones(16, device=dev), algo="oneshot")  # set-up
+    torch.cuda.synchronize()
+    checks = 0
+    for count in (1000, 100003):  # LL one-shot and the copy-in one
+        x = torch.arange(count, dtype=torch.float32, device=dev) + r
+        y = torch.arange(count, dtype=torch.float32, device=dev) * -3 - 7 * r
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        a.wait_stream(torch.cuda.current_stream())
+        b.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(a):
+            if r == 0:
+                torch.cuda._sleep(SLEEP_CYCLES)
+            comm.all_reduce(x, algo="oneshot")
+        with torch.cuda.stream(b):
+            comm.all_reduce(y, algo="oneshot")
+        torch.cuda.synchronize()
+        base = torch.arange(count, dtype=torch.float32)
+        _check(x, sum(base + q for q in range(W)), "first call (stream a)", count)
+        _check(y, sum(base * -3 - 7 * q for q in range(W)), "second call (stream b)", count)
+        checks += 1
+    return checks
+
+
 def many_calls(comm, n=10000):
     """n back-to-back calls (no sync in between) with the epoch counters set just below
     2^32, so they wrap around in the middle; every result checked at the end."""

@@ -16,6 +16,10 @@ OPS = [SUM, PROD, MAX, MIN, AVG]
 COUNTS = [1, 7, 1023, (1 << 20) + 3]
 
 
+# torch.cuda._sleep cycles queued ahead of work another stream must wait for: about 0.1 s
+# at 2 GHz, long past any launch latency, so a missing wait shows as a wrong result.
+SLEEP_CYCLES = 200_000_000
+
 def _t(values, dtype, dev):
     return to_dtype(values, dtype).to(dev)
 
@@ -162,13 +166,22 @@ def p2p_and_friends(comm):
         _check(t, torch.full((5,), float(sum(k + 1 for k in range(1, W)))), "split without rank 0")
         part.destroy()
     sub.destroy()
-    # stream= with work queued on a side stream
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        t = torch.arange(4096, device=dev, dtype=torch.float32) * (r + 1)
-    comm.all_reduce(t, stream=s)
-    s.synchronize()
-    assert torch.equal(t.cpu(), torch.arange(4096, dtype=torch.float32) * sum(range(1, W + 1)))
+    # stream= and the current stream: the input is written on a side stream behind a
+    # ~0.1 s sleep, so a call enqueued on any other stream reads it unwritten (zeros)
+    want = torch.arange(4096, dtype=torch.float32) * sum(range(1, W + 1))
+    for how in ("stream=", "current stream"):
+        s = torch.cuda.Stream()
+        t = torch.zeros(4096, device=dev)
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            t.copy_(torch.arange(4096, device=dev, dtype=torch.float32) * (r + 1))
+            if how == "current stream":
+                comm.all_reduce(t)
+        if how == "stream=":
+            comm.all_reduce(t, stream=s)
+        s.synchronize()
+        assert torch.equal(t.cpu(), want), (how, t[:4])
     # zero elements
     comm.all_reduce(torch.empty(0, device=dev))
     comm.all_gather(torch.empty(0, device=dev), torch.empty(0, device=dev))

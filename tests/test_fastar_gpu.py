@@ -87,12 +87,23 @@ def test_cuda_graph_capture_and_replay():
 
 @needs_gpus(2)
 @needs_kernels
-@pytest.mark.parametrize("pdl", ["default", "0"])
+def test_a_call_on_another_stream_waits_for_the_previous_one():
+    res = run_ranks(fa.two_streams, W)
+    assert all(n == 2 for n in res.values()), res
+
+
+@needs_gpus(2)
+@needs_kernels
+@pytest.mark.parametrize("pdl", ["default", "0", "default-skewed"])
 def test_chained_calls_read_what_the_call_before_wrote(pdl):
-    # default: programmatic dependent launch wherever the GPU has it (compute capability 9.0+)
-    env = {} if pdl == "default" else {"PYCCL_AR_PDL": pdl}
+    # default: programmatic dependent launch wherever the GPU has it (compute capability 9.0+).
+    # skewed: block b of every call starts b * 20 us late, after launch_dependents, so the
+    # next call is resident long before this one ends: without griddepcontrol.wait it reads
+    # this call's epoch counter and input unwritten, every time rather than by chance.
+    env = {"default": {}, "0": {"PYCCL_AR_PDL": "0"},
+           "default-skewed": {"PYCCL_AR_DEBUG_SKEW_NS": "20000"}}[pdl]
     res = run_ranks(fa.chained, W, env=env)
-    want_pdl = pdl == "default" and torch.cuda.get_device_capability(0)[0] >= 9
+    want_pdl = pdl != "0" and torch.cuda.get_device_capability(0)[0] >= 9
     for r in range(W):
         info, checks = res[r]
         assert checks == 4 and info["state"] == "ready", info
