@@ -154,6 +154,11 @@ def init_then_collectives():
     assert get("events_live") == 0, get("events_live")
     assert c.destroyed and c.timeout == 5.0
     c.destroy()  # idempotent
+    # wait() reads its timeout first, then must still refuse a destroyed communicator
+    for args in ((), (1.0,)):
+        _, err = timed(lambda: c.wait(*args))
+        assert type(err) is RuntimeError and str(err) == \
+            "wait: the communicator (rank 0 of 2) has been destroyed", repr(err)
     clean()
     return "ok"
 
@@ -181,12 +186,15 @@ def collective_timeout():
         c.all_reduce(a)
     c.wait()
     put("peer_dead", 1)
+    t0 = time.monotonic()
     c.all_reduce(a)
     dt, err = timed(c.wait)
+    since_call = time.monotonic() - t0
     assert type(err) is pyccl.NcclTimeoutError, repr(err)
     assert str(err) == ("wait: all_reduce: rank 0 of 2 timed out after 0.5 s waiting for its peers; "
                         "the communicator was aborted"), str(err)
     assert dt < 0.5 + 0.5, dt
+    assert since_call >= 0.5, f"gave up {since_call:.3f} s after the call, before its 0.5 s timeout"
     assert get("aborts") == 1 and get("events_live") == 0
     # the next call raises the same, and the communicator is unusable
     dt2, err = timed(lambda: c.all_reduce(a))
@@ -215,9 +223,13 @@ def watchdog_alone():
     c.all_reduce(Array([1.0]))
     c.wait()
     put("peer_dead", 1)
+    t0 = time.monotonic()
     c.all_reduce(Array([1.0]))
-    time.sleep(1.0)
+    while get("aborts") == 0 and time.monotonic() - t0 < 1.0:
+        time.sleep(0.002)
+    fired = time.monotonic() - t0
     assert get("aborts") == 1, "the watchdog did not abort"
+    assert 0.3 <= fired < 1.0, f"the watchdog aborted {fired:.3f} s after the call; the timeout is 0.3 s"
     assert get("capture_mode_calls") >= 1, "watchdog thread not in relaxed capture mode"
     e = c.get_async_error()
     assert type(e) is pyccl.NcclTimeoutError, repr(e)
