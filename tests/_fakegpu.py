@@ -623,6 +623,52 @@ def exit_with_stuck_work():
     return "exiting"
 
 
+def lifecycle():
+    """What README promises about a communicator's life: destroyed on garbage collection
+    (timed and untimed), closed by `with`, and create/use/destroy repeated in one process
+    leaves nothing behind (events, NCCL communicators, watchdog threads)."""
+    import gc
+    counts = lambda: (get("finalizes") + get("aborts"), get("destroys") + get("aborts"))  # noqa: E731
+    for timeout in (None, 5.0):
+        before = counts()
+        c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=timeout)
+        a = Array([1.0, 2.0])
+        c.all_reduce(a)
+        c.wait()
+        del c
+        gc.collect()
+        after = counts()
+        assert after[1] == before[1] + 1, ("not released on garbage collection", timeout, before, after)
+    assert get("events_live") == 0, get("events_live")
+    with new(timeout=5) as c:
+        a = Array([1, 2, 3])
+        c.all_reduce(a)
+        c.wait()
+        assert not c.destroyed
+    assert c.destroyed and a.tolist() == [2, 4, 6], a.tolist()
+    # the body raising: the communicator is still destroyed, the exception goes through
+    try:
+        with new(timeout=5) as c2:
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    assert c2.destroyed
+    threads = threading.active_count()
+    base = counts()
+    for k in range(50):
+        c = new(timeout=5) if k % 2 else pyccl.Communicator(2, pyccl.unique_id(), 0)
+        a = Array([k, 1])
+        c.all_reduce(a)
+        c.wait()
+        assert a.tolist() == [2 * k, 2], (k, a.tolist())
+        c.destroy()
+    assert counts()[1] == base[1] + 50, (base, counts())
+    assert get("events_live") == 0, get("events_live")
+    assert threading.active_count() <= threads, "a thread per communicator was left running"
+    clean()
+    return "ok"
+
+
 if __name__ == "__main__":
     result = globals()[SCENARIO]()
     print("RESULT " + json.dumps(result), flush=True)

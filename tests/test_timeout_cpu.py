@@ -152,6 +152,7 @@ def run_fake(lib, scenario, timeout=60):
     "threads_share_comm",      # four threads on one communicator: never two inside NCCL
     "second_device_only",      # the watchdog makes no CUDA context on a device the rank does not use
     "launch_queue_full",       # a launch blocked behind the stuck kernel: aborted after timeout + 1 s
+    "lifecycle",               # destroyed on GC and by `with`; 50 create/use/destroy leave nothing
 ])
 def test_fake_gpu(fakegpu, scenario):
     run_fake(fakegpu, scenario)
