@@ -326,3 +326,51 @@ def timed_graph_capture(rank, world, uid):
     assert torch.equal(x.cpu(), torch.full((1024,), total * world))
     comm.destroy()
     return "ok"
+
+
+def more_dtypes_and_split_key(comm):
+    """uint32/uint64 (and a 16-bit, an 8-bit, a 64-bit float type) through all_reduce, the
+    send/recv ring, all_to_all_single, gather and scatter at three sizes, bitwise; then
+    split(key=) reversing the ranks, checked through the order of an all_gather."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    dtypes = [getattr(torch, n) for n in ("uint32", "uint64") if hasattr(torch, n)]
+    dtypes += [torch.bfloat16, torch.int8, torch.float64]
+    checks = 0
+    for dtype in dtypes:
+        for count in (1, 1023, (1 << 16) + 3):
+            vals = [rank_values(k, W * count, dtype, SUM, W) for k in range(W)]
+            mine = _t(vals[r], dtype, dev)
+            t = mine.clone()
+            comm.all_reduce(t)
+            _check(t, to_dtype(reduce_ref(vals, SUM, dtype), dtype), "all_reduce", dtype, count)
+            got = torch.empty_like(mine)
+            with pyccl.group():
+                comm.send(mine, (r + 1) % W)
+                comm.recv(got, (r - 1) % W)
+            _check(got, to_dtype(vals[(r - 1) % W], dtype), "ring", dtype, count)
+            out = torch.empty_like(mine)
+            comm.all_to_all_single(mine, out)
+            for k in range(W):  # chunk k of the output is rank k's chunk r
+                _check(out[k * count:(k + 1) * count],
+                       to_dtype(vals[k][r * count:(r + 1) * count], dtype), "all_to_all_single", dtype, count, k)
+            root = count % W
+            part = mine[:count].contiguous()
+            outs = [torch.empty_like(part) for _ in range(W)] if r == root else None
+            comm.gather(part, outs, root)
+            if r == root:
+                for k in range(W):
+                    _check(outs[k], to_dtype(vals[k][:count], dtype), "gather", dtype, count, k)
+            recv = torch.empty_like(part)
+            ins = list(mine.chunk(W)) if r == root else None
+            comm.scatter(ins, recv, root)
+            _check(recv, to_dtype(vals[root][r * count:(r + 1) * count], dtype), "scatter", dtype, count)
+            checks += 1
+    rev = comm.split(0, key=W - 1 - r)
+    assert (rev.rank, rev.size) == (W - 1 - r, W), (rev.rank, rev.size)
+    x = torch.full((3,), float(r), device=dev)
+    allx = torch.empty(3 * W, device=dev)
+    rev.all_gather(x, allx)
+    # slot j holds new rank j, which is old rank W-1-j
+    _check(allx, torch.tensor([float(W - 1 - j) for j in range(W) for _ in range(3)]), "split key order")
+    rev.destroy()
+    return checks

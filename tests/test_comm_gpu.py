@@ -33,6 +33,12 @@ def test_p2p_all_to_all_gather_scatter_premul_split():
 
 
 @needs_gpus(2)
+def test_more_dtypes_every_data_movement_and_split_key():
+    res = run_ranks(sc.more_dtypes_and_split_key, W)
+    assert all(n >= 9 for n in res.values()), res
+
+
+@needs_gpus(2)
 def test_cupy_arrays():
     pytest.importorskip("cupy")
     res = run_ranks(sc.cupy_arrays, W)

@@ -190,8 +190,10 @@ def test_fake_exit_aborts_unfinished_work(fakegpu):
 def test_fake_sigint_interrupts_wait(fakegpu):
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    # SIGINT live in the child even when this runs from a background job (which ignores it)
     p = subprocess.Popen([sys.executable, os.path.join(HERE, "_fakegpu.py"), fakegpu, "sigint_in_wait"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         t0 = time.monotonic()
         line = ""

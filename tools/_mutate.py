@@ -113,9 +113,14 @@ def apply(fault, root):
     return None
 
 
+def _child_signals():
+    # started from a background job, SIGINT arrives ignored: the ^C tests need it live
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def bounded(cmd, cwd, timeout, env):
     p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
+                         text=True, start_new_session=True, preexec_fn=_child_signals)
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
