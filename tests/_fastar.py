@@ -3,6 +3,7 @@
 Each returns what the parent asserts on as well; the bitwise checks happen here, in the rank.
 """
 import os
+import time
 
 import torch
 
@@ -451,3 +452,30 @@ def coalesced(comm):
             msgs.append(str(e))
     comm.all_reduce_coalesced([])  # nothing to do
     return msgs
+
+
+def own_give_up(comm, flag):
+    """Run with PYCCL_AR_TIMEOUT=3 on a communicator without a timeout: rank 0 calls a
+    one-shot all_reduce its peer never joins; its kernel gives up (README: after
+    PYCCL_AR_TIMEOUT seconds) instead of spinning forever.  Rank 1 waits for `flag`."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    t = torch.ones(64, device=dev)
+    comm.all_reduce(t, algo="oneshot")  # set-up, every rank
+    torch.cuda.synchronize()
+    comm.barrier()
+    torch.cuda.synchronize()
+    if r != 0:
+        t0 = time.monotonic()
+        while not os.path.exists(flag) and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
+        return None, None
+    t0 = time.monotonic()
+    err = None
+    try:
+        comm.all_reduce(t, algo="oneshot")
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        err = f"{type(e).__name__}: {e}"
+    dt = time.monotonic() - t0
+    open(flag, "w").write("done")
+    return dt, err

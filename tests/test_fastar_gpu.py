@@ -203,3 +203,19 @@ def test_compute_sanitizer_clean(tool, tmp_path):
         # API errors are NCCL's own probing of kernel images (cudaFuncGetAttributes at init);
         # what counts here is device-side memory and shared-memory race reports
         assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out[-3000:]
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_few_blocks_and_threads_still_bitwise():
+    # non-default PYCCL_AR_BLOCKS / PYCCL_AR_THREADS: more vectors per thread, other strides
+    res = run_ranks(fa.random_data, W, env={"PYCCL_AR_BLOCKS": "3", "PYCCL_AR_THREADS": "96"})
+    assert len(res[0]) == 3 * 2 * 3
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_own_kernel_gives_up_after_pyccl_ar_timeout(tmp_path):
+    res = run_ranks(fa.own_give_up, 2, str(tmp_path / "flag"), env={"PYCCL_AR_TIMEOUT": "3"}, timeout=180)
+    dt, err = res[0]
+    assert 2.5 <= dt <= 15, (dt, err)

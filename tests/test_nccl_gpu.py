@@ -377,3 +377,31 @@ def test_multiprocess_init_rank_all_collectives():
             assert same_bits(got["reduce"], vals[r].float())
         assert same_bits(got["all_gather"], torch.cat(vals).float())
         assert same_bits(got["reduce_scatter"], full[r * count:(r + 1) * count])
+
+
+@needs_gpus(1)
+def test_error_texts_match_torch_cuda_nccl():
+    """The drop-in fails the way torch.cuda.nccl does: same exception type, same text,
+    asked of torch itself rather than copied into the test."""
+    import torch.cuda.nccl as tn
+    t = torch.arange(4, dtype=torch.float32, device="cuda:0")
+    cases = {
+        "not a sequence": lambda m: m.all_reduce(t),
+        "not a tensor": lambda m: m.all_reduce([t, 5]),
+        "empty": lambda m: m.all_reduce([]),
+        "cpu tensor": lambda m: m.all_reduce([torch.ones(4)]),
+        "outputs length": lambda m: m.all_reduce([t], [t, t]),
+        "non-contiguous": lambda m: m.broadcast([torch.ones(4, 4, device="cuda:0").t()]),
+    }
+    for name, call in cases.items():
+        got = want = None
+        try:
+            call(tn)
+        except Exception as e:  # noqa: BLE001 - compared below
+            want = (type(e), str(e))
+        try:
+            call(nccl)
+        except Exception as e:  # noqa: BLE001
+            got = (type(e), str(e))
+        assert want is not None, f"{name}: torch.cuda.nccl accepted it"
+        assert got is not None and issubclass(got[0], want[0]) and got[1] == want[1], (name, got, want)
