@@ -433,16 +433,22 @@ def coalesced(comm):
     own kernels and NCCL, bitwise; errors name the argument."""
     W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
     sizes = [1, 3, 17, 100, 1000, 4097, 2, 555] * 6
-    for dtype in (torch.float32, torch.bfloat16, torch.int32):
-        for algo in (None, "nccl", "twoshot"):
-            vals = [[rank_values(k + 3 * i, n, dtype, SUM, W) for i, n in enumerate(sizes)]
-                    for k in range(W)]
-            ts = [to_dtype(v, dtype).to(dev) for v in vals[r]]
-            ts[5] = ts[5].view(17, 241)  # any shape, contiguous
+    cases = [(dtype, algo, SUM) for dtype in (torch.float32, torch.bfloat16, torch.int32)
+             for algo in (None, "nccl", "twoshot")]
+    cases += [(dtype, algo, op) for dtype in (torch.float32, torch.bfloat16)  # own kernels' MAX/MIN
+              for algo in ("oneshot", "twoshot") for op in (MAX, MIN)]
+    for dtype, algo, op in cases:
+        vals = [[rank_values(k + 3 * i, n, dtype, op, W) for i, n in enumerate(sizes)]
+                for k in range(W)]
+        ts = [to_dtype(v, dtype).to(dev) for v in vals[r]]
+        ts[5] = ts[5].view(17, 241)  # any shape, contiguous
+        if op == SUM:
             comm.all_reduce_coalesced(ts, algo=algo)
-            for i, t in enumerate(ts):
-                want = reduce_ref([vals[k][i] for k in range(W)], SUM, dtype)
-                _check(t.flatten(), want, "coalesced", dtype, algo, i)
+        else:
+            comm.all_reduce_coalesced(ts, op, algo=algo)
+        for i, t in enumerate(ts):
+            want = reduce_ref([vals[k][i] for k in range(W)], op, dtype)
+            _check(t.flatten(), want, "coalesced", dtype, algo, OP_NAMES[op], i)
     t = torch.ones(4, device=dev)
     msgs = []
     for bad, exc in (([t, t.double()], TypeError), (t, TypeError), ([t, 5], TypeError)):

@@ -374,3 +374,31 @@ def more_dtypes_and_split_key(comm):
     _check(allx, torch.tensor([float(W - 1 - j) for j in range(W) for _ in range(3)]), "split key order")
     rev.destroy()
     return checks
+
+
+def nccl_graph_capture(comm):
+    """NCCL's path (algo="nccl", and all_gather, which is always NCCL's) captured in a CUDA
+    graph: each replay reduces the inputs of that moment."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    x = torch.zeros(4099, device=dev)
+    src = torch.zeros(33, device=dev)
+    y = torch.zeros(W * 33, device=dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch asks before capture
+        comm.all_reduce(x, algo="nccl")
+        comm.all_gather(src, y)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        comm.all_reduce(x, algo="nccl")
+        comm.all_gather(src, y)
+    base = torch.arange(4099, dtype=torch.float32)
+    for k in range(3):
+        x.copy_(base * (k + 1) + r)
+        src.fill_(10 * r + k)
+        g.replay()
+        _check(x, sum(base * (k + 1) + q for q in range(W)), "replay all_reduce", k)
+        _check(y, torch.tensor([float(10 * q + k) for q in range(W) for _ in range(33)]), "replay all_gather", k)
+    return 3

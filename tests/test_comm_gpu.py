@@ -39,6 +39,12 @@ def test_more_dtypes_every_data_movement_and_split_key():
 
 
 @needs_gpus(2)
+def test_nccl_path_under_graph_capture():
+    res = run_ranks(sc.nccl_graph_capture, W)
+    assert all(n == 3 for n in res.values()), res
+
+
+@needs_gpus(2)
 def test_cupy_arrays():
     pytest.importorskip("cupy")
     res = run_ranks(sc.cupy_arrays, W)
