@@ -65,7 +65,7 @@ FAULTS = [
         tests=["tests/test_timeout_cpu.py"]),
     dict(name="leak the peer buffer on destroy", tier="gpu", file="csrc/fastar.c", edits=[(
         "            if (free_base) {\n                a->cudaFree(base);\n            }\n",
-        "            (void)free_base;\n")],
+        "            (void)free_base;\n            (void)base; /* MUTANT: never freed */\n")],
         tests=["tests/test_fastar_gpu.py", "-k", "destroy_after"]),
     dict(name="watchdog fires at half the timeout", tier="cpu", file="csrc/watchdog.c", edits=[(
         "    if (w->nq > 0 && now - w->q[0].t > w->timeout) {\n",
