@@ -143,7 +143,7 @@ def build(root, env, gpu):
 
 def run_tests(root, tests, env, timeout):
     e = dict(env, PYTHONPATH=root)
-    return bounded([sys.executable, "-m", "pytest", "-q", "-rs", "-x", "-p", "no:cacheprovider", *tests],
+    return bounded([sys.executable, "-m", "pytest", "-q", "-rfEs", "-x", "-p", "no:cacheprovider", *tests],
                    root, timeout, e)
 
 
@@ -225,6 +225,10 @@ def main():
         rc, out = run_tests(work, f["tests"], env, args.timeout)
         v = verdict(rc, out)
         last = out.strip().splitlines()[-1] if out.strip() else ""
+        failed = [l.split(" - ")[0].split("::", 1)[-1] for l in out.splitlines()
+                  if l.startswith(("FAILED ", "ERROR "))]
+        if failed:
+            last = f"{last}; first failure {failed[0]}"
         rows.append((f, v, f"{last} ({time.monotonic() - t0:.0f} s)"))
         print(f"[{f['name']}] {v}: {last}", flush=True)
         if not args.keep:
