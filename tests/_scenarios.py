@@ -4,6 +4,8 @@ Every rank can compute every other rank's data (rank_values is a function of
 rank and index), so each rank checks its own results bitwise.
 """
 import os
+import threading
+import time
 
 import torch
 
@@ -402,3 +404,30 @@ def nccl_graph_capture(comm):
         _check(x, sum(base * (k + 1) + q for q in range(W)), "replay all_reduce", k)
         _check(y, torch.tensor([float(10 * q + k) for q in range(W) for _ in range(33)]), "replay all_gather", k)
     return 3
+
+
+def abort_untimed_from_thread(comm, flag):
+    """A communicator without a timeout: rank 0 waits on an all_reduce its peer never
+    joins; comm.abort() from another thread is the way out (README, "On failure")."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    t = torch.ones(1 << 16, device=dev)
+    comm.all_reduce(t, algo="nccl")  # every rank: connected
+    torch.cuda.synchronize()
+    if r != 0:
+        t0 = time.monotonic()
+        while not os.path.exists(flag) and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
+        return None
+    assert comm.timeout is None
+    comm.all_reduce(t, algo="nccl")
+    threading.Timer(1.0, comm.abort).start()
+    t0 = time.monotonic()
+    err = None
+    try:
+        comm.wait()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        err = f"{type(e).__name__}: {e}"
+    dt = time.monotonic() - t0
+    destroyed = comm.destroyed
+    open(flag, "w").write("done")
+    return dt, err, destroyed

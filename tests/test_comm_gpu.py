@@ -159,3 +159,10 @@ def test_example_runs(path):
     out = run_bounded(cmd, 300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "OK" in out.stdout, out.stdout[-3000:]
+
+
+@needs_gpus(2)
+def test_abort_from_another_thread_ends_an_untimed_wait(tmp_path):
+    res = run_ranks(sc.abort_untimed_from_thread, 2, str(tmp_path / "flag"), timeout=180)
+    dt, err, destroyed = res[0]
+    assert 0.9 <= dt < 20 and destroyed, (dt, err, destroyed)

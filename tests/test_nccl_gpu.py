@@ -405,3 +405,30 @@ def test_error_texts_match_torch_cuda_nccl():
             got = (type(e), str(e))
         assert want is not None, f"{name}: torch.cuda.nccl accepted it"
         assert got is not None and issubclass(got[0], want[0]) and got[1] == want[1], (name, got, want)
+
+
+@needs_gpus(2)
+def test_drop_in_from_several_threads():
+    """comms=None calls from several threads at once are serialized (README): each
+    thread's results are its own, exactly, and nothing hangs."""
+    errors = []
+
+    def work(k):
+        try:
+            for i in range(20):
+                ts = [torch.full((1001,), float(100 * k + i + d), device=f"cuda:{d}") for d in range(2)]
+                nccl.all_reduce(ts)
+                for d in range(2):
+                    torch.cuda.synchronize(d)
+                want = torch.full((1001,), float(sum(100 * k + i + d for d in range(2))))
+                assert all(same_bits(t.cpu(), want) for t in ts), (k, i)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {k}: {e!r}")
+
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in threads), "a thread is still inside pyccl after 120 s"
+    assert not errors, errors
