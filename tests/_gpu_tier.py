@@ -13,8 +13,10 @@ sets it from nvidia-smi).  With it:
 Without it, a CUDA initialisation error still shows in every "needs N GPUs"
 skip reason.
 """
+import faulthandler
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -83,6 +85,27 @@ def pytest_runtest_makereport(item, call):
         rep.outcome = "failed"
         rep.longrepr = (f"PYCCL_EXPECT_GPUS={expect}: this test would have been skipped "
                         f"({reason}); on this machine that is a failure")
+
+
+@pytest.fixture(autouse=True)
+def bounded_in_process(request):
+    """In-process tests (a GPU call that never returns) get a limit too: without
+    pytest-timeout's --timeout, faulthandler dumps every thread's stack and ends pytest
+    after PYCCL_TEST_LIMIT_S (900 s; the longest multi-process test allows itself 420 s)."""
+    if getattr(request.config.option, "timeout", None):
+        yield
+        return
+    try:  # the stderr pytest's own faulthandler writes to (fd 2 itself is captured)
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+        out = request.config.stash[fault_handler_stderr_fd_key]
+    except (ImportError, KeyError):
+        out = sys.__stderr__
+    faulthandler.dump_traceback_later(float(os.environ.get("PYCCL_TEST_LIMIT_S", "900")), exit=True,
+                                      file=out)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 # gpu_count/needs_gpus: tests import them from here; the hooks take effect by being named here
-from _gpu_tier import (gpu_count, needs_gpus, pytest_runtest_makereport,  # noqa: F401
-                       pytest_sessionstart, pytest_terminal_summary)
+from _gpu_tier import (bounded_in_process, gpu_count, needs_gpus,  # noqa: F401
+                       pytest_runtest_makereport, pytest_sessionstart, pytest_terminal_summary)
 
 
 class FakeCuda(torch.Tensor):

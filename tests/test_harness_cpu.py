@@ -164,3 +164,14 @@ def test_expect_gpus_with_broken_cuda_stops_the_session(tmp_path):
     r = _pytest_on(tmp_path, 2)
     assert r.returncode == 3, r.stdout + r.stderr
     assert "PYCCL_EXPECT_GPUS=2, but CUDA initialisation failed" in r.stdout + r.stderr
+
+
+def test_an_in_process_hang_ends_pytest_with_stacks(tmp_path):
+    (tmp_path / "test_hang.py").write_text("import time\n\ndef test_hangs():\n    time.sleep(60)\n")
+    (tmp_path / "conftest.py").write_text("from _gpu_tier import bounded_in_process  # noqa: F401\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__)), PYCCL_TEST_LIMIT_S="2")
+    t0 = time.monotonic()
+    r = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull,
+                     "--rootdir", str(tmp_path), str(tmp_path / "test_hang.py")], 50, env=env, cwd=str(tmp_path))
+    assert time.monotonic() - t0 < 40
+    assert r.returncode != 0 and "Timeout" in r.stderr and "test_hangs" in r.stderr, (r.returncode, r.stderr[-2000:])

@@ -110,3 +110,17 @@ def test_process_usable_after_errors():
     assert len(nccl.unique_id()) == 128
     code = _library_version_code()
     assert nccl.version()[:3] == (code // 10000, code // 100 % 100, code % 100)
+
+
+def test_sequence_type_error_is_torchs_own_text():
+    """Where torch.cuda.nccl's check is plain Python (no GPU needed), the drop-in raises
+    the same type and text, asked of torch rather than copied here."""
+    import torch.cuda.nccl as tn
+    for bad in (torch.ones(3), 5):
+        for name in tn.__all__:
+            extra = ([fake(3)],) if name in ("all_gather", "reduce_scatter") else ()
+            with pytest.raises(Exception) as want:
+                getattr(tn, name)(bad, *extra)
+            with pytest.raises(Exception) as got:
+                getattr(nccl, name)(bad, *extra)
+            assert (type(got.value), str(got.value)) == (type(want.value), str(want.value)), (name, bad)
