@@ -128,7 +128,7 @@ def order_and_accumulation(comm):
     assert W >= 3
     checks = 0
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for count in (1003, 100003):  # below and above the LL limit, with a tail
+        for count in (1003, 200003):  # below and above the LL limit (256 KiB) in every dtype, tails
             vals = _order_data(W, count, dtype)
             want = rank_order_sum(vals, dtype)
             if dtype == torch.float32:
@@ -464,7 +464,7 @@ def own_give_up(comm, flag):
     """Run with PYCCL_AR_TIMEOUT=3 on a communicator without a timeout: rank 0 calls a
     one-shot all_reduce its peer never joins; its kernel gives up (README: after
     PYCCL_AR_TIMEOUT seconds) instead of spinning forever.  Rank 1 waits for `flag`."""
-    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    r, dev = comm.rank, f"cuda:{comm.device}"
     t = torch.ones(64, device=dev)
     comm.all_reduce(t, algo="oneshot")  # set-up, every rank
     torch.cuda.synchronize()

@@ -22,6 +22,7 @@ COUNTS = [1, 7, 1023, (1 << 20) + 3]
 # at 2 GHz, long past any launch latency, so a missing wait shows as a wrong result.
 SLEEP_CYCLES = 200_000_000
 
+
 def _t(values, dtype, dev):
     return to_dtype(values, dtype).to(dev)
 
@@ -409,7 +410,7 @@ def nccl_graph_capture(comm):
 def abort_untimed_from_thread(comm, flag):
     """A communicator without a timeout: rank 0 waits on an all_reduce its peer never
     joins; comm.abort() from another thread is the way out (README, "On failure")."""
-    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    r, dev = comm.rank, f"cuda:{comm.device}"
     t = torch.ones(1 << 16, device=dev)
     comm.all_reduce(t, algo="nccl")  # every rank: connected
     torch.cuda.synchronize()

@@ -6,7 +6,6 @@ import os
 for _k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
     os.environ.setdefault(_k, "0" if _k == "NCCL_NVLS_ENABLE" else "1")
 
-import pytest
 import torch
 
 # gpu_count/needs_gpus: tests import them from here; the hooks take effect by being named here
