@@ -432,3 +432,26 @@ def abort_untimed_from_thread(comm, flag):
     destroyed = comm.destroyed
     open(flag, "w").write("done")
     return dt, err, destroyed
+
+
+def mixed_group_refused(comm, uid2):
+    """README: NCCL refuses groups that mix communicators with and without timeout.  The
+    refusal comes back as pyccl.NcclError (not a hang, not a crash), the group is closed."""
+    r, dev = comm.rank, f"cuda:{comm.device}"
+    timed = pyccl.Communicator(comm.size, uid2, r, timeout=30)
+    x = torch.ones(8, device=dev)
+    y = torch.ones(8, device=dev)
+    err = None
+    try:
+        with pyccl.group():
+            timed.all_reduce(x, algo="nccl")
+            comm.all_reduce(y, algo="nccl")
+        torch.cuda.synchronize()
+    except pyccl.NcclError as e:
+        err = (type(e).__name__, e.code, str(e))
+    try:  # the group level is back at 0: ending another group is refused
+        pyccl._C._nccl_group_end()
+        closed = False
+    except RuntimeError as e:
+        closed = str(e) == "group end: no pyccl.group() is open on this thread"
+    return err, closed

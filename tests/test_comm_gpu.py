@@ -166,3 +166,11 @@ def test_abort_from_another_thread_ends_an_untimed_wait(tmp_path):
     res = run_ranks(sc.abort_untimed_from_thread, 2, str(tmp_path / "flag"), timeout=180)
     dt, err, destroyed = res[0]
     assert 0.9 <= dt < 20 and destroyed, (dt, err, destroyed)
+
+
+@needs_gpus(2)
+def test_group_mixing_timed_and_untimed_is_refused():
+    import pyccl
+    res = run_ranks(sc.mixed_group_refused, W, pyccl.unique_id(), timeout=120)
+    for r, (err, closed) in res.items():
+        assert err is not None and closed, (r, err, closed)
