@@ -447,8 +447,8 @@ def mixed_group_refused(comm, uid2):
             timed.all_reduce(x, algo="nccl")
             comm.all_reduce(y, algo="nccl")
         torch.cuda.synchronize()
-    except pyccl.NcclError as e:
-        err = (type(e).__name__, e.code, str(e))
+    except Exception as e:  # noqa: BLE001 - the parent names what it expected
+        err = (type(e).__name__, getattr(e, "code", None), str(e))
     try:  # the group level is back at 0: ending another group is refused
         pyccl._C._nccl_group_end()
         closed = False

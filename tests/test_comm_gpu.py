@@ -173,4 +173,4 @@ def test_group_mixing_timed_and_untimed_is_refused():
     import pyccl
     res = run_ranks(sc.mixed_group_refused, W, pyccl.unique_id(), timeout=120)
     for r, (err, closed) in res.items():
-        assert err is not None and closed, (r, err, closed)
+        assert err is not None and err[0] == "NcclError" and closed, (r, err, closed)
