@@ -74,7 +74,7 @@ FAULTS = [
     dict(name="broadcast from rank 0 whatever the root", tier="gpu", file="csrc/enqueue.c", edits=[(
         "        return a->ncclBroadcast(t->send, t->recv, t->count, type, t->peer,\n",
         "        return a->ncclBroadcast(t->send, t->recv, t->count, type, 0,\n")],
-        tests=["tests/test_comm_gpu.py", "-k", "every_method"]),
+        tests=["tests/test_nccl_gpu.py", "-k", "broadcast_honours_root"]),
     dict(name="drop-in raises ValueError for TypeError", tier="cpu", file="csrc/python_nccl.c", edits=[(
         '            PyErr_Format(PyExc_TypeError, "expected Tensor at %zd (got %.200s)",\n',
         '            PyErr_Format(PyExc_ValueError, "expected Tensor at %zd (got %.200s)",\n')],
