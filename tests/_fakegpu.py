@@ -158,6 +158,11 @@ def init_then_collectives():
     assert get("events_live") == 0, get("events_live")
     assert c.destroyed and c.timeout == 5.0
     c.destroy()  # idempotent
+    # wait() reads its timeout first, then must still refuse a destroyed communicator
+    for args in ((), (1.0,)):
+        _, err = timed(lambda: c.wait(*args))
+        assert type(err) is RuntimeError and str(err) == \
+            "wait: the communicator (rank 0 of 2) has been destroyed", repr(err)
     clean()
     return "ok"
 
@@ -185,12 +190,15 @@ def collective_timeout():
         c.all_reduce(a)
     c.wait()
     put("peer_dead", 1)
+    t0 = time.monotonic()
     c.all_reduce(a)
     dt, err = timed(c.wait)
+    since_call = time.monotonic() - t0
     assert type(err) is pyccl.NcclTimeoutError, repr(err)
     assert str(err) == ("wait: all_reduce: rank 0 of 2 timed out after 0.5 s waiting for its peers; "
                         "the communicator was aborted"), str(err)
     assert dt < 0.5 + 0.5, dt
+    assert since_call >= 0.5, f"gave up {since_call:.3f} s after the call, before its 0.5 s timeout"
     assert get("aborts") == 1 and get("events_live") == 0
     # the next call raises the same, and the communicator is unusable
     dt2, err = timed(lambda: c.all_reduce(a))
@@ -219,9 +227,13 @@ def watchdog_alone():
     c.all_reduce(Array([1.0]))
     c.wait()
     put("peer_dead", 1)
+    t0 = time.monotonic()
     c.all_reduce(Array([1.0]))
-    time.sleep(1.0)
+    while get("aborts") == 0 and time.monotonic() - t0 < 1.0:
+        time.sleep(0.002)
+    fired = time.monotonic() - t0
     assert get("aborts") == 1, "the watchdog did not abort"
+    assert 0.3 <= fired < 1.0, f"the watchdog aborted {fired:.3f} s after the call; the timeout is 0.3 s"
     assert get("capture_mode_calls") >= 1, "watchdog thread not in relaxed capture mode"
     e = c.get_async_error()
     assert type(e) is pyccl.NcclTimeoutError, repr(e)
@@ -736,6 +748,52 @@ def fuzz():
     counts = _fuzz.run(seed, n, lambda: get("misuse"))
     clean()
     return {"seed": seed, "calls": n, "counts": counts}
+
+
+def lifecycle():
+    """What README promises about a communicator's life: destroyed on garbage collection
+    (timed and untimed), closed by `with`, and create/use/destroy repeated in one process
+    leaves nothing behind (events, NCCL communicators, watchdog threads)."""
+    import gc
+    counts = lambda: (get("finalizes") + get("aborts"), get("destroys") + get("aborts"))  # noqa: E731
+    for timeout in (None, 5.0):
+        before = counts()
+        c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=timeout)
+        a = Array([1.0, 2.0])
+        c.all_reduce(a)
+        c.wait()
+        del c
+        gc.collect()
+        after = counts()
+        assert after[1] == before[1] + 1, ("not released on garbage collection", timeout, before, after)
+    assert get("events_live") == 0, get("events_live")
+    with new(timeout=5) as c:
+        a = Array([1, 2, 3])
+        c.all_reduce(a)
+        c.wait()
+        assert not c.destroyed
+    assert c.destroyed and a.tolist() == [2, 4, 6], a.tolist()
+    # the body raising: the communicator is still destroyed, the exception goes through
+    try:
+        with new(timeout=5) as c2:
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    assert c2.destroyed
+    threads = threading.active_count()
+    base = counts()
+    for k in range(50):
+        c = new(timeout=5) if k % 2 else pyccl.Communicator(2, pyccl.unique_id(), 0)
+        a = Array([k, 1])
+        c.all_reduce(a)
+        c.wait()
+        assert a.tolist() == [2 * k, 2], (k, a.tolist())
+        c.destroy()
+    assert counts()[1] == base[1] + 50, (base, counts())
+    assert get("events_live") == 0, get("events_live")
+    assert threading.active_count() <= threads, "a thread per communicator was left running"
+    clean()
+    return "ok"
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 Each returns what the parent asserts on as well; the bitwise checks happen here, in the rank.
 """
 import os
+import time
 
 import torch
 
@@ -58,9 +59,25 @@ def exact(comm):
     return checks, comm.all_reduce_info
 
 
+def rank_order_sum(vals, dtype, reverse=False, acc16=False):
+    """What the own kernels promise, on the CPU: float32 accumulation in rank order
+    0..W-1 and one rounding to `dtype` at the end (IEEE adds, so bit for bit).
+    reverse / acc16: the faults (another order; 16-bit types summed in 16 bits)."""
+    order = list(reversed(vals)) if reverse else list(vals)
+    acc = order[0].to(dtype).float()
+    for v in order[1:]:
+        acc = acc + v.to(dtype).float()
+        if acc16:
+            acc = acc.to(dtype).float()
+    return acc.to(dtype)
+
+
 def random_data(comm):
-    """Random normal data against a float64 reference, and every rank holds the same
-    bits (fixed accumulation order)."""
+    """Random normal data, bit for bit against the promised sum (rank_order_sum), and every
+    rank holds the same bits (fixed accumulation order).  At 2 ranks that is the correctly
+    rounded a+b: it catches a wrong element, a skipped tail, a wrong rounding (_rz for _rn),
+    any precision lost in between; it cannot see the rank order nor 16-bit accumulation
+    (a+b rounded once either way): order_and_accumulation does, at 3+ ranks."""
     W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
     out = {}
@@ -75,6 +92,11 @@ def random_data(comm):
                 got = t.to(torch.float64).cpu()
                 err = ((got - want).abs() / (want.abs() + 1)).max().item()
                 assert err <= rtol, (dtype, algo, count, err)
+                exact = rank_order_sum(vals, dtype)
+                wrong = (t.cpu().view(torch.int16 if dtype.itemsize == 2 else torch.int32)
+                         != exact.view(torch.int16 if dtype.itemsize == 2 else torch.int32))
+                assert not wrong.any(), (dtype, algo, count, "not the rank-order float32 sum at",
+                                         wrong.nonzero().flatten()[:5].tolist())
                 # all ranks' results, bit for bit
                 allr = torch.empty(W * count, dtype=dtype, device=dev)
                 comm.all_gather(t, allr)
@@ -84,6 +106,77 @@ def random_data(comm):
                 assert all(torch.equal(rows[0], rows[k]) for k in range(W)), (dtype, algo, count)
                 out[(str(dtype), algo, count)] = err
     return out
+
+
+def _order_data(W, count, dtype):
+    """Per-rank data whose sum tells the rank order and the accumulator apart (3+ ranks).
+    float32: rank 0 holds s, the others s*2^-24: in rank order every add ties back to s;
+    from the other end the small ones add up first and survive.  16-bit types: rank 0
+    holds 256s (bf16) / 2048s (fp16), the others s: float32 keeps (W-1)s, a 16-bit
+    running sum rounds each +s away (ties to even).  s varies over 2^-4..2^3."""
+    s = torch.pow(2.0, (torch.arange(count) % 8 - 4).double())
+    big, small = {torch.float32: (s, s * 2.0 ** -24), torch.bfloat16: (256 * s, s),
+                  torch.float16: (2048 * s, s)}[dtype]
+    return [big if k == 0 else small for k in range(W)]
+
+
+def order_and_accumulation(comm):
+    """3+ ranks: one-shot (LL and not) and two-shot sums are bitwise the rank-order
+    float32 sum, which the data makes differ from the reversed order and from 16-bit
+    accumulation; every rank holds the same bits."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    assert W >= 3
+    checks = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for count in (1003, 200003):  # below and above the LL limit (256 KiB) in every dtype, tails
+            vals = _order_data(W, count, dtype)
+            want = rank_order_sum(vals, dtype)
+            if dtype == torch.float32:
+                assert not same_bits(want, rank_order_sum(vals, dtype, reverse=True))
+            else:
+                assert not same_bits(want, rank_order_sum(vals, dtype, acc16=True))
+            for algo in ALGOS:
+                t = vals[r].to(dtype).to(dev)
+                comm.all_reduce(t, algo=algo)
+                _check(t, want, "rank order / float32 accumulation", dtype, algo, count)
+                allr = torch.empty(W * count, dtype=dtype, device=dev)
+                comm.all_gather(t, allr)
+                rows = allr.view(W, count)
+                _check(rows, want.view(1, count).expand(W, count), "same bits on every rank", dtype, algo)
+                checks += 1
+    return checks
+
+
+SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: about 0.1 s at 2 GHz
+
+
+def two_streams(comm):
+    """Own-kernel calls on two streams, no user sync between: the second must wait for the
+    first (fastar.c's order event).  Rank 0's first call is held ~0.1 s behind a sleep on
+    its stream, so without that wait its second call would run first and meet the peers'
+    first call (the epoch is read on the GPU): both results would mix x with y."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    comm.all_reduce(torch.ones(16, device=dev), algo="oneshot")  # set-up
+    torch.cuda.synchronize()
+    checks = 0
+    for count in (1000, 100003):  # LL one-shot and the copy-in one
+        x = torch.arange(count, dtype=torch.float32, device=dev) + r
+        y = torch.arange(count, dtype=torch.float32, device=dev) * -3 - 7 * r
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        a.wait_stream(torch.cuda.current_stream())
+        b.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(a):
+            if r == 0:
+                torch.cuda._sleep(SLEEP_CYCLES)
+            comm.all_reduce(x, algo="oneshot")
+        with torch.cuda.stream(b):
+            comm.all_reduce(y, algo="oneshot")
+        torch.cuda.synchronize()
+        base = torch.arange(count, dtype=torch.float32)
+        _check(x, sum(base + q for q in range(W)), "first call (stream a)", count)
+        _check(y, sum(base * -3 - 7 * q for q in range(W)), "second call (stream b)", count)
+        checks += 1
+    return checks
 
 
 def many_calls(comm, n=10000):
@@ -325,10 +418,14 @@ def destroy_collective(comm):
     t = torch.arange(64, dtype=torch.int32, device=dev) + r
     comm.all_reduce(t, algo="oneshot")
     _check(t, sum(torch.arange(64, dtype=torch.int32) + q for q in range(W)), "before destroy")
+    info = comm.all_reduce_info
+    # the region README promises to free: two halves of the buffer plus the LL areas
+    region = 2 * info["buffer_bytes"] + 2 * W * 2 * info["ll_max"]
+    torch.cuda.synchronize()
     before = torch.cuda.mem_get_info(comm.device)[0]
     comm.destroy()
     after = torch.cuda.mem_get_info(comm.device)[0]
-    return before, after
+    return before, after, region
 
 
 def coalesced(comm):
@@ -336,16 +433,22 @@ def coalesced(comm):
     own kernels and NCCL, bitwise; errors name the argument."""
     W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
     sizes = [1, 3, 17, 100, 1000, 4097, 2, 555] * 6
-    for dtype in (torch.float32, torch.bfloat16, torch.int32):
-        for algo in (None, "nccl", "twoshot"):
-            vals = [[rank_values(k + 3 * i, n, dtype, SUM, W) for i, n in enumerate(sizes)]
-                    for k in range(W)]
-            ts = [to_dtype(v, dtype).to(dev) for v in vals[r]]
-            ts[5] = ts[5].view(17, 241)  # any shape, contiguous
+    cases = [(dtype, algo, SUM) for dtype in (torch.float32, torch.bfloat16, torch.int32)
+             for algo in (None, "nccl", "twoshot")]
+    cases += [(dtype, algo, op) for dtype in (torch.float32, torch.bfloat16)  # own kernels' MAX/MIN
+              for algo in ("oneshot", "twoshot") for op in (MAX, MIN)]
+    for dtype, algo, op in cases:
+        vals = [[rank_values(k + 3 * i, n, dtype, op, W) for i, n in enumerate(sizes)]
+                for k in range(W)]
+        ts = [to_dtype(v, dtype).to(dev) for v in vals[r]]
+        ts[5] = ts[5].view(17, 241)  # any shape, contiguous
+        if op == SUM:
             comm.all_reduce_coalesced(ts, algo=algo)
-            for i, t in enumerate(ts):
-                want = reduce_ref([vals[k][i] for k in range(W)], SUM, dtype)
-                _check(t.flatten(), want, "coalesced", dtype, algo, i)
+        else:
+            comm.all_reduce_coalesced(ts, op, algo=algo)
+        for i, t in enumerate(ts):
+            want = reduce_ref([vals[k][i] for k in range(W)], op, dtype)
+            _check(t.flatten(), want, "coalesced", dtype, algo, OP_NAMES[op], i)
     t = torch.ones(4, device=dev)
     msgs = []
     for bad, exc in (([t, t.double()], TypeError), (t, TypeError), ([t, 5], TypeError)):
@@ -355,3 +458,30 @@ def coalesced(comm):
             msgs.append(str(e))
     comm.all_reduce_coalesced([])  # nothing to do
     return msgs
+
+
+def own_give_up(comm, flag):
+    """Run with PYCCL_AR_TIMEOUT=3 on a communicator without a timeout: rank 0 calls a
+    one-shot all_reduce its peer never joins; its kernel gives up (README: after
+    PYCCL_AR_TIMEOUT seconds) instead of spinning forever.  Rank 1 waits for `flag`."""
+    r, dev = comm.rank, f"cuda:{comm.device}"
+    t = torch.ones(64, device=dev)
+    comm.all_reduce(t, algo="oneshot")  # set-up, every rank
+    torch.cuda.synchronize()
+    comm.barrier()
+    torch.cuda.synchronize()
+    if r != 0:
+        t0 = time.monotonic()
+        while not os.path.exists(flag) and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
+        return None, None
+    t0 = time.monotonic()
+    err = None
+    try:
+        comm.all_reduce(t, algo="oneshot")
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        err = f"{type(e).__name__}: {e}"
+    dt = time.monotonic() - t0
+    open(flag, "w").write("done")
+    return dt, err

@@ -4,6 +4,8 @@ Every rank can compute every other rank's data (rank_values is a function of
 rank and index), so each rank checks its own results bitwise.
 """
 import os
+import threading
+import time
 
 import torch
 
@@ -14,6 +16,11 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int
           torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2]
 OPS = [SUM, PROD, MAX, MIN, AVG]
 COUNTS = [1, 7, 1023, (1 << 20) + 3]
+
+
+# torch.cuda._sleep cycles queued ahead of work another stream must wait for: about 0.1 s
+# at 2 GHz, long past any launch latency, so a missing wait shows as a wrong result.
+SLEEP_CYCLES = 200_000_000
 
 
 def _t(values, dtype, dev):
@@ -151,15 +158,33 @@ def p2p_and_friends(comm):
     t = torch.full((5,), float(r + 1), device=dev)
     sub.all_reduce(t)
     _check(t, torch.full((5,), float(sum(k + 1 for k in members))), "split")
-    assert comm.split(-1 if r == 0 else 0) is None or r != 0
+    # rank 0 leaves (color -1: None); the others get a communicator of W-1 ranks that works
+    part = comm.split(-1 if r == 0 else 0)
+    if r == 0:
+        assert part is None
+    else:
+        assert (part.size, part.rank) == (W - 1, r - 1)
+        t = torch.full((5,), float(r + 1), device=dev)
+        part.all_reduce(t)
+        _check(t, torch.full((5,), float(sum(k + 1 for k in range(1, W)))), "split without rank 0")
+        part.destroy()
     sub.destroy()
-    # stream= with work queued on a side stream
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        t = torch.arange(4096, device=dev, dtype=torch.float32) * (r + 1)
-    comm.all_reduce(t, stream=s)
-    s.synchronize()
-    assert torch.equal(t.cpu(), torch.arange(4096, dtype=torch.float32) * sum(range(1, W + 1)))
+    # stream= and the current stream: the input is written on a side stream behind a
+    # ~0.1 s sleep, so a call enqueued on any other stream reads it unwritten (zeros)
+    want = torch.arange(4096, dtype=torch.float32) * sum(range(1, W + 1))
+    for how in ("stream=", "current stream"):
+        s = torch.cuda.Stream()
+        t = torch.zeros(4096, device=dev)
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            t.copy_(torch.arange(4096, device=dev, dtype=torch.float32) * (r + 1))
+            if how == "current stream":
+                comm.all_reduce(t)
+        if how == "stream=":
+            comm.all_reduce(t, stream=s)
+        s.synchronize()
+        assert torch.equal(t.cpu(), want), (how, t[:4])
     # zero elements
     comm.all_reduce(torch.empty(0, device=dev))
     comm.all_gather(torch.empty(0, device=dev), torch.empty(0, device=dev))
@@ -304,3 +329,129 @@ def timed_graph_capture(rank, world, uid):
     assert torch.equal(x.cpu(), torch.full((1024,), total * world))
     comm.destroy()
     return "ok"
+
+
+def more_dtypes_and_split_key(comm):
+    """uint32/uint64 (and a 16-bit, an 8-bit, a 64-bit float type) through all_reduce, the
+    send/recv ring, all_to_all_single, gather and scatter at three sizes, bitwise; then
+    split(key=) reversing the ranks, checked through the order of an all_gather."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    dtypes = [getattr(torch, n) for n in ("uint32", "uint64") if hasattr(torch, n)]
+    dtypes += [torch.bfloat16, torch.int8, torch.float64]
+    checks = 0
+    for dtype in dtypes:
+        for count in (1, 1023, (1 << 16) + 3):
+            vals = [rank_values(k, W * count, dtype, SUM, W) for k in range(W)]
+            mine = _t(vals[r], dtype, dev)
+            t = mine.clone()
+            comm.all_reduce(t)
+            _check(t, to_dtype(reduce_ref(vals, SUM, dtype), dtype), "all_reduce", dtype, count)
+            got = torch.empty_like(mine)
+            with pyccl.group():
+                comm.send(mine, (r + 1) % W)
+                comm.recv(got, (r - 1) % W)
+            _check(got, to_dtype(vals[(r - 1) % W], dtype), "ring", dtype, count)
+            out = torch.empty_like(mine)
+            comm.all_to_all_single(mine, out)
+            for k in range(W):  # chunk k of the output is rank k's chunk r
+                _check(out[k * count:(k + 1) * count],
+                       to_dtype(vals[k][r * count:(r + 1) * count], dtype), "all_to_all_single", dtype, count, k)
+            root = count % W
+            part = mine[:count].contiguous()
+            outs = [torch.empty_like(part) for _ in range(W)] if r == root else None
+            comm.gather(part, outs, root)
+            if r == root:
+                for k in range(W):
+                    _check(outs[k], to_dtype(vals[k][:count], dtype), "gather", dtype, count, k)
+            recv = torch.empty_like(part)
+            ins = list(mine.chunk(W)) if r == root else None
+            comm.scatter(ins, recv, root)
+            _check(recv, to_dtype(vals[root][r * count:(r + 1) * count], dtype), "scatter", dtype, count)
+            checks += 1
+    rev = comm.split(0, key=W - 1 - r)
+    assert (rev.rank, rev.size) == (W - 1 - r, W), (rev.rank, rev.size)
+    x = torch.full((3,), float(r), device=dev)
+    allx = torch.empty(3 * W, device=dev)
+    rev.all_gather(x, allx)
+    # slot j holds new rank j, which is old rank W-1-j
+    _check(allx, torch.tensor([float(W - 1 - j) for j in range(W) for _ in range(3)]), "split key order")
+    rev.destroy()
+    return checks
+
+
+def nccl_graph_capture(comm):
+    """NCCL's path (algo="nccl", and all_gather, which is always NCCL's) captured in a CUDA
+    graph: each replay reduces the inputs of that moment."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    x = torch.zeros(4099, device=dev)
+    src = torch.zeros(33, device=dev)
+    y = torch.zeros(W * 33, device=dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch asks before capture
+        comm.all_reduce(x, algo="nccl")
+        comm.all_gather(src, y)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        comm.all_reduce(x, algo="nccl")
+        comm.all_gather(src, y)
+    base = torch.arange(4099, dtype=torch.float32)
+    for k in range(3):
+        x.copy_(base * (k + 1) + r)
+        src.fill_(10 * r + k)
+        g.replay()
+        _check(x, sum(base * (k + 1) + q for q in range(W)), "replay all_reduce", k)
+        _check(y, torch.tensor([float(10 * q + k) for q in range(W) for _ in range(33)]), "replay all_gather", k)
+    return 3
+
+
+def abort_untimed_from_thread(comm, flag):
+    """A communicator without a timeout: rank 0 waits on an all_reduce its peer never
+    joins; comm.abort() from another thread is the way out (README, "On failure")."""
+    r, dev = comm.rank, f"cuda:{comm.device}"
+    t = torch.ones(1 << 16, device=dev)
+    comm.all_reduce(t, algo="nccl")  # every rank: connected
+    torch.cuda.synchronize()
+    if r != 0:
+        t0 = time.monotonic()
+        while not os.path.exists(flag) and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
+        return None
+    assert comm.timeout is None
+    comm.all_reduce(t, algo="nccl")
+    threading.Timer(1.0, comm.abort).start()
+    t0 = time.monotonic()
+    err = None
+    try:
+        comm.wait()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        err = f"{type(e).__name__}: {e}"
+    dt = time.monotonic() - t0
+    destroyed = comm.destroyed
+    open(flag, "w").write("done")
+    return dt, err, destroyed
+
+
+def mixed_group_refused(comm, uid2):
+    """README: NCCL refuses groups that mix communicators with and without timeout.  The
+    refusal comes back as pyccl.NcclError (not a hang, not a crash), the group is closed."""
+    r, dev = comm.rank, f"cuda:{comm.device}"
+    timed = pyccl.Communicator(comm.size, uid2, r, timeout=30)
+    x = torch.ones(8, device=dev)
+    y = torch.ones(8, device=dev)
+    err = None
+    try:
+        with pyccl.group():
+            timed.all_reduce(x, algo="nccl")
+            comm.all_reduce(y, algo="nccl")
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the parent names what it expected
+        err = (type(e).__name__, getattr(e, "code", None), str(e))
+    try:  # the group level is back at 0: ending another group is refused
+        pyccl._C._nccl_group_end()
+        closed = False
+    except RuntimeError as e:
+        closed = str(e) == "group end: no pyccl.group() is open on this thread"
+    return err, closed

@@ -62,9 +62,13 @@ def test_group_ends_even_when_the_body_raises():
     with pytest.raises(KeyError):
         with pyccl.group():
             raise KeyError("boom")
-    # Had the group stayed open, nesting would be off and this would not balance.
+    # Had the group stayed open, this thread's depth would still be 1 and this end would succeed.
+    with pytest.raises(RuntimeError, match=r"^group end: no pyccl\.group\(\) is open on this thread$"):
+        pyccl._C._nccl_group_end()
     with pyccl.group():
         pass
+    with pytest.raises(RuntimeError, match=r"^group end: no pyccl\.group\(\) is open on this thread$"):
+        pyccl._C._nccl_group_end()
 
 
 @pytest.mark.parametrize("missing", ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"])

@@ -18,6 +18,8 @@ import time
 import pytest
 import torch
 
+pytestmark = pytest.mark.bench
+
 BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "pyccl" / "bench"
 try:
     import pyccl.bench  # noqa: F401
@@ -103,32 +105,28 @@ def test_parse_names_aliases_all_and_errors():
     assert [S.OPS.index(o) for o in ("sum", "prod", "max", "min", "avg")] == [0, 1, 2, 3, 4]
 
 
-def _aligned_per_rank(count, n, elsize):
-    """nccl-tests' (count/nranks) & -(16/eltSize), written as a floor to a multiple."""
-    step = 16 // elsize
-    return (count // n) // step * step
+# Literal numbers from nccl-tests' getCollByteCount (count = size/eltSize; all_gather,
+# reduce_scatter and alltoall: per = (count/nranks) & -(16/eltSize)), worked out by hand,
+# not by the formula under test: (sendcount, recvcount, count, send in-place offset,
+# recv in-place offset) and the printed size, max(sendcount, recvcount) * eltSize.
+COUNT_ROWS = [
+    ("all_gather", 1000, "int8", 3, (320, 960, 320, 320, 0), 960),
+    ("reduce_scatter", M + 12, "double", 8, (131072, 16384, 16384, 0, 16384), 1048576),
+    ("alltoall", 4096, "half", 3, (2040, 2040, 680, 0, 0), 4080),
+    ("all_reduce", 1000, "float", 3, (250, 250, 250, 0, 0), 1000),
+    ("broadcast", 8, "double", 8, (1, 1, 1, 0, 0), 8),
+    ("reduce", M + 12, "half", 2, (524294, 524294, 524294, 0, 0), 1048588),
+    ("sendrecv", 1000, "int8", 1, (1000, 1000, 1000, 0, 0), 1000),
+    ("all_gather", 4096, "float", 1, (1024, 1024, 1024, 1024, 0), 4096),
+    ("all_gather", 8, "float", 4, (0, 0, 0, 0, 0), 0),
+]
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 8])
-@pytest.mark.parametrize("dtype", ["int8", "half", "float", "double"])
-@pytest.mark.parametrize("size", [8, 1000, 4096, M + 12])
-def test_counts_follow_nccl_tests(n, dtype, size):
-    es = S.elem_size(dtype)
-    whole = size // es
-    per = _aligned_per_rank(whole, n, es)
-    want = {  # (sendcount, recvcount, count, send in-place offset, recv in-place offset)
-        "all_reduce": (whole, whole, whole, 0, 0),
-        "broadcast": (whole, whole, whole, 0, 0),
-        "reduce": (whole, whole, whole, 0, 0),
-        "sendrecv": (whole, whole, whole, 0, 0),
-        "all_gather": (per, per * n, per, per, 0),
-        "reduce_scatter": (per * n, per, per, 0, per),
-        "alltoall": (per * n, per * n, per, 0, 0),
-    }
-    for coll, expected in want.items():
-        got = S.coll_counts(coll, size, es, n)
-        assert tuple(got) == expected, coll
-        assert S.size_bytes(coll, size, es, n) == max(expected[0], expected[1]) * es
+def test_counts_follow_nccl_tests():
+    for coll, size, dtype, n, counts, printed in COUNT_ROWS:
+        es = S.elem_size(dtype)
+        assert tuple(S.coll_counts(coll, size, es, n)) == counts, (coll, size, dtype, n)
+        assert S.size_bytes(coll, size, es, n) == printed, (coll, size, dtype, n)
 
 
 def test_counts_examples():
@@ -170,14 +168,14 @@ def test_bandwidth_examples():
     assert S.bandwidths("all_reduce", 1000, 4, 2, 0.0) == (0.0, 0.0)
 
 
-@pytest.mark.parametrize("coll", S.COLLS)
-@pytest.mark.parametrize("n", [2, 3, 8])
-def test_algbw_is_size_column_over_time(coll, n):
+def test_algbw_is_size_column_over_time():
     """nccl-tests' invariant: algbw is the printed size divided by the time, for every collective."""
-    for size in (1024, 1000, 32 * M):
-        c = S.coll_counts(coll, size, 4, n)
-        alg, _ = S.bandwidths(coll, c.count, 4, n, 1e-3)
-        assert alg == pytest.approx(S.size_bytes(coll, size, 4, n) / 1e9 / 1e-3)
+    for coll in S.COLLS:
+        for n in (2, 3, 8):
+            for size in (1024, 1000, 32 * M):
+                c = S.coll_counts(coll, size, 4, n)
+                alg, _ = S.bandwidths(coll, c.count, 4, n, 1e-3)
+                assert alg == pytest.approx(S.size_bytes(coll, size, 4, n) / 1e9 / 1e-3), (coll, n, size)
 
 
 def test_ops_and_root_columns():
@@ -245,11 +243,15 @@ def _simulate(coll, placement, dtype, op, n, count, root, seed):
 
 CASES = [(c, "none") for c in ("broadcast", "sendrecv", "all_gather", "alltoall")] + [
     (c, op) for c in ("all_reduce", "reduce_scatter", "reduce") for op in S.OPS]
+# One row per collective and op (the distinct behaviours of the verifier), the dtypes and
+# rank counts dealt out over them so each appears; avg is both an integer division and a
+# float pre-multiply, so each reduction's avg gets one integer and one float row.
+_DT, _NS = list(S.DTYPES), [2, 3, 8]
+ROWS = [(c, op, _DT[i % len(_DT)], _NS[i % len(_NS)]) for i, (c, op) in enumerate(CASES)]
+ROWS += [(c, "avg", dt, 3) for c in ("all_reduce", "reduce_scatter", "reduce") for dt in ("int32", "bfloat16")]
 
 
-@pytest.mark.parametrize("coll, op", CASES)
-@pytest.mark.parametrize("dtype", list(S.DTYPES))
-@pytest.mark.parametrize("n", [2, 3, 8])
+@pytest.mark.parametrize("coll, op, dtype, n", ROWS)
 def test_expected_values_match_a_simulated_collective(coll, op, dtype, n):
     count, root = 37, n - 1  # odd count, non-zero root
     placement = "out-of-place" if coll == "alltoall" else ("in-place" if n == 3 else "out-of-place")

@@ -1,10 +1,14 @@
 """GPU tier of pyccl.bench: a short checked sweep of every collective, and --compare."""
 import json
 import os
-import subprocess
 import sys
 
+import pytest
+
 from conftest import gpu_count, needs_gpus
+from _ranks import run_bounded
+
+pytestmark = pytest.mark.bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = gpu_count()
@@ -12,8 +16,8 @@ W = gpu_count()
 
 def bench(*args, timeout=240):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "pyccl.bench", "-g", str(W), "-T", "60", *args],
-                          env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run_bounded([sys.executable, "-m", "pyccl.bench", "-g", str(W), "-T", "60", *args],
+                       timeout, env=env, cwd=ROOT)
 
 
 @needs_gpus(2)

@@ -3,28 +3,21 @@
 Each test spawns one process per GPU (bounded in time: _ranks.run_ranks) and
 each rank checks its own results bitwise; see _scenarios.py.
 """
+import contextlib
 import glob
 import os
 import shutil
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from conftest import gpu_count, needs_gpus
-from _ranks import run_ranks
+from _ranks import reserved_port, run_bounded, run_ranks
 import _scenarios as sc
 
 W = gpu_count()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @needs_gpus(2)
@@ -40,6 +33,18 @@ def test_p2p_all_to_all_gather_scatter_premul_split():
 
 
 @needs_gpus(2)
+def test_more_dtypes_every_data_movement_and_split_key():
+    res = run_ranks(sc.more_dtypes_and_split_key, W)
+    assert all(n >= 9 for n in res.values()), res
+
+
+@needs_gpus(2)
+def test_nccl_path_under_graph_capture():
+    res = run_ranks(sc.nccl_graph_capture, W)
+    assert all(n == 3 for n in res.values()), res
+
+
+@needs_gpus(2)
 def test_cupy_arrays():
     pytest.importorskip("cupy")
     res = run_ranks(sc.cupy_arrays, W)
@@ -52,16 +57,20 @@ def test_destroyed_and_bad_op():
     assert set(res.values()) == {"ok"}
 
 
+@contextlib.contextmanager
 def _env_job(extra):
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(W)}
-    env.update(extra)
-    return env
+    """The job's environment, its MASTER_PORT held for us until the block ends."""
+    with reserved_port() as port:
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(W)}
+        env.update(extra)
+        yield env
 
 
 @needs_gpus(2)
 def test_init_from_env_tcpstore_loopback():
     # RANK/LOCAL_RANK differ per child: set inside via a small wrapper
-    res = run_ranks(_from_env_child, W, _env_job({}), make_comm=False)
+    with _env_job({}) as env:
+        res = run_ranks(_from_env_child, W, env, make_comm=False)
     assert len(res) == W
 
 
@@ -75,10 +84,10 @@ def _from_env_child(rank, world, env):
 def test_emulated_two_nodes_over_the_network_transport(tmp_path):
     """Two 'nodes' (NODE_RANK 0/1) whose traffic must go through NCCL's net transport."""
     log = tmp_path / "nccl.%p.log"
-    env = _env_job({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_DEBUG": "INFO",
-                    "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_DEBUG_FILE": str(log),
-                    "NCCL_SOCKET_IFNAME": "lo"})
-    res = run_ranks(_node_child, W, env, make_comm=False)
+    with _env_job({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_DEBUG": "INFO",
+                   "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_DEBUG_FILE": str(log),
+                   "NCCL_SOCKET_IFNAME": "lo"}) as env:
+        res = run_ranks(_node_child, W, env, make_comm=False)
     assert sorted(res.values()) == [str(r) for r in range(W)]
     text = "".join(open(f).read() for f in glob.glob(str(tmp_path / "nccl.*.log")))
     assert "NET/Socket" in text or "NET/IB" in text, text[-2000:]
@@ -128,7 +137,7 @@ def test_init_from_mpi():
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(W),
            "-x", "PYTHONPATH", "-x", "NCCL_NVLS_ENABLE", "-x", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
            "-x", "NVSHMEM_DISABLE_NVLS", sys.executable, os.path.join(ROOT, "tests", "mpi_child.py")]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    out = run_bounded(cmd, 180, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert sorted(l for l in out.stdout.splitlines() if l.startswith("mpi rank")) == \
         [f"mpi rank {r} ok" for r in range(W)]
@@ -147,6 +156,21 @@ def test_example_runs(path):
         cmd = [sys.executable, path]
         if "benchmark" in path:
             cmd += ["--quick"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = run_bounded(cmd, 300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "OK" in out.stdout, out.stdout[-3000:]
+
+
+@needs_gpus(2)
+def test_abort_from_another_thread_ends_an_untimed_wait(tmp_path):
+    res = run_ranks(sc.abort_untimed_from_thread, 2, str(tmp_path / "flag"), timeout=180)
+    dt, err, destroyed = res[0]
+    assert 0.9 <= dt < 20 and destroyed, (dt, err, destroyed)
+
+
+@needs_gpus(2)
+def test_group_mixing_timed_and_untimed_is_refused():
+    import pyccl
+    res = run_ranks(sc.mixed_group_refused, W, pyccl.unique_id(), timeout=120)
+    for r, (err, closed) in res.items():
+        assert err is not None and err[0] == "NcclError" and closed, (r, err, closed)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import _fastar as fa
-from _ranks import run_ranks
+from _ranks import _kill_group, run_ranks
 from conftest import gpu_count, needs_gpus
 
 W = max(2, min(gpu_count(), 8))
@@ -41,6 +41,15 @@ def test_exact_every_dtype_op_size_alignment(ll_max):
 def test_random_data_float64_reference_and_same_bits_everywhere():
     res = run_ranks(fa.random_data, W)
     assert len(res[0]) == 3 * 2 * 3
+
+
+@needs_gpus(3)
+@needs_kernels
+def test_rank_order_and_float32_accumulation_bitwise():
+    # At 2 ranks a+b is rounded once whatever the order or the accumulator: only 3+
+    # ranks can show a reversed rank order or 16-bit accumulation.
+    res = run_ranks(fa.order_and_accumulation, W)
+    assert all(n == 12 for n in res.values()), res
 
 
 @needs_gpus(2)
@@ -78,12 +87,23 @@ def test_cuda_graph_capture_and_replay():
 
 @needs_gpus(2)
 @needs_kernels
-@pytest.mark.parametrize("pdl", ["default", "0"])
+def test_a_call_on_another_stream_waits_for_the_previous_one():
+    res = run_ranks(fa.two_streams, W)
+    assert all(n == 2 for n in res.values()), res
+
+
+@needs_gpus(2)
+@needs_kernels
+@pytest.mark.parametrize("pdl", ["default", "0", "default-skewed"])
 def test_chained_calls_read_what_the_call_before_wrote(pdl):
-    # default: programmatic dependent launch wherever the GPU has it (compute capability 9.0+)
-    env = {} if pdl == "default" else {"PYCCL_AR_PDL": pdl}
+    # default: programmatic dependent launch wherever the GPU has it (compute capability 9.0+).
+    # skewed: block b of every call starts b * 20 us late, after launch_dependents, so the
+    # next call is resident long before this one ends: without griddepcontrol.wait it reads
+    # this call's epoch counter and input unwritten, every time rather than by chance.
+    env = {"default": {}, "0": {"PYCCL_AR_PDL": "0"},
+           "default-skewed": {"PYCCL_AR_DEBUG_SKEW_NS": "20000"}}[pdl]
     res = run_ranks(fa.chained, W, env=env)
-    want_pdl = pdl == "default" and torch.cuda.get_device_capability(0)[0] >= 9
+    want_pdl = pdl != "0" and torch.cuda.get_device_capability(0)[0] >= 9
     for r in range(W):
         info, checks = res[r]
         assert checks == 4 and info["state"] == "ready", info
@@ -146,7 +166,12 @@ def test_all_reduce_coalesced():
 @needs_gpus(2)
 @needs_kernels
 def test_destroy_after_own_kernels():
-    run_ranks(fa.destroy_collective, W)
+    # destroy() after a collective set-up frees this rank's region (cudaFree after every
+    # peer closed its mapping): at least that much comes back, less 1 MiB of slack
+    for r, (before, after, region) in run_ranks(fa.destroy_collective, W).items():
+        assert region >= 2 << 20, (r, region)
+        assert after - before >= region - (1 << 20), \
+            f"rank {r}: destroy() gave back {(after - before) / 2**20:.1f} MiB, the region is {region / 2**20:.1f} MiB"
 
 
 @needs_gpus(2)
@@ -161,15 +186,16 @@ def test_compute_sanitizer_clean(tool, tmp_path):
         ["compute-sanitizer", "--tool", tool, "--error-exitcode", "9", "--target-processes", "all",
          "--report-api-errors", "no",
          sys.executable, os.path.join(HERE, "fastar_child.py"), str(r), "2", uid],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True) for r in range(2)]
     outs = []
     try:
         for p in procs:
             outs.append(p.communicate(timeout=300)[0])
     finally:
-        for p in procs:
+        for p in procs:  # the sanitizer and the python under it: the whole group
             if p.poll() is None:
-                p.kill()
+                _kill_group(p.pid)
                 p.wait(10)
     for r, (p, out) in enumerate(zip(procs, outs)):
         (tmp_path / f"rank{r}.txt").write_text(out)
@@ -177,3 +203,19 @@ def test_compute_sanitizer_clean(tool, tmp_path):
         # API errors are NCCL's own probing of kernel images (cudaFuncGetAttributes at init);
         # what counts here is device-side memory and shared-memory race reports
         assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out[-3000:]
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_few_blocks_and_threads_still_bitwise():
+    # non-default PYCCL_AR_BLOCKS / PYCCL_AR_THREADS: more vectors per thread, other strides
+    res = run_ranks(fa.random_data, W, env={"PYCCL_AR_BLOCKS": "3", "PYCCL_AR_THREADS": "96"})
+    assert len(res[0]) == 3 * 2 * 3
+
+
+@needs_gpus(2)
+@needs_kernels
+def test_own_kernel_gives_up_after_pyccl_ar_timeout(tmp_path):
+    res = run_ranks(fa.own_give_up, 2, str(tmp_path / "flag"), env={"PYCCL_AR_TIMEOUT": "3"}, timeout=180)
+    dt, err = res[0]
+    assert 2.5 <= dt <= 15, (dt, err)

@@ -43,13 +43,27 @@ def test_public_api_matches_torch_cuda_nccl():
     assert issubclass(pyccl.NcclError, RuntimeError) and issubclass(pyccl.CudaError, RuntimeError)
 
 
+def _library_version_code():
+    """ncclGetVersion of the library pyccl loaded, asked through ctypes, not through pyccl."""
+    import ctypes
+    lib = ctypes.CDLL(pyccl._C._library_paths()[0])
+    code = ctypes.c_int(-1)
+    assert lib.ncclGetVersion(ctypes.byref(code)) == 0
+    return code.value
+
+
 def test_version_is_the_loaded_library():
     v = nccl.version()
     assert len(v) in (3, 4) and all(isinstance(x, int) for x in v[:3])
-    code = pyccl._C._nccl_version()
-    assert code == v[0] * 10000 + v[1] * 100 + v[2]
     path = pyccl._C._library_paths()[0]
     assert os.path.basename(path).startswith("libnccl.so")
+    code = _library_version_code()
+    assert code >= 20900  # the 2.9+ encoding below
+    assert v[:3] == (code // 10000, code // 100 % 100, code % 100)
+    assert pyccl._C._nccl_version() == code
+    if gpu_count() > 0:  # torch's own answer for the same library (needs torch with CUDA)
+        import torch.cuda.nccl as tn
+        assert v[:3] == tuple(tn.version()[:3])
 
 
 def test_unique_id_bytes_and_fresh():
@@ -94,4 +108,19 @@ def test_process_usable_after_errors():
         with pytest.raises(RuntimeError):
             nccl.all_reduce([fake(4, 0), fake(4, 0)])
     assert len(nccl.unique_id()) == 128
-    assert nccl.version() == nccl.version()
+    code = _library_version_code()
+    assert nccl.version()[:3] == (code // 10000, code // 100 % 100, code % 100)
+
+
+def test_sequence_type_error_is_torchs_own_text():
+    """Where torch.cuda.nccl's check is plain Python (no GPU needed), the drop-in raises
+    the same type and text, asked of torch rather than copied here."""
+    import torch.cuda.nccl as tn
+    for bad in (torch.ones(3), 5):
+        for name in tn.__all__:
+            extra = ([fake(3)],) if name in ("all_gather", "reduce_scatter") else ()
+            with pytest.raises(Exception) as want:
+                getattr(tn, name)(bad, *extra)
+            with pytest.raises(Exception) as got:
+                getattr(nccl, name)(bad, *extra)
+            assert (type(got.value), str(got.value)) == (type(want.value), str(want.value)), (name, bad)

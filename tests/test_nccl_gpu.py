@@ -287,9 +287,20 @@ def test_single_rank_comm_destroy_and_nccl_error():
 
 @needs_gpus(1)
 def test_zero_elements():
-    t = torch.empty(0, device="cuda:0")
-    nccl.all_reduce([t])
-    nccl.broadcast([t])
+    """Zero elements move nothing (the memory around the empty view keeps its bits) and
+    leave nothing half-done: a real call right after gives the exact sum."""
+    n = min(W, 2)
+    bufs = [torch.arange(1, 9, dtype=torch.float32, device=f"cuda:{d}") * (d + 1) for d in range(n)]
+    empty = [b[4:4] for b in bufs]  # zero elements, pointing into the middle of bufs
+    assert nccl.all_reduce(empty) is None
+    assert nccl.broadcast(empty) is None
+    for d in range(n):
+        torch.cuda.synchronize(d)
+        assert same_bits(bufs[d].cpu(), torch.arange(1, 9, dtype=torch.float32) * (d + 1))
+    nccl.all_reduce(bufs)
+    for d in range(n):
+        torch.cuda.synchronize(d)
+        assert same_bits(bufs[d].cpu(), torch.arange(1, 9, dtype=torch.float32) * sum(range(1, n + 1)))
 
 
 # ---------- one process per GPU, comms from init_rank ----------
@@ -366,3 +377,58 @@ def test_multiprocess_init_rank_all_collectives():
             assert same_bits(got["reduce"], vals[r].float())
         assert same_bits(got["all_gather"], torch.cat(vals).float())
         assert same_bits(got["reduce_scatter"], full[r * count:(r + 1) * count])
+
+
+@needs_gpus(1)
+def test_error_texts_match_torch_cuda_nccl():
+    """The drop-in fails the way torch.cuda.nccl does: same exception type, same text,
+    asked of torch itself rather than copied into the test."""
+    import torch.cuda.nccl as tn
+    t = torch.arange(4, dtype=torch.float32, device="cuda:0")
+    cases = {
+        "not a sequence": lambda m: m.all_reduce(t),
+        "not a tensor": lambda m: m.all_reduce([t, 5]),
+        "empty": lambda m: m.all_reduce([]),
+        "cpu tensor": lambda m: m.all_reduce([torch.ones(4)]),
+        "outputs length": lambda m: m.all_reduce([t], [t, t]),
+        "non-contiguous": lambda m: m.broadcast([torch.ones(4, 4, device="cuda:0").t()]),
+    }
+    for name, call in cases.items():
+        got = want = None
+        try:
+            call(tn)
+        except Exception as e:  # noqa: BLE001 - compared below
+            want = (type(e), str(e))
+        try:
+            call(nccl)
+        except Exception as e:  # noqa: BLE001
+            got = (type(e), str(e))
+        assert want is not None, f"{name}: torch.cuda.nccl accepted it"
+        assert got is not None and issubclass(got[0], want[0]) and got[1] == want[1], (name, got, want)
+
+
+@needs_gpus(2)
+def test_drop_in_from_several_threads():
+    """comms=None calls from several threads at once are serialized (README): each
+    thread's results are its own, exactly, and nothing hangs."""
+    errors = []
+
+    def work(k):
+        try:
+            for i in range(20):
+                ts = [torch.full((1001,), float(100 * k + i + d), device=f"cuda:{d}") for d in range(2)]
+                nccl.all_reduce(ts)
+                for d in range(2):
+                    torch.cuda.synchronize(d)
+                want = torch.full((1001,), float(sum(100 * k + i + d for d in range(2))))
+                assert all(same_bits(t.cpu(), want) for t in ts), (k, i)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {k}: {e!r}")
+
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not any(th.is_alive() for th in threads), "a thread is still inside pyccl after 120 s"
+    assert not errors, errors

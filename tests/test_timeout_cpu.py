@@ -152,6 +152,7 @@ def run_fake(lib, scenario, timeout=60):
     "threads_share_comm",      # four threads on one communicator: never two inside NCCL
     "second_device_only",      # the watchdog makes no CUDA context on a device the rank does not use
     "launch_queue_full",       # a launch blocked behind the stuck kernel: aborted after timeout + 1 s
+    "lifecycle",               # destroyed on GC and by `with`; 50 create/use/destroy leave nothing
 ])
 def test_fake_gpu(fakegpu, scenario):
     run_fake(fakegpu, scenario)
@@ -189,8 +190,10 @@ def test_fake_exit_aborts_unfinished_work(fakegpu):
 def test_fake_sigint_interrupts_wait(fakegpu):
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    # SIGINT live in the child even when this runs from a background job (which ignores it)
     p = subprocess.Popen([sys.executable, os.path.join(HERE, "_fakegpu.py"), fakegpu, "sigint_in_wait"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         t0 = time.monotonic()
         line = ""

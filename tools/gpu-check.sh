@@ -9,6 +9,8 @@
 #        bash tools/gpu-check.sh --bench [pyccl.bench args...]   (build, then the benchmark)
 #   GPU_CHECK_BENCH=0 leaves out the quick benchmark and the kernel sweep after the tests;
 #   GPU_CHECK_WHEEL=0 leaves out the offline `pip wheel` build; GPU_CHECK_PYTEST_S caps pytest (500 s).
+# PYCCL_EXPECT_GPUS defaults to the GPU count nvidia-smi shows: every skip short of a test
+# needing more GPUs than that is a failure (set it yourself to override).
 # Writes env.txt, build.log, pytest.log, quick.txt (bench.txt, bench.json,
 # perf.png, host.txt with --bench) under $OUT (or ./gpu-out).
 set -u
@@ -46,6 +48,21 @@ fi
 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 set -o pipefail
+# The GPUs the driver shows (not torch's count: a broken torch CUDA init must fail the
+# tests, not make them skip as on a CPU machine).  With PYCCL_EXPECT_GPUS set, a skip for
+# lack of GPUs or tools is a failure, except tests needing more GPUs than this (tests/_gpu_tier.py).
+if [ -z "${PYCCL_EXPECT_GPUS:-}" ]; then
+  if ! SEEN=$(nvidia-smi -L 2>&1); then
+    echo "nvidia-smi -L failed: $SEEN"; exit 1
+  fi
+  SEEN=$(grep -c '^GPU ' <<< "$SEEN")
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then  # the ones this process may use
+    VIS=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
+    [ "$VIS" -lt "$SEEN" ] && SEEN=$VIS
+  fi
+  export PYCCL_EXPECT_GPUS=$SEEN
+fi
+echo "PYCCL_EXPECT_GPUS=$PYCCL_EXPECT_GPUS" | tee -a "$OUT/env.txt"
 if [ "${1:-}" = "--bench" ]; then
   shift
   G=$($PY -c 'import torch; print(torch.cuda.device_count())')

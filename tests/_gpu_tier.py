@@ -1,0 +1,115 @@
+"""pytest plugin (loaded by conftest.py): how many GPUs this machine has, the
+skip marker for too few, PYCCL_EXPECT_GPUS, and the pass count split into
+pyccl behaviour and benchmark tool.
+
+PYCCL_EXPECT_GPUS=N says "this machine has N usable GPUs" (tools/gpu-check.sh
+sets it from nvidia-smi).  With it:
+- a CUDA initialisation error, or torch seeing fewer than N GPUs, stops the
+  session at once with the error, instead of the GPU tier skipping as if this
+  were a CPU machine;
+- every skip is a failure, except a test that needs more GPUs than N (a 1-GPU
+  machine expects 1 and still skips the 2-GPU tests).  A missing tool (cupy,
+  mpi4py, mpirun, compute-sanitizer, pyccl built without nvcc) is a failure.
+Without it, a CUDA initialisation error still shows in every "needs N GPUs"
+skip reason.
+"""
+import faulthandler
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+_probe = None
+
+
+def expected_gpus():
+    v = os.environ.get("PYCCL_EXPECT_GPUS", "").strip()
+    return int(v) if v else None
+
+
+def _probe_gpus():
+    """(count, error text or None), once per process."""
+    global _probe
+    if _probe is None:
+        try:
+            # init() raises the real error where is_available() only says False; it is
+            # skipped on a healthy machine without PYCCL_EXPECT_GPUS (no CUDA state made
+            # in pytest's own process beyond what the tests make)
+            if expected_gpus() is not None or not torch.cuda.is_available():
+                torch.cuda.init()
+            _probe = (torch.cuda.device_count(), None)
+        except Exception as e:  # no driver / no GPU / broken CUDA install
+            _probe = (0, f"{type(e).__name__}: {e}")
+    return _probe
+
+
+def gpu_count():
+    return _probe_gpus()[0]
+
+
+def needs_gpus(n):
+    have, err = _probe_gpus()
+    why = f" (CUDA initialisation failed: {err})" if err else ""
+    return pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPUs, this machine has {have}{why}")
+
+
+def _skip_allowed(reason, expect):
+    m = re.search(r"needs (\d+) CUDA GPU", reason)
+    if m and int(m.group(1)) > expect:
+        return True
+    return "this machine has a GPU" in reason  # a test of the no-GPU path only
+
+
+def pytest_sessionstart(session):
+    expect = expected_gpus()
+    if expect is None:
+        return
+    have, err = _probe_gpus()
+    if err is not None and expect > 0:
+        pytest.exit(f"PYCCL_EXPECT_GPUS={expect}, but CUDA initialisation failed: {err}", returncode=3)
+    if have < expect:
+        pytest.exit(f"PYCCL_EXPECT_GPUS={expect}, but torch sees {have} GPUs", returncode=3)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    expect = expected_gpus()
+    if expect is None or not rep.skipped or hasattr(rep, "wasxfail"):
+        return
+    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    if not _skip_allowed(reason, expect):
+        rep.outcome = "failed"
+        rep.longrepr = (f"PYCCL_EXPECT_GPUS={expect}: this test would have been skipped "
+                        f"({reason}); on this machine that is a failure")
+
+
+@pytest.fixture(autouse=True)
+def bounded_in_process(request):
+    """In-process tests (a GPU call that never returns) get a limit too: without
+    pytest-timeout's --timeout, faulthandler dumps every thread's stack and ends pytest
+    after PYCCL_TEST_LIMIT_S (900 s; the longest multi-process test allows itself 420 s)."""
+    if getattr(request.config.option, "timeout", None):
+        yield
+        return
+    try:  # the stderr pytest's own faulthandler writes to (fd 2 itself is captured)
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+        out = request.config.stash[fault_handler_stderr_fd_key]
+    except (ImportError, KeyError):
+        out = sys.__stderr__
+    faulthandler.dump_traceback_later(float(os.environ.get("PYCCL_TEST_LIMIT_S", "900")), exit=True,
+                                      file=out)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_terminal_summary(terminalreporter):
+    passed = [r for r in terminalreporter.stats.get("passed", []) if r.when == "call"]
+    bench = sum(1 for r in passed if "bench" in r.keywords)
+    terminalreporter.write_line(f"passed: {len(passed) - bench} pyccl behaviour, {bench} benchmark tool "
+                                f"(marker 'bench')")

@@ -1,0 +1,177 @@
+"""CPU tier of the test harness itself (_ranks.py): a rank that crashes, hangs,
+or dies after reporting fails the test promptly, names the rank, and leaves no
+process behind."""
+import multiprocessing.util
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from _ranks import reserved_port, run_bounded, run_ranks
+
+
+def _ok(rank, world):
+    return rank * 10
+
+
+def _segv_on_1(rank, world):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(120)  # rank 0 waits "for its peer" forever
+
+
+def _hang(rank, world, pidfile):
+    with open(f"{pidfile}.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+
+def _crash_at_exit_on_0(rank, world):
+    if rank == 0:
+        # runs after the result is flushed to the parent (the queue's own finalizer is -5)
+        multiprocessing.util.Finalize(None, os._exit, args=(3,), exitpriority=-10)
+    return rank
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie of ours counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_results_of_every_rank():
+    assert run_ranks(_ok, 2, make_comm=False, timeout=60) == {0: 0, 1: 10}
+
+
+def test_a_crashed_rank_fails_fast_with_its_signal():
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank 1 died without reporting: killed by signal SIGSEGV \(11\)"):
+        run_ranks(_segv_on_1, 2, make_comm=False, timeout=100)
+    assert time.monotonic() - t0 < 60  # not the 100 s deadline
+
+
+def test_a_crash_after_reporting_is_a_failure():
+    with pytest.raises(AssertionError, match=r"rank 0 reported but then ended with exit code 3"):
+        run_ranks(_crash_at_exit_on_0, 2, make_comm=False, timeout=60)
+
+
+def test_a_hang_is_killed_at_the_deadline(tmp_path):
+    pidfile = str(tmp_path / "pid")
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"timed out after 8s waiting for ranks \[0, 1\]"):
+        run_ranks(_hang, 2, pidfile, make_comm=False, timeout=8)
+    assert time.monotonic() - t0 < 40
+    pids = [int(open(f"{pidfile}.{r}").read()) for r in range(2)]
+    assert all(_gone(p) for p in pids), pids
+
+
+def test_run_bounded_kills_the_whole_group(tmp_path):
+    pidfile = tmp_path / "grandchild"
+    # a launcher that starts a worker of its own, as torchrun or mpirun do
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    with pytest.raises(AssertionError, match=r"timed out after 5s; its process group was killed"):
+        run_bounded([sys.executable, "-c", code], timeout=5)
+    time.sleep(0.5)
+    assert _gone(int(pidfile.read_text()))
+
+
+def test_run_bounded_returns_like_subprocess_run():
+    r = run_bounded([sys.executable, "-c", "import sys; print('out'); sys.exit(4)"], timeout=60)
+    assert (r.returncode, r.stdout) == (4, "out\n")
+
+
+def test_reserved_port_stays_ours_and_lets_the_master_listen():
+    import socket
+
+    from pyccl.launch import _listen_fd
+
+    with reserved_port() as port:
+        with socket.socket() as other:  # someone else asking for that port is refused
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+        fd = _listen_fd("127.0.0.1", port)  # the rendezvous master is not
+        os.close(fd)
+
+
+# ---------------- PYCCL_EXPECT_GPUS (_gpu_tier.py) ----------------
+
+_SKIPPING = '''
+import pytest
+from _gpu_tier import needs_gpus
+
+@pytest.mark.bench
+def test_bench_passes():
+    pass
+
+def test_passes():
+    pass
+
+@needs_gpus(1000)
+def test_needs_more_gpus_than_any_machine():
+    pass
+
+def test_a_missing_tool():
+    pytest.skip("mpirun is not installed")
+
+@pytest.mark.skipif(True, reason="checks the no-GPU message; this machine has a GPU")
+def test_no_gpu_path_only():
+    pass
+'''
+
+
+def _pytest_on(tmp_path, expect):
+    (tmp_path / "test_skips.py").write_text(_SKIPPING)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))
+    env.pop("PYCCL_EXPECT_GPUS", None)
+    if expect is not None:
+        env["PYCCL_EXPECT_GPUS"] = str(expect)
+    return run_bounded([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-c", os.devnull,
+                        "-p", "_gpu_tier", "-W", "ignore::pytest.PytestUnknownMarkWarning",
+                        str(tmp_path / "test_skips.py")], 120, env=env, cwd=str(tmp_path))
+
+
+def test_without_expect_gpus_skips_are_skips(tmp_path):
+    r = _pytest_on(tmp_path, None)
+    assert r.returncode == 0, r.stdout
+    assert "2 passed, 3 skipped" in r.stdout, r.stdout
+    assert "passed: 1 pyccl behaviour, 1 benchmark tool" in r.stdout, r.stdout
+
+
+def test_with_expect_gpus_a_missing_tool_fails(tmp_path):
+    r = _pytest_on(tmp_path, 0)
+    assert r.returncode == 1, r.stdout
+    # needing 1000 GPUs when 0 are expected, and a no-GPU-only check, still skip
+    assert "1 failed, 2 passed, 2 skipped" in r.stdout, r.stdout
+    assert ("_ test_a_missing_tool _" in r.stdout and "PYCCL_EXPECT_GPUS=0: this test would have been "
+            "skipped (Skipped: mpirun is not installed); on this machine that is a failure" in r.stdout), r.stdout
+
+
+def test_expect_gpus_with_broken_cuda_stops_the_session(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: CUDA initialises")
+    r = _pytest_on(tmp_path, 2)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "PYCCL_EXPECT_GPUS=2, but CUDA initialisation failed" in r.stdout + r.stderr
+
+
+def test_an_in_process_hang_ends_pytest_with_stacks(tmp_path):
+    (tmp_path / "test_hang.py").write_text("import time\n\ndef test_hangs():\n    time.sleep(60)\n")
+    (tmp_path / "conftest.py").write_text("from _gpu_tier import bounded_in_process  # noqa: F401\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__)), PYCCL_TEST_LIMIT_S="2")
+    t0 = time.monotonic()
+    r = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull,
+                     "--rootdir", str(tmp_path), str(tmp_path / "test_hang.py")], 50, env=env, cwd=str(tmp_path))
+    assert time.monotonic() - t0 < 40
+    assert r.returncode != 0 and "Timeout" in r.stderr and "test_hangs" in r.stderr, (r.returncode, r.stderr[-2000:])

@@ -1,0 +1,262 @@
+"""Apply one deliberate fault at a time to a scratch copy of the tree, rebuild, run the
+tests that should notice, and print fault | tier | result (see tools/mutate.sh).
+
+Each fault is a list of exact-text replacements; a replacement whose text is not found
+exactly once is an error (the fault would otherwise test nothing).  Before the faults, the
+same tests run once on the unmodified copy: a test that fails there proves nothing.
+
+Results: caught (the tests failed), survived (they passed), untested (every selected
+test skipped, e.g. 3 GPUs needed on a 2-GPU machine), no-anchor, build-failed,
+baseline-failed.
+"""
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNEL = "csrc/kernels/allreduce.cu"
+
+FAULTS = [
+    dict(name="drop griddepcontrol.wait", tier="gpu", file=KERNEL, edits=[(
+        '    asm volatile("griddepcontrol.wait;" ::: "memory");\n', '')],
+        tests=["tests/test_fastar_gpu.py", "-k", "chained or another_stream"]),
+    dict(name="accumulate 16-bit types in 16 bits", tier="gpu3", file=KERNEL, edits=[(
+        "                acc[i] = combine<OP>(acc[i], Acc<T>::in(v[r].e[i]));\n",
+        "                acc[i] = Acc<T>::in(Acc<T>::out(combine<OP>(acc[i], Acc<T>::in(v[r].e[i]))));\n")],
+        tests=["tests/test_fastar_gpu.py", "-k", "rank_order or random_data"]),
+    dict(name="reverse the rank order on rank 1", tier="gpu3", file=KERNEL, edits=[(
+        "    A acc[N];\n#pragma unroll\n    for (int i = 0; i < N; i++) {\n        acc[i] = Acc<T>::in(v[0].e[i]);\n",
+        "    if (p.rank == 1) {\n        for (int a = 0, b = p.nranks - 1; a < b; a++, b--) {\n"
+        "            uint4 t = v[a].u; v[a].u = v[b].u; v[b].u = t;\n        }\n    }\n"
+        "    A acc[N];\n#pragma unroll\n    for (int i = 0; i < N; i++) {\n        acc[i] = Acc<T>::in(v[0].e[i]);\n")],
+        tests=["tests/test_fastar_gpu.py", "-k", "rank_order or random_data"]),
+    dict(name="skip the tail of a size not a multiple of 16 bytes", tier="gpu", file=KERNEL, edits=[(
+        "    for (size_t i = threadIdx.x; i < n; i += blockDim.x) {\n"
+        "        const size_t off = data_off + vbytes + i * sizeof(T);\n",
+        "    for (size_t i = threadIdx.x; i < n && 0; i += blockDim.x) {\n"
+        "        const size_t off = data_off + vbytes + i * sizeof(T);\n")],
+        tests=["tests/test_fastar_gpu.py", "-k", "random_data"]),
+    dict(name="skip clearing the LL area", tier="gpu", file="csrc/fastar.c", edits=None,
+         missing="nothing clears the LL area on this tree: fastar.c memsets only the first "
+                 "PYCCL_AR_DATA_OFF bytes of the region",
+         tests=["tests/test_fastar_gpu.py", "-k", "exact_every"]),
+    dict(name="wait on the wrong stream", tier="gpu", file="csrc/fastar.c", edits=[(
+        "                a->cudaStreamWaitEvent(s, f->order, 0);\n",
+        "                a->cudaStreamWaitEvent(f->last_stream, f->order, 0);\n")],
+        tests=["tests/test_fastar_gpu.py", "-k", "another_stream"]),
+    dict(name="skip the liveness check after argument parsing (wait)", tier="cpu", file="csrc/watchdog.c",
+         edits=[('    if (st == NULL || pyccl_comm_alive(st, "wait", c) < 0) {\n',
+                 '    if (st == NULL) {\n')],
+         tests=["tests/test_timeout_cpu.py"]),
+    dict(name="drop the GIL release around a blocking wait", tier="cpu", file="csrc/watchdog.c", edits=[
+        ("    wt->next_signals = now_s() + PYCCL_SIGNAL_PERIOD;\n    wt->ts = PyEval_SaveThread();\n}\n",
+         "    wt->next_signals = now_s() + PYCCL_SIGNAL_PERIOD;\n    wt->ts = NULL;\n}\n"),
+        ("static void\nwaiter_finish(waiter *wt)\n{\n    PyEval_RestoreThread(wt->ts);\n}\n",
+         "static void\nwaiter_finish(waiter *wt)\n{\n    (void)wt;\n}\n"),
+        ("        PyEval_RestoreThread(wt->ts);\n        int r = PyErr_CheckSignals();\n"
+         "        wt->ts = PyEval_SaveThread();\n",
+         "        int r = PyErr_CheckSignals();\n")],
+        tests=["tests/test_timeout_cpu.py"]),
+    dict(name="leak the peer buffer on destroy", tier="gpu", file="csrc/fastar.c", edits=[(
+        "            if (free_base) {\n                a->cudaFree(base);\n            }\n",
+        "            (void)free_base;\n            (void)base; /* MUTANT: never freed */\n")],
+        tests=["tests/test_fastar_gpu.py", "-k", "destroy_after"]),
+    dict(name="watchdog fires at half the timeout", tier="cpu", file="csrc/watchdog.c", edits=[(
+        "    if (w->nq > 0 && now - w->q[0].t > w->timeout) {\n",
+        "    if (w->nq > 0 && now - w->q[0].t > w->timeout / 2) {\n")],
+        tests=["tests/test_timeout_cpu.py"]),
+    dict(name="broadcast from rank 0 whatever the root", tier="gpu", file="csrc/enqueue.c", edits=[(
+        "        return a->ncclBroadcast(t->send, t->recv, t->count, type, t->peer,\n",
+        "        return a->ncclBroadcast(t->send, t->recv, t->count, type, 0,\n")],
+        tests=["tests/test_nccl_gpu.py", "-k", "broadcast_honours_root"]),
+    dict(name="drop-in raises ValueError for TypeError", tier="cpu", file="csrc/python_nccl.c", edits=[(
+        '            PyErr_Format(PyExc_TypeError, "expected Tensor at %zd (got %.200s)",\n',
+        '            PyErr_Format(PyExc_ValueError, "expected Tensor at %zd (got %.200s)",\n')],
+        tests=["tests/test_bad_input.py", "tests/test_nccl_cpu.py"]),
+]
+
+
+_SKIP_DIRS = {".git", "build", "__pycache__", "gpu-out", ".pytest_cache", "dist"}
+
+
+def tree_files(src):
+    """The tree's source files: git's list where there is a repository, else a walk that
+    leaves out build products (a copy of the tree without .git, as on the device)."""
+    r = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=src,
+                       capture_output=True, text=True)
+    if r.returncode == 0 and r.stdout:
+        return [f for f in r.stdout.split("\0") if f]
+    files = []
+    for d, dirs, names in os.walk(src):
+        dirs[:] = [x for x in dirs if x not in _SKIP_DIRS and not x.endswith(".egg-info")]
+        for n in names:
+            if n != ".git" and not n.endswith((".so", ".pyc", ".o", ".fatbin")):
+                files.append(os.path.relpath(os.path.join(d, n), src))
+    return files
+
+
+def copy_tree(src, dst):
+    for f in tree_files(src):
+        s = os.path.join(src, f)
+        if not os.path.isfile(s):
+            continue
+        d = os.path.join(dst, f)
+        os.makedirs(os.path.dirname(d), exist_ok=True)
+        shutil.copy2(s, d)
+
+
+def apply(fault, root):
+    """Patch the copy; the anchors' problems as a string, or None."""
+    if fault["edits"] is None:
+        return fault["missing"]
+    path = os.path.join(root, fault["file"])
+    text = open(path).read()
+    for old, new in fault["edits"]:
+        n = text.count(old)
+        if n != 1:
+            return f"anchor found {n} times in {fault['file']}: {old.strip()[:70]!r}"
+        text = text.replace(old, new)
+    open(path, "w").write(text)
+    return None
+
+
+def _child_signals():
+    # started from a background job, SIGINT arrives ignored: the ^C tests need it live
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def bounded(cmd, cwd, timeout, env):
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True, preexec_fn=_child_signals)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        return 124, out + f"\n[timed out after {timeout} s; process group killed]"
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # leftovers of the run
+    except (ProcessLookupError, PermissionError):
+        pass
+    return p.returncode, out
+
+
+def build(root, env, gpu):
+    e = dict(env)
+    if gpu:
+        e["PYCCL_REQUIRE_KERNELS"] = "1"
+    return bounded([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], root, 900, e)
+
+
+def run_tests(root, tests, env, timeout):
+    e = dict(env, PYTHONPATH=root)
+    return bounded([sys.executable, "-m", "pytest", "-q", "-rfEs", "-x", "-p", "no:cacheprovider", *tests],
+                   root, timeout, e)
+
+
+def verdict(rc, out):
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    if rc == 0:
+        if not re.search(r"\d+ passed", last):
+            return "untested"  # all skipped
+        return "survived"
+    if rc == 5:
+        return "untested"  # nothing collected/selected
+    return "caught"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tier", choices=["cpu", "gpu", "all"], default="all")
+    ap.add_argument("--only", action="append", default=[], help="fault name substring (repeatable)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copies")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per pytest run")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+    faults = [f for f in FAULTS
+              if (args.tier == "all" or f["tier"].startswith(args.tier))
+              and (not args.only or any(o in f["name"] for o in args.only))]
+    if args.list:
+        for f in faults:
+            print(f"{f['name']} | {f['tier']} | {' '.join(f['tests'])}")
+        return 0
+    env = dict(os.environ)
+    env.setdefault("PYCCL_CUDA_ARCHS", "90")
+    gpu = args.tier != "cpu"
+    rows = []
+    scratch_root = tempfile.mkdtemp(prefix="pyccl-mutate-")
+    print(f"scratch: {scratch_root}", flush=True)
+
+    # the unmodified copy, once: builds, and every test set passes there
+    base = os.path.join(scratch_root, "baseline")
+    copy_tree(ROOT, base)
+    rc, out = build(base, env, gpu)
+    if rc != 0:
+        print(out[-3000:])
+        print("baseline build failed")
+        return 2
+    baseline = {}
+    for f in faults:
+        key = tuple(f["tests"])
+        if key in baseline or f["edits"] is None:
+            continue
+        t0 = time.monotonic()
+        rc, out = run_tests(base, f["tests"], env, args.timeout)
+        baseline[key] = (rc, out)
+        print(f"baseline {' '.join(key)}: rc={rc} ({time.monotonic() - t0:.0f} s) "
+              f"{out.strip().splitlines()[-1] if out.strip() else ''}", flush=True)
+        if rc != 0:
+            print(out[-3000:])
+
+    for i, f in enumerate(faults):
+        work = os.path.join(scratch_root, f"fault{i}")
+        copy_tree(ROOT, work)
+        # the baseline's build products (older than the patched file, which is rebuilt)
+        if os.path.isdir(os.path.join(base, "build")):
+            shutil.copytree(os.path.join(base, "build"), os.path.join(work, "build"))
+        problem = apply(f, work)
+        if problem:
+            rows.append((f, "no-anchor", problem))
+            print(f"[{f['name']}] NO ANCHOR: {problem}", flush=True)
+            continue
+        brc, bout = baseline[tuple(f["tests"])]
+        if brc != 0:
+            rows.append((f, "baseline-failed", "the tests fail without the fault"))
+            continue
+        rc, out = build(work, env, gpu or f["tier"] != "cpu")
+        if rc != 0:
+            rows.append((f, "build-failed", out.strip().splitlines()[-1] if out.strip() else ""))
+            print(f"[{f['name']}] build failed:\n{out[-2000:]}", flush=True)
+            continue
+        t0 = time.monotonic()
+        rc, out = run_tests(work, f["tests"], env, args.timeout)
+        v = verdict(rc, out)
+        last = out.strip().splitlines()[-1] if out.strip() else ""
+        failed = [l.split(" - ")[0].split("::", 1)[-1] for l in out.splitlines()
+                  if l.startswith(("FAILED ", "ERROR "))]
+        if failed:
+            last = f"{last}; first failure {failed[0]}"
+        rows.append((f, v, f"{last} ({time.monotonic() - t0:.0f} s)"))
+        print(f"[{f['name']}] {v}: {last}", flush=True)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(scratch_root, ignore_errors=True)
+
+    print()
+    print("| fault | tier | result | tests | last pytest line |")
+    print("|---|---|---|---|---|")
+    for f, v, note in rows:
+        print(f"| {f['name']} | {f['tier']} | {v} | {' '.join(f['tests'])} | {note} |")
+    bad = [r for r in rows if r[1] != "caught"]
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
