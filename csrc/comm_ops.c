@@ -412,7 +412,7 @@ finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop, int made)
             rc = pyccl_enqueue_timed(x->st, x->op, tasks, n, redop, &x->c, 1);
         }
         else if ((rc = pyccl_comm_note_stream(x->c, tasks[0].stream)) == 0) {
-            rc = pyccl_enqueue(x->st, x->op, tasks, n, redop, NULL);
+            rc = pyccl_enqueue(x->st, x->op, tasks, n, redop, NULL, &x->c, 1);
         }
         x->c->inflight--;
     }
@@ -1219,7 +1219,7 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         Py_RETURN_NONE;
     }
     c->inflight++;
-    int rc = pyccl_enqueue(x.st, "barrier", &tk, 1, ncclSum, NULL);
+    int rc = pyccl_enqueue(x.st, "barrier", &tk, 1, ncclSum, NULL, &c, 1);
     c->inflight--;
     if (rc < 0) {
         return NULL;
@@ -1312,11 +1312,13 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
             slot = &((pyccl_comm *)child)->comm;
         }
         char last[512] = "";
+        pyccl_comm_lock(x.c); /* a short call: no GIL release around it */
         ncclResult_t r = api->ncclCommSplit(x.c->comm, color, key, slot, NULL);
+        if (r != ncclSuccess && api->ncclGetLastError) {
+            strncpy(last, api->ncclGetLastError(x.c->comm), sizeof last - 1);
+        }
+        pthread_mutex_unlock(&x.c->mu);
         if (r != ncclSuccess) {
-            if (api->ncclGetLastError) {
-                strncpy(last, api->ncclGetLastError(x.c->comm), sizeof last - 1);
-            }
             Py_XDECREF(child); /* stays pending until the group ends */
             pyccl_raise_nccl(x.st, "split", r, last);
             return NULL;
@@ -1332,6 +1334,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     char last[512] = "";
     x.c->inflight++;
     Py_BEGIN_ALLOW_THREADS
+    pyccl_comms_lock(&x.c, 1);
     r = api->ncclCommSplit(x.c->comm, color, key, &nc, NULL);
     if (r == ncclSuccess && nc != NULL) {
         r = api->ncclCommUserRank(nc, &rank);
@@ -1342,6 +1345,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     if (r != ncclSuccess && api->ncclGetLastError) {
         strncpy(last, api->ncclGetLastError(x.c->comm), sizeof last - 1);
     }
+    pyccl_comms_unlock(&x.c, 1);
     Py_END_ALLOW_THREADS
     x.c->inflight--;
     if (r != ncclSuccess) {

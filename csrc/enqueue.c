@@ -80,7 +80,8 @@ pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
 
 int
 pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
-              Py_ssize_t n, int redop, PyThread_type_lock serialize)
+              Py_ssize_t n, int redop, PyThread_type_lock serialize,
+              pyccl_comm *const *comms, Py_ssize_t ncomms)
 {
     const pyccl_api *a = &st->api;
     ncclResult_t r;
@@ -90,7 +91,9 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
     if (serialize != NULL) {
         PyThread_acquire_lock(serialize, WAIT_LOCK);
     }
+    pyccl_comms_lock(comms, ncomms); /* one thread at a time in NCCL */
     r = pyccl_enqueue_calls(a, tasks, n, redop, last, sizeof last);
+    pyccl_comms_unlock(comms, ncomms);
     if (serialize != NULL) {
         PyThread_release_lock(serialize);
     }

@@ -7,6 +7,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <pthread.h>
 #include <stdint.h>
 
 /* Python 3.9-3.12 spellings of calls this code uses in their 3.13 form. */
@@ -255,6 +256,13 @@ typedef struct {
     cudaStream_t *streams;   /* PyMem_Malloc'd */
     int nstreams;
     struct pyccl_fastar *fastar; /* own all-reduce state (fastar.c), NULL until first use */
+    /* Held around every NCCL call on `comm` of a communicator without a
+     * watch (a watch's own mutex serves the others): NCCL communicators are
+     * not thread-safe.  Taken with the GIL released (pyccl_comm_lock waits
+     * without it), so no GIL holder ever blocks on it; `watch` changes from
+     * NULL only under it (abort). */
+    pthread_mutex_t mu;
+    int setups;          /* own-kernel set-ups in flight (counted in inflight too) */
 } pyccl_comm;
 extern PyType_Spec pyccl_comm_spec;
 int pyccl_is_comm(pyccl_state *st, PyObject *obj);
@@ -272,6 +280,13 @@ PyObject *pyccl_init_ranks(pyccl_state *st, PyObject *nranks, PyObject *uid,
 int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
 /* -1 with RuntimeError when c was destroyed. */
 int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
+/* c->mu with the GIL held: released while waiting for the lock. */
+void pyccl_comm_lock(pyccl_comm *c);
+/* With the GIL released: the locks of the distinct communicators of cs that
+ * have no watch, in address order (one order for every thread); unlock the
+ * same list while still holding them. */
+void pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n);
+void pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n);
 
 /* ---- comm_ops.c: Communicator methods (METH_FASTCALL | METH_KEYWORDS) ---- */
 #define PYCCL_COMM_OPS(X)                                                     \
@@ -333,9 +348,12 @@ typedef struct {
 /* Enqueue the tasks as one NCCL group (no group for a single task), GIL
  * released around exactly the NCCL calls; -1 with NcclError on failure.
  * `serialize`, when not NULL, is held around the group: communicators shared
- * between threads must see their groups in one order on every rank. */
+ * between threads must see their groups in one order on every rank.  The
+ * locks of `comms` (the tasks' communicators, none with a watch; NULL for
+ * a clique's, which `serialize` covers) are held around the calls too. */
 int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
-                  Py_ssize_t n, int redop, PyThread_type_lock serialize);
+                  Py_ssize_t n, int redop, PyThread_type_lock serialize,
+                  pyccl_comm *const *comms, Py_ssize_t ncomms);
 /* The NCCL calls of pyccl_enqueue alone (no GIL handling, no exception):
  * NCCL's result, with ncclGetLastError's text copied into `last` on error. */
 ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks,

@@ -455,7 +455,11 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
                              st, op, tasks, n, redop,
                              (pyccl_comm *const *)PySequence_Fast_ITEMS(comms), n)
                        : pyccl_enqueue(st, op, tasks, n, redop,
-                                       have_comms ? NULL : st->clique_call_lock);
+                                       have_comms ? NULL : st->clique_call_lock,
+                                       have_comms ? (pyccl_comm *const *)
+                                                        PySequence_Fast_ITEMS(comms)
+                                                  : NULL,
+                                       have_comms ? n : 0);
         for (Py_ssize_t i = 0; have_comms && i < n; i++) {
             ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight--;
         }

@@ -742,7 +742,9 @@ lock_watch(struct pyccl_watch *w)
 int
 pyccl_comm_enter(pyccl_state *st, const char *op, pyccl_comm *c)
 {
+    (void)op;
     if (c->watch == NULL) {
+        pyccl_comm_lock(c); /* abort() cannot change watch while it is held */
         return 0;
     }
     c->inflight++; /* destroy() waits for pyccl_comm_leave */
@@ -761,6 +763,9 @@ pyccl_comm_leave(pyccl_comm *c)
     if (c->watch != NULL) {
         pthread_mutex_unlock(&c->watch->mu);
         c->inflight--;
+    }
+    else {
+        pthread_mutex_unlock(&c->mu);
     }
 }
 
@@ -1062,7 +1067,11 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
         for (int j = 0; j < nw; j++) {
             call_begin(ws[j]);
         }
+        /* communicators without a watch in the same call (NCCL refuses
+         * the group, but only at its end) */
+        pyccl_comms_lock(comms, ncomms);
         r = pyccl_enqueue_calls(a, tasks, n, redop, last, sizeof last);
+        pyccl_comms_unlock(comms, ncomms);
         for (int j = 0; j < nw; j++) {
             call_end(ws[j], op);
         }
@@ -1825,21 +1834,25 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
 static int
 mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
 {
-    ncclComm_t comm = c->comm;
     const pyccl_api *a = &st->api;
-    c->comm = NULL;
-    if (comm != NULL && a->loaded) {
-        Py_BEGIN_ALLOW_THREADS
-        a->ncclCommAbort(comm);
-        Py_END_ALLOW_THREADS
-    }
     struct pyccl_watch *w = new_watch(st, c, NULL, 0.0);
     if (w == NULL) {
         return -1;
     }
     snprintf(w->reason, sizeof w->reason, "%s", reason);
     w->failed = kind;
+    /* Under c's lock: no other thread is inside NCCL on the handle (an
+     * own-kernel set-up waits between its calls), and none uses it after. */
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&c->mu);
+    ncclComm_t comm = c->comm;
+    c->comm = NULL;
+    if (comm != NULL && a->loaded) {
+        a->ncclCommAbort(comm);
+    }
     c->watch = w;
+    pthread_mutex_unlock(&c->mu);
+    Py_END_ALLOW_THREADS
     return 0;
 }
 

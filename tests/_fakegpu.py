@@ -562,6 +562,46 @@ def threads_share_comm():
     return get("ops")
 
 
+def threads_share_untimed():
+    """Threads on communicators without a timeout (NCCL's blocking kind):
+    every NCCL call on one communicator is still made by one thread at a
+    time (the fake counts overlapping entries per communicator)."""
+    put("op_time", 0.0001)
+    c0 = pyccl.Communicator(2, pyccl.unique_id(), 0, device=0)
+    c1 = pyccl.Communicator(2, pyccl.unique_id(), 0, device=1)
+    assert c0.timeout is None and c1.timeout is None
+    errs = []
+
+    def work(k):
+        try:
+            a, b = Array([1.0] * 8), Tensor([1.0] * 8, 0)
+            t0, t1 = Tensor([1.0, 2.0], 0), Tensor([3.0, 4.0], 1)
+            for i in range(150):
+                c0.all_reduce(a, algo="nccl")
+                if i % 10 == k:
+                    c0.barrier()
+                    c0.all_reduce(a, op=pyccl.premul_sum(0.5))
+                pyccl.nccl.all_reduce([b], comms=[c0])
+                # one NCCL group over both: the locks in one order everywhere
+                if k % 2:
+                    pyccl.nccl.all_reduce([t1, t0], comms=[c1, c0])
+                else:
+                    pyccl.nccl.all_reduce([t0, t1], comms=[c0, c1])
+        except BaseException as e:  # noqa: BLE001
+            errs.append(e)
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errs, errs
+    assert get("ops") >= 4 * 150 * 3, get("ops")
+    c0.destroy()
+    c1.destroy()
+    clean()
+    return get("concurrent")
+
+
 def launch_queue_full():
     """The launch itself blocks behind a stuck kernel while holding the
     communicator's lock: the watchdog gives up on it after timeout + 1 s."""

@@ -150,6 +150,7 @@ def run_fake(lib, scenario, timeout=60):
     "drop_in",                 # pyccl.nccl with comms=[timed communicator]
     "two_comms_one_call",      # pyccl.nccl over two watched communicators in one NCCL group
     "threads_share_comm",      # four threads on one communicator: never two inside NCCL
+    "threads_share_untimed",   # the same without a timeout: Communicator methods and pyccl.nccl
     "second_device_only",      # the watchdog makes no CUDA context on a device the rank does not use
     "launch_queue_full",       # a launch blocked behind the stuck kernel: aborted after timeout + 1 s
     "lifecycle",               # destroyed on GC and by `with`; 50 create/use/destroy leave nothing
