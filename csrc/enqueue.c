@@ -9,7 +9,53 @@
  * group state stays balanced and the process stays usable. */
 #include "pyccl.h"
 
+#include <stdint.h>
 #include <string.h>
+
+/* The next communicator of cs after `after` in address order that has no
+ * watch (each once, however often cs repeats it). */
+static pyccl_comm *
+next_untimed(pyccl_comm *const *cs, Py_ssize_t n, uintptr_t after)
+{
+    pyccl_comm *next = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uintptr_t p = (uintptr_t)cs[i];
+        if (cs[i]->watch == NULL && p > after && (next == NULL || p < (uintptr_t)next)) {
+            next = cs[i];
+        }
+    }
+    return next;
+}
+
+void
+pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n)
+{
+    if (n == 1) { /* the Communicator methods: no search */
+        if (cs[0]->watch == NULL) {
+            pthread_mutex_lock(&cs[0]->mu);
+        }
+        return;
+    }
+    for (pyccl_comm *c = next_untimed(cs, n, 0); c != NULL;
+         c = next_untimed(cs, n, (uintptr_t)c)) {
+        pthread_mutex_lock(&c->mu);
+    }
+}
+
+void
+pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n)
+{
+    if (n == 1) {
+        if (cs[0]->watch == NULL) {
+            pthread_mutex_unlock(&cs[0]->mu);
+        }
+        return;
+    }
+    for (pyccl_comm *c = next_untimed(cs, n, 0); c != NULL;
+         c = next_untimed(cs, n, (uintptr_t)c)) {
+        pthread_mutex_unlock(&c->mu);
+    }
+}
 
 static ncclResult_t
 enqueue_one(const pyccl_api *a, const pyccl_task *t, int redop)

@@ -282,11 +282,6 @@ int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
 int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
 /* c->mu with the GIL held: released while waiting for the lock. */
 void pyccl_comm_lock(pyccl_comm *c);
-/* With the GIL released: the locks of the distinct communicators of cs that
- * have no watch, in address order (one order for every thread); unlock the
- * same list while still holding them. */
-void pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n);
-void pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n);
 
 /* ---- comm_ops.c: Communicator methods (METH_FASTCALL | METH_KEYWORDS) ---- */
 #define PYCCL_COMM_OPS(X)                                                     \
@@ -359,6 +354,11 @@ int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
 ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks,
                                  Py_ssize_t n, int redop, char *last,
                                  size_t last_size);
+/* With the GIL released: the locks (mu) of the distinct communicators of cs
+ * that have no watch, in address order (one order for every thread);
+ * unlock the same list while still holding them. */
+void pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n);
+void pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n);
 
 /* ---- watchdog.c: communicators created with timeout= ----
  * Such a communicator is an NCCL non-blocking one (ncclConfig_t.blocking = 0):
