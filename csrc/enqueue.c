@@ -27,34 +27,33 @@ next_untimed(pyccl_comm *const *cs, Py_ssize_t n, uintptr_t after)
     return next;
 }
 
-void
-pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n)
+/* `op` (lock or unlock) on each communicator of cs without a watch, in
+ * address order, so that two calls over the same set never deadlock. */
+static void
+each_untimed(pyccl_comm *const *cs, Py_ssize_t n, int (*op)(pthread_mutex_t *))
 {
     if (n == 1) { /* the Communicator methods: no search */
         if (cs[0]->watch == NULL) {
-            pthread_mutex_lock(&cs[0]->mu);
+            op(&cs[0]->mu);
         }
         return;
     }
     for (pyccl_comm *c = next_untimed(cs, n, 0); c != NULL;
          c = next_untimed(cs, n, (uintptr_t)c)) {
-        pthread_mutex_lock(&c->mu);
+        op(&c->mu);
     }
+}
+
+void
+pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n)
+{
+    each_untimed(cs, n, pthread_mutex_lock);
 }
 
 void
 pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n)
 {
-    if (n == 1) {
-        if (cs[0]->watch == NULL) {
-            pthread_mutex_unlock(&cs[0]->mu);
-        }
-        return;
-    }
-    for (pyccl_comm *c = next_untimed(cs, n, 0); c != NULL;
-         c = next_untimed(cs, n, (uintptr_t)c)) {
-        pthread_mutex_unlock(&c->mu);
-    }
+    each_untimed(cs, n, pthread_mutex_unlock);
 }
 
 static ncclResult_t
