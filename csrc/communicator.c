@@ -897,3 +897,44 @@ done:
     Py_XDECREF(devices);
     return list;
 }
+
+/* The outermost group of this thread ended: the communicators split inside it
+ * now hold what NCCL wrote (NULL if the group failed). */
+void
+pyccl_resolve_pending_splits(pyccl_state *st)
+{
+    PyObject *keep = PyList_New(0);
+    PyObject *me = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    if (keep == NULL || me == NULL) {
+        /* out of memory: keep every entry alive rather than free too early */
+        Py_XDECREF(keep);
+        Py_XDECREF(me);
+        PyErr_Clear();
+        return;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(st->pending_splits);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(st->pending_splits, i);
+        PyObject *owner = PyTuple_GET_ITEM(item, 1);
+        int mine = PyObject_RichCompareBool(owner, me, Py_EQ);
+        if (mine == 1) {
+            ((pyccl_comm *)PyTuple_GET_ITEM(item, 0))->pending = 0;
+        } else if (PyList_Append(keep, item) < 0) {
+            PyErr_Clear();
+        }
+    }
+    Py_DECREF(me);
+    Py_SETREF(st->pending_splits, keep);
+}
+
+int
+pyccl_add_pending_split(pyccl_state *st, PyObject *comm)
+{
+    PyObject *item = Py_BuildValue("(Ok)", comm, PyThread_get_thread_ident());
+    if (item == NULL) {
+        return -1;
+    }
+    int r = PyList_Append(st->pending_splits, item);
+    Py_DECREF(item);
+    return r;
+}

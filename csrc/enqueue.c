@@ -149,3 +149,38 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
     }
     return 0;
 }
+
+/* pyccl.group() nesting on this thread: NCCL's group state is per thread. */
+static _Thread_local int group_depth;
+
+int
+pyccl_group_depth(void)
+{
+    return group_depth;
+}
+
+/* ncclGroupStart (start) or ncclGroupEnd, GIL released around exactly
+ * that call, the thread's depth following it. */
+ncclResult_t
+pyccl_group_call(pyccl_state *st, int start, char *last, size_t last_size,
+                 int *outermost)
+{
+    ncclResult_t r;
+    const pyccl_api *a = &st->api;
+    *outermost = 0;
+    /* the end of a group launches its work, and may block on peers */
+    Py_BEGIN_ALLOW_THREADS
+    r = start ? a->ncclGroupStart() : a->ncclGroupEnd();
+    if (r != ncclSuccess && a->ncclGetLastError) {
+        strncpy(last, a->ncclGetLastError(NULL), last_size - 1);
+    }
+    Py_END_ALLOW_THREADS
+    if (start) {
+        group_depth += r == ncclSuccess;
+    }
+    else {
+        /* NCCL leaves the group level even when the end fails */
+        *outermost = --group_depth == 0;
+    }
+    return r;
+}

@@ -152,12 +152,6 @@ typedef struct {
     struct pyccl_watchdog *watchdog; /* the watchdog thread, started on first use */
 } pyccl_state;
 
-/* ---- python_nccl.c ---- */
-/* Depth of pyccl.group() on the calling thread (NCCL groups are per thread). */
-int pyccl_group_depth(void);
-/* Keep a communicator split inside a group alive until the group ends. */
-int pyccl_add_pending_split(pyccl_state *st, PyObject *comm);
-
 /* ---- module.c ---- */
 pyccl_state *pyccl_state_of_type(PyTypeObject *tp);
 
@@ -282,6 +276,10 @@ int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
 int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
 /* c->mu with the GIL held: released while waiting for the lock. */
 void pyccl_comm_lock(pyccl_comm *c);
+/* Keep a communicator split inside a group alive until the group ends. */
+int pyccl_add_pending_split(pyccl_state *st, PyObject *comm);
+/* The outermost group of this thread ended: its splits are ready. */
+void pyccl_resolve_pending_splits(pyccl_state *st);
 
 /* ---- comm_ops.c: Communicator methods (METH_FASTCALL | METH_KEYWORDS) ---- */
 #define PYCCL_COMM_OPS(X)                                                     \
@@ -359,6 +357,14 @@ ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks,
  * unlock the same list while still holding them. */
 void pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n);
 void pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n);
+/* Depth of pyccl.group() on the calling thread (NCCL groups are per thread). */
+int pyccl_group_depth(void);
+/* ncclGroupStart (start) or ncclGroupEnd with the GIL released; NCCL's
+ * result, with ncclGetLastError's text copied into `last` on error.
+ * *outermost: this ended the thread's outermost group (even when failing:
+ * NCCL leaves the group level then too). */
+ncclResult_t pyccl_group_call(pyccl_state *st, int start, char *last,
+                              size_t last_size, int *outermost);
 
 /* ---- watchdog.c: communicators created with timeout= ----
  * Such a communicator is an NCCL non-blocking one (ncclConfig_t.blocking = 0):

@@ -615,56 +615,6 @@ nccl_init_ranks(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     return pyccl_init_ranks(st, args[0], args[1], args[2], args[3]);
 }
 
-/* pyccl.group() nesting on this thread: NCCL's group state is per thread. */
-static _Thread_local int group_depth;
-
-int
-pyccl_group_depth(void)
-{
-    return group_depth;
-}
-
-/* The outermost group of this thread ended: the communicators split inside it
- * now hold what NCCL wrote (NULL if the group failed). */
-static void
-resolve_pending_splits(pyccl_state *st)
-{
-    PyObject *keep = PyList_New(0);
-    PyObject *me = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
-    if (keep == NULL || me == NULL) {
-        /* out of memory: keep every entry alive rather than free too early */
-        Py_XDECREF(keep);
-        Py_XDECREF(me);
-        PyErr_Clear();
-        return;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(st->pending_splits);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(st->pending_splits, i);
-        PyObject *owner = PyTuple_GET_ITEM(item, 1);
-        int mine = PyObject_RichCompareBool(owner, me, Py_EQ);
-        if (mine == 1) {
-            ((pyccl_comm *)PyTuple_GET_ITEM(item, 0))->pending = 0;
-        } else if (PyList_Append(keep, item) < 0) {
-            PyErr_Clear();
-        }
-    }
-    Py_DECREF(me);
-    Py_SETREF(st->pending_splits, keep);
-}
-
-int
-pyccl_add_pending_split(pyccl_state *st, PyObject *comm)
-{
-    PyObject *item = Py_BuildValue("(Ok)", comm, PyThread_get_thread_ident());
-    if (item == NULL) {
-        return -1;
-    }
-    int r = PyList_Append(st->pending_splits, item);
-    Py_DECREF(item);
-    return r;
-}
-
 /* _nccl_group_start() / _nccl_group_end(): pyccl.group()'s two halves. */
 static PyObject *
 nccl_group(PyObject *m, int start)
@@ -674,34 +624,22 @@ nccl_group(PyObject *m, int start)
     if (pyccl_load(st, op) < 0) {
         return NULL;
     }
-    if (!start && group_depth == 0) {
+    if (!start && pyccl_group_depth() == 0) {
         PyErr_SetString(PyExc_RuntimeError,
                         "group end: no pyccl.group() is open on this thread");
         return NULL;
     }
-    ncclResult_t r;
     char last[512] = "";
-    const pyccl_api *a = &st->api;
-    /* the end of a group launches its work, and may block on peers */
-    Py_BEGIN_ALLOW_THREADS
-    r = start ? a->ncclGroupStart() : a->ncclGroupEnd();
-    if (r != ncclSuccess && a->ncclGetLastError) {
-        strncpy(last, a->ncclGetLastError(NULL), sizeof last - 1);
-    }
-    Py_END_ALLOW_THREADS
-    if (start) {
-        group_depth += r == ncclSuccess;
-    } else {
-        /* NCCL leaves the group level even when the end fails */
-        if (--group_depth == 0) {
-            resolve_pending_splits(st);
-            /* communicators with a timeout: poll and track the group's work
-             * (ncclInProgress is how a non-blocking group ends) */
-            if (pyccl_watch_group_end(st, r) < 0) {
-                return NULL;
-            }
-            r = r == ncclInProgress ? ncclSuccess : r;
+    int outermost = 0;
+    ncclResult_t r = pyccl_group_call(st, start, last, sizeof last, &outermost);
+    if (outermost) {
+        pyccl_resolve_pending_splits(st);
+        /* communicators with a timeout: poll and track the group's work
+         * (ncclInProgress is how a non-blocking group ends) */
+        if (pyccl_watch_group_end(st, r) < 0) {
+            return NULL;
         }
+        r = r == ncclInProgress ? ncclSuccess : r;
     }
     if (r != ncclSuccess) {
         pyccl_raise_nccl(st, op, r, last);
