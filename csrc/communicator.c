@@ -12,6 +12,22 @@
 
 #include <string.h>
 
+/* The module state of the Communicator type (or a method's type), with torch
+ * looked up; NULL with RuntimeError once the interpreter tears it down. */
+pyccl_state *
+pyccl_state_of_type(PyTypeObject *tp)
+{
+    pyccl_state *st = PyType_GetModuleState(tp);
+    if (st != NULL && st->cliques == NULL) { /* torn down at interpreter exit */
+        PyErr_SetString(PyExc_RuntimeError, "pyccl: the interpreter is shutting down");
+        return NULL;
+    }
+    if (st != NULL && pyccl_torch_init(st) < 0) {
+        return NULL;
+    }
+    return st;
+}
+
 int
 pyccl_is_comm(pyccl_state *st, PyObject *obj)
 {

@@ -6,20 +6,6 @@
 
 extern PyMethodDef pyccl_nccl_methods[];
 
-pyccl_state *
-pyccl_state_of_type(PyTypeObject *tp)
-{
-    pyccl_state *st = PyType_GetModuleState(tp);
-    if (st != NULL && st->cliques == NULL) { /* torn down at interpreter exit */
-        PyErr_SetString(PyExc_RuntimeError, "pyccl: the interpreter is shutting down");
-        return NULL;
-    }
-    if (st != NULL && pyccl_torch_init(st) < 0) {
-        return NULL;
-    }
-    return st;
-}
-
 /* _set_library_candidates(nccl_paths, cudart_paths): where to look for the
  * libraries when torch has not loaded them (pyccl/_libs.py computes these). */
 static PyObject *

@@ -152,9 +152,6 @@ typedef struct {
     struct pyccl_watchdog *watchdog; /* the watchdog thread, started on first use */
 } pyccl_state;
 
-/* ---- module.c ---- */
-pyccl_state *pyccl_state_of_type(PyTypeObject *tp);
-
 /* ---- loader.c ---- */
 /* Resolve NCCL and the CUDA runtime (torch's copies when loaded); -1 with an
  * exception naming `op` when they cannot be found. */
@@ -260,6 +257,9 @@ typedef struct {
 } pyccl_comm;
 extern PyType_Spec pyccl_comm_spec;
 int pyccl_is_comm(pyccl_state *st, PyObject *obj);
+/* The module state behind the Communicator type, torch looked up; NULL with
+ * an exception at interpreter exit. */
+pyccl_state *pyccl_state_of_type(PyTypeObject *tp);
 /* Borrowed tuple of n communicators over `devices`, created once. */
 PyObject *pyccl_clique(pyccl_state *st, const char *op, const int *devices,
                        Py_ssize_t n);
