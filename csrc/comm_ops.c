@@ -365,11 +365,9 @@ read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
     ncclResult_t r = x->st->api.ncclRedOpCreatePreMulSum(
         &op, &buf, (ncclDataType_t)type, ncclScalarHostImmediate, x->c->comm);
     pyccl_comm_leave(x->c);
-    if (r != ncclSuccess) {
-        pyccl_raise_nccl(x->st, x->op, r,
-                         x->st->api.ncclGetLastError
-                             ? x->st->api.ncclGetLastError(x->c->comm)
-                             : NULL);
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
+    if (pyccl_nccl_failed(&x->st->api, r, x->c->comm, last, sizeof last)) {
+        pyccl_raise_nccl(x->st, x->op, r, last);
         return -1;
     }
     *redop = (int)op;
@@ -1311,12 +1309,10 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
             ((pyccl_comm *)child)->pending = 1;
             slot = &((pyccl_comm *)child)->comm;
         }
-        char last[512] = "";
+        char last[PYCCL_LAST_ERROR_SIZE] = "";
         pyccl_comm_lock(x.c); /* a short call: no GIL release around it */
         ncclResult_t r = api->ncclCommSplit(x.c->comm, color, key, slot, NULL);
-        if (r != ncclSuccess && api->ncclGetLastError) {
-            strncpy(last, api->ncclGetLastError(x.c->comm), sizeof last - 1);
-        }
+        pyccl_nccl_failed(api, r, x.c->comm, last, sizeof last);
         pthread_mutex_unlock(&x.c->mu);
         if (r != ncclSuccess) {
             Py_XDECREF(child); /* stays pending until the group ends */
@@ -1331,7 +1327,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     ncclComm_t nc = NULL;
     ncclResult_t r;
     int rank = -1, size = 0;
-    char last[512] = "";
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
     x.c->inflight++;
     Py_BEGIN_ALLOW_THREADS
     pyccl_comms_lock(&x.c, 1);
@@ -1342,9 +1338,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
             r = api->ncclCommCount(nc, &size);
         }
     }
-    if (r != ncclSuccess && api->ncclGetLastError) {
-        strncpy(last, api->ncclGetLastError(x.c->comm), sizeof last - 1);
-    }
+    pyccl_nccl_failed(api, r, x.c->comm, last, sizeof last);
     pyccl_comms_unlock(&x.c, 1);
     Py_END_ALLOW_THREADS
     x.c->inflight--;

@@ -275,7 +275,7 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
     }
     ncclComm_t comm = NULL;
     ncclResult_t r;
-    char last[512] = "";
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
     if (timeout > 0) {
         /* non-blocking, bounded by the timeout, interruptible */
         if (pyccl_watch_init(st, op, &comm, nranks, &uid, rank, device,
@@ -299,9 +299,7 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
     ce = a->cudaSetDevice(device);
     if (ce == cudaSuccess) {
         r = a->ncclCommInitRank(&comm, nranks, uid, rank);
-        if (r != ncclSuccess && a->ncclGetLastError) {
-            strncpy(last, a->ncclGetLastError(NULL), sizeof last - 1);
-        }
+        pyccl_nccl_failed(a, r, NULL, last, sizeof last);
         a->cudaSetDevice(prev);
     }
     else {
@@ -729,13 +727,11 @@ pyccl_clique(pyccl_state *st, const char *op, const int *devices,
         goto unlock;
     }
     ncclResult_t r;
-    char last[512] = "";
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
     const pyccl_api *a = &st->api;
     Py_BEGIN_ALLOW_THREADS
     r = a->ncclCommInitAll(comms, (int)n, devices);
-    if (r != ncclSuccess && a->ncclGetLastError) {
-        strncpy(last, a->ncclGetLastError(NULL), sizeof last - 1);
-    }
+    pyccl_nccl_failed(a, r, NULL, last, sizeof last);
     Py_END_ALLOW_THREADS
     if (r != ncclSuccess) {
         pyccl_raise_nccl(st, op, r, last);
@@ -864,7 +860,7 @@ pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
         }
     }
     ncclResult_t r = ncclSuccess, r2;
-    char last[512] = "";
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
     Py_BEGIN_ALLOW_THREADS
     a->cudaGetDevice(&prev);
     r = a->ncclGroupStart();
@@ -876,9 +872,7 @@ pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
     if (r == ncclSuccess) {
         r = r2;
     }
-    if (r != ncclSuccess && a->ncclGetLastError) {
-        strncpy(last, a->ncclGetLastError(NULL), sizeof last - 1);
-    }
+    pyccl_nccl_failed(a, r, NULL, last, sizeof last);
     a->cudaSetDevice(prev);
     Py_END_ALLOW_THREADS
     if (r != ncclSuccess) {

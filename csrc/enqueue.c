@@ -10,7 +10,6 @@
 #include "pyccl.h"
 
 #include <stdint.h>
-#include <string.h>
 
 /* The next communicator of cs after `after` in address order that has no
  * watch (each once, however often cs repeats it). */
@@ -117,8 +116,8 @@ pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
     }
     /* ncclInProgress is no error: a non-blocking communicator is still
      * working on the call (watchdog.c polls it). */
-    if (r != ncclSuccess && r != ncclInProgress && a->ncclGetLastError) {
-        strncpy(last, a->ncclGetLastError(failed), last_size - 1);
+    if (r != ncclSuccess && r != ncclInProgress) {
+        pyccl_nccl_failed(a, r, failed, last, last_size);
     }
     return r;
 }
@@ -130,7 +129,7 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
 {
     const pyccl_api *a = &st->api;
     ncclResult_t r;
-    char last[512] = "";
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
     Py_BEGIN_ALLOW_THREADS
     /* Taken without the GIL: a holder may be waiting for the GIL. */
     if (serialize != NULL) {
@@ -171,9 +170,7 @@ pyccl_group_call(pyccl_state *st, int start, char *last, size_t last_size,
     /* the end of a group launches its work, and may block on peers */
     Py_BEGIN_ALLOW_THREADS
     r = start ? a->ncclGroupStart() : a->ncclGroupEnd();
-    if (r != ncclSuccess && a->ncclGetLastError) {
-        strncpy(last, a->ncclGetLastError(NULL), last_size - 1);
-    }
+    pyccl_nccl_failed(a, r, NULL, last, last_size);
     Py_END_ALLOW_THREADS
     if (start) {
         group_depth += r == ncclSuccess;

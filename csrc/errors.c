@@ -58,6 +58,20 @@ raise_with_attrs(PyObject *type, PyObject *msg, int code, const char *errstr,
     }
 }
 
+int
+pyccl_nccl_failed(const pyccl_api *a, ncclResult_t r, ncclComm_t comm,
+                  char *last, size_t size)
+{
+    if (r == ncclSuccess) {
+        return 0;
+    }
+    if (a->ncclGetLastError != NULL && size > 0) {
+        strncpy(last, a->ncclGetLastError(comm), size - 1);
+        last[size - 1] = '\0';
+    }
+    return 1;
+}
+
 void
 pyccl_raise_nccl(pyccl_state *st, const char *op, ncclResult_t res,
                  const char *last)

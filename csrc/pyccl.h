@@ -160,6 +160,15 @@ int pyccl_load(pyccl_state *st, const char *op);
 int pyccl_nccl_version(pyccl_state *st, const char *op);
 
 /* ---- errors.c ---- */
+/* Room for ncclGetLastError's text, as the bindings keep it. */
+#define PYCCL_LAST_ERROR_SIZE 512
+/* An NCCL call returned r: when it failed, copy ncclGetLastError(comm)
+ * (comm NULL for calls on none, e.g. init) into last[size] (left as is when
+ * the library lacks the call).  No Python API: call it on the thread that made
+ * the call, before the GIL is taken back, as NCCL keeps the text per thread
+ * and the next call overwrites it.  Returns non-zero when r is a failure. */
+int pyccl_nccl_failed(const pyccl_api *a, ncclResult_t r, ncclComm_t comm,
+                      char *last, size_t size);
 /* Raise NcclError for `res`; `last` is ncclGetLastError text or NULL. */
 void pyccl_raise_nccl(pyccl_state *st, const char *op, ncclResult_t res,
                       const char *last);

@@ -578,13 +578,11 @@ nccl_unique_id(PyObject *m, PyObject *Py_UNUSED(ignored))
     }
     ncclUniqueId id;
     ncclResult_t r;
-    char last[512] = "";
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
     const pyccl_api *a = &st->api;
     Py_BEGIN_ALLOW_THREADS
     r = a->ncclGetUniqueId(&id);
-    if (r != ncclSuccess && a->ncclGetLastError) {
-        strncpy(last, a->ncclGetLastError(NULL), sizeof last - 1);
-    }
+    pyccl_nccl_failed(a, r, NULL, last, sizeof last);
     Py_END_ALLOW_THREADS
     if (r != ncclSuccess) {
         pyccl_raise_nccl(st, "unique_id", r, last);
@@ -629,7 +627,7 @@ nccl_group(PyObject *m, int start)
                         "group end: no pyccl.group() is open on this thread");
         return NULL;
     }
-    char last[512] = "";
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
     int outermost = 0;
     ncclResult_t r = pyccl_group_call(st, start, last, sizeof last, &outermost);
     if (outermost) {
