@@ -7,58 +7,12 @@
  * all_to_all, gather, scatter) become one NCCL group of broadcast/reduce or
  * send/recv rows, so they stay zero-copy. */
 #include "pyccl.h"
+#include "args.h"
 
 #include <limits.h>
 #include <string.h>
 
 /* ---------------- argument parsing ---------------- */
-
-/* names[0..npos) may be positional, the rest keyword-only; the first nreq
- * are required.  out[i] is a borrowed reference or NULL. */
-static int
-parse_args(const char *op, PyObject *const *args, Py_ssize_t nargs,
-           PyObject *kwnames, const char *const *names, int nnames, int npos,
-           int nreq, PyObject **out)
-{
-    memset(out, 0, sizeof(PyObject *) * (size_t)nnames);
-    if (nargs > npos) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s() takes at most %d positional arguments (%zd given)",
-                     op, npos, nargs);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < nargs; i++) {
-        out[i] = args[i];
-    }
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    for (Py_ssize_t k = 0; k < nkw; k++) {
-        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
-        int j = 0;
-        while (j < nnames && PyUnicode_CompareWithASCIIString(key, names[j]) != 0) {
-            j++;
-        }
-        if (j == nnames) {
-            PyErr_Format(PyExc_TypeError,
-                         "%s() got an unexpected keyword argument '%U'", op, key);
-            return -1;
-        }
-        if (out[j] != NULL) {
-            PyErr_Format(PyExc_TypeError,
-                         "%s() got multiple values for argument '%s'", op,
-                         names[j]);
-            return -1;
-        }
-        out[j] = args[nargs + k];
-    }
-    for (int j = 0; j < nreq; j++) {
-        if (out[j] == NULL) {
-            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'",
-                         op, names[j]);
-            return -1;
-        }
-    }
-    return 0;
-}
 
 /* ---------------- shared checks ---------------- */
 
@@ -176,25 +130,15 @@ slot_or_apart(call_ctx *x, const char *small_what, const pyccl_tensor *small,
 static int
 read_rank(call_ctx *x, const char *what, PyObject *obj, int *out)
 {
-    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s: %s must be an int, got %.200s",
-                     x->op, what, Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    int overflow;
-    long v = PyLong_AsLongAndOverflow(obj, &overflow);
-    if (v == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    if (overflow || v < 0 || v >= x->c->size) {
+    int r = pyccl_read_bounded(x->op, what, obj, 0, x->c->size - 1, out);
+    if (r > 0) {
         PyErr_Format(PyExc_ValueError,
                      "%s: %s=%S is out of range for a communicator of size %d "
                      "(ranks are 0..%d)",
                      x->op, what, obj, x->c->size, x->c->size - 1);
         return -1;
     }
-    *out = (int)v;
-    return 0;
+    return r;
 }
 
 static int
@@ -499,7 +443,7 @@ pyccl_comm_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     cudaStream_t s;
     int type, redop, made;
     pyccl_algo algo;
-    if (parse_args("all_reduce", args, nargs, kwnames, names, 5, 2, 1, a) < 0 ||
+    if (pyccl_parse_args("all_reduce", args, nargs, kwnames, names, 5, 2, 1, a) < 0 ||
         ctx_init(&x, self, "all_reduce") < 0 ||
         read_on_comm(&x, "tensor", a[0], &t) < 0) {
         return NULL;
@@ -552,7 +496,7 @@ rooted(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     int root, type, redop = 0, made = 0;
     size_t count;
     if (is_reduce) {
-        if (parse_args(op, args, nargs, kwnames, rnames, 5, 3, 2, a) < 0) {
+        if (pyccl_parse_args(op, args, nargs, kwnames, rnames, 5, 3, 2, a) < 0) {
             return NULL;
         }
         opobj = a[2];
@@ -560,7 +504,7 @@ rooted(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         streamobj = a[4];
     }
     else {
-        if (parse_args(op, args, nargs, kwnames, bnames, 4, 2, 2, a) < 0) {
+        if (pyccl_parse_args(op, args, nargs, kwnames, bnames, 4, 2, 2, a) < 0) {
             return NULL;
         }
         outobj = a[2];
@@ -626,7 +570,7 @@ pyccl_comm_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     int type;
     size_t count;
     int64_t whole;
-    if (parse_args("all_gather", args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
+    if (pyccl_parse_args("all_gather", args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
         ctx_init(&x, self, "all_gather") < 0 ||
         read_on_comm(&x, "input", a[0], &in) < 0 ||
         get_stream(&x, a[2], &s) < 0) {
@@ -684,7 +628,7 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
     cudaStream_t s;
     int type, redop, made = 0;
     int64_t whole;
-    if (parse_args("reduce_scatter", args, nargs, kwnames, names, 4, 3, 2, a) < 0 ||
+    if (pyccl_parse_args("reduce_scatter", args, nargs, kwnames, names, 4, 3, 2, a) < 0 ||
         ctx_init(&x, self, "reduce_scatter") < 0 ||
         read_on_comm(&x, "output", a[1], &out) < 0 ||
         get_stream(&x, a[3], &s) < 0) {
@@ -751,7 +695,7 @@ p2p(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
     cudaStream_t s;
     int peer, type;
     size_t count;
-    if (parse_args(op, args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
+    if (pyccl_parse_args(op, args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
         ctx_init(&x, self, op) < 0 || read_on_comm(&x, "tensor", a[0], &t) < 0 ||
         read_rank(&x, "peer", a[1], &peer) < 0 || get_stream(&x, a[2], &s) < 0) {
         return NULL;
@@ -825,7 +769,7 @@ pyccl_comm_all_to_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     chunks in = {0}, out = {0};
     pyccl_task *tasks = NULL;
     cudaStream_t s;
-    if (parse_args("all_to_all", args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
+    if (pyccl_parse_args("all_to_all", args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
         ctx_init(&x, self, "all_to_all") < 0 || get_stream(&x, a[2], &s) < 0) {
         return NULL;
     }
@@ -1025,7 +969,7 @@ pyccl_comm_all_to_all_single(PyObject *self, PyObject *const *args,
     pyccl_task *tasks = NULL;
     int64_t *isp = NULL, *osp = NULL;
     cudaStream_t s;
-    if (parse_args("all_to_all_single", args, nargs, kwnames, names, 5, 4, 2, a) < 0 ||
+    if (pyccl_parse_args("all_to_all_single", args, nargs, kwnames, names, 5, 4, 2, a) < 0 ||
         ctx_init(&x, self, "all_to_all_single") < 0 ||
         read_on_comm(&x, "input", a[0], &in) < 0 ||
         read_on_comm(&x, "output", a[1], &out) < 0 ||
@@ -1102,7 +1046,7 @@ gather_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     int root;
     PyObject *tobj, *manyobj;
     const char *many_what = is_gather ? "outputs" : "inputs";
-    if (parse_args(op, args, nargs, kwnames, is_gather ? gnames : snames, 4, 3,
+    if (pyccl_parse_args(op, args, nargs, kwnames, is_gather ? gnames : snames, 4, 3,
                    3, a) < 0 ||
         ctx_init(&x, self, op) < 0) {
         return NULL;
@@ -1175,7 +1119,7 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     PyObject *a[1];
     call_ctx x;
     cudaStream_t s;
-    if (parse_args("barrier", args, nargs, kwnames, names, 1, 0, 0, a) < 0 ||
+    if (pyccl_parse_args("barrier", args, nargs, kwnames, names, 1, 0, 0, a) < 0 ||
         ctx_init(&x, self, "barrier") < 0 || get_stream(&x, a[0], &s) < 0 ||
         pyccl_comm_alive(x.st, "barrier", x.c) < 0) { /* after the stream's code */
         return NULL;
@@ -1247,44 +1191,25 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     PyObject *a[2];
     call_ctx x;
     int color, key;
-    if (parse_args("split", args, nargs, kwnames, names, 2, 2, 1, a) < 0 ||
+    if (pyccl_parse_args("split", args, nargs, kwnames, names, 2, 2, 1, a) < 0 ||
         ctx_init(&x, self, "split") < 0) {
         return NULL;
     }
-    if (!PyLong_Check(a[0]) || PyBool_Check(a[0])) {
-        PyErr_Format(PyExc_TypeError, "split: color must be an int, got %.200s",
-                     Py_TYPE(a[0])->tp_name);
+    int rc = pyccl_read_bounded("split", "color", a[0], 0, INT32_MAX, &color);
+    if (rc < 0) {
         return NULL;
     }
-    int overflow;
-    long v = PyLong_AsLongAndOverflow(a[0], &overflow);
-    if (v == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (overflow > 0 || v > INT32_MAX) {
+    if (rc == PYCCL_ABOVE) {
         PyErr_Format(PyExc_ValueError, "split: color=%S is out of range", a[0]);
         return NULL;
     }
-    if (overflow < 0) {
-        v = -1; /* any negative color: not a member */
+    if (rc == PYCCL_BELOW) {
+        color = NCCL_SPLIT_NOCOLOR; /* any negative color: not a member */
     }
-    color = v < 0 ? NCCL_SPLIT_NOCOLOR : (int)v;
     key = x.c->rank;
-    if (a[1] != NULL && a[1] != Py_None) {
-        if (!PyLong_Check(a[1]) || PyBool_Check(a[1])) {
-            PyErr_Format(PyExc_TypeError, "split: key must be an int, got %.200s",
-                         Py_TYPE(a[1])->tp_name);
-            return NULL;
-        }
-        long k = PyLong_AsLongAndOverflow(a[1], &overflow);
-        if (k == -1 && PyErr_Occurred()) {
-            return NULL;
-        }
-        if (overflow || k < INT32_MIN || k > INT32_MAX) {
-            PyErr_Format(PyExc_ValueError, "split: key=%S is out of range", a[1]);
-            return NULL;
-        }
-        key = (int)k;
+    if (a[1] != NULL && a[1] != Py_None &&
+        pyccl_read_int("split", "key", a[1], &key) < 0) {
+        return NULL;
     }
     const pyccl_api *api = &x.st->api;
     if (api->ncclCommSplit == NULL) {
@@ -1364,7 +1289,7 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
     const char *op = "all_reduce_coalesced";
     PyObject *a[3];
     call_ctx x;
-    if (parse_args(op, args, nargs, kwnames, names, 3, 2, 1, a) < 0 ||
+    if (pyccl_parse_args(op, args, nargs, kwnames, names, 3, 2, 1, a) < 0 ||
         ctx_init(&x, self, op) < 0) {
         return NULL;
     }

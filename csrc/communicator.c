@@ -9,6 +9,7 @@
  * it is an NCCL non-blocking communicator under the watchdog (watchdog.c),
  * which then owns its handle. */
 #include "pyccl.h"
+#include "args.h"
 
 #include <string.h>
 
@@ -161,54 +162,6 @@ destroy_comm(pyccl_state *st, pyccl_comm *c, int may_raise)
     return r;
 }
 
-static int
-read_unique_id(const char *op, PyObject *uid, ncclUniqueId *out)
-{
-    Py_buffer view;
-    if (!PyObject_CheckBuffer(uid) || PyUnicode_Check(uid)) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s: unique_id must be bytes (from unique_id()), got %.200s",
-                     op, Py_TYPE(uid)->tp_name);
-        return -1;
-    }
-    if (PyObject_GetBuffer(uid, &view, PyBUF_SIMPLE) < 0) {
-        return -1;
-    }
-    if (view.len != NCCL_UNIQUE_ID_BYTES) {
-        /* torch's text (without torch's SystemError on Python >= 3.10) */
-        PyErr_Format(PyExc_RuntimeError,
-                     "invalid unique_id (expected %d bytes, got %zd)",
-                     NCCL_UNIQUE_ID_BYTES, view.len);
-        PyBuffer_Release(&view);
-        return -1;
-    }
-    memcpy(out->internal, view.buf, NCCL_UNIQUE_ID_BYTES);
-    PyBuffer_Release(&view);
-    return 0;
-}
-
-int
-pyccl_read_int(const char *op, const char *what, PyObject *obj, int *out)
-{
-    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s: %s must be an int, got %.200s", op,
-                     what, Py_TYPE(obj)->tp_name);
-        return -1;
-    }
-    int overflow;
-    long v = PyLong_AsLongAndOverflow(obj, &overflow);
-    if (v == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    if (overflow || v < INT32_MIN || v > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "%s: %s=%S is out of range", op, what,
-                     obj);
-        return -1;
-    }
-    *out = (int)v;
-    return 0;
-}
-
 /* Shared by Communicator() and _nccl_init_rank(). */
 static PyObject *
 comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
@@ -219,7 +172,7 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
     double timeout = 0.0;
     ncclUniqueId uid;
     if (pyccl_read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
-        read_unique_id(op, uid_obj, &uid) < 0 ||
+        pyccl_read_unique_id(op, uid_obj, &uid) < 0 ||
         pyccl_read_int(op, "rank", rank_obj, &rank) < 0) {
         return NULL;
     }
@@ -790,7 +743,7 @@ pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
     int *rk = NULL, *dv = NULL;
     ncclComm_t *comms = NULL;
     if (pyccl_read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
-        read_unique_id(op, uid_obj, &uid) < 0) {
+        pyccl_read_unique_id(op, uid_obj, &uid) < 0) {
         return NULL;
     }
     ranks = PySequence_Fast(ranks_obj, "init_ranks: ranks must be a sequence of ints");

@@ -233,8 +233,6 @@ int pyccl_stream(pyccl_state *st, const char *op, const char *what,
 PyObject *pyccl_dtype_name(const pyccl_tensor *t);
 
 /* ---- communicator.c ---- */
-/* An int argument that fits in C int: TypeError / ValueError naming op and what. */
-int pyccl_read_int(const char *op, const char *what, PyObject *obj, int *out);
 typedef struct {
     PyObject_HEAD
     ncclComm_t comm;     /* NULL once destroyed */

@@ -5,6 +5,7 @@
  * reduced natively, bool is never reduced as bytes, and NCCL errors raise
  * NcclError instead of terminating the process. */
 #include "pyccl.h"
+#include "args.h"
 
 #include <string.h>
 
@@ -20,17 +21,6 @@ get_state(PyObject *module)
         return NULL;
     }
     return st;
-}
-
-static int
-check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
-{
-    if (nargs != want) {
-        PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)",
-                     name, want, nargs);
-        return -1;
-    }
-    return 0;
 }
 
 /* A collection of tensors (any iterable but a tensor), as a private tuple:
@@ -489,7 +479,7 @@ static const coll_desc REDUCE_SCATTER = {PYCCL_REDUCE_SCATTER, "reduce_scatter",
 static PyObject *
 nccl_all_reduce(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("_nccl_all_reduce", nargs, 5) < 0) {
+    if (pyccl_check_nargs("_nccl_all_reduce", nargs, 5) < 0) {
         return NULL;
     }
     return collective(m, &ALL_REDUCE, args[0], args[1], NULL, args[2],
@@ -500,7 +490,7 @@ nccl_all_reduce(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 nccl_reduce(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("_nccl_reduce", nargs, 6) < 0) {
+    if (pyccl_check_nargs("_nccl_reduce", nargs, 6) < 0) {
         return NULL;
     }
     return collective(m, &REDUCE, args[0], args[1], args[2], args[3], args[4],
@@ -511,7 +501,7 @@ nccl_reduce(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 nccl_broadcast(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("_nccl_broadcast", nargs, 4) < 0) {
+    if (pyccl_check_nargs("_nccl_broadcast", nargs, 4) < 0) {
         return NULL;
     }
     return collective(m, &BROADCAST, args[0], NULL, args[1], NULL, args[2],
@@ -522,7 +512,7 @@ nccl_broadcast(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 nccl_all_gather(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("_nccl_all_gather", nargs, 4) < 0) {
+    if (pyccl_check_nargs("_nccl_all_gather", nargs, 4) < 0) {
         return NULL;
     }
     if (args[1] == Py_None) {
@@ -537,7 +527,7 @@ nccl_all_gather(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 nccl_reduce_scatter(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("_nccl_reduce_scatter", nargs, 5) < 0) {
+    if (pyccl_check_nargs("_nccl_reduce_scatter", nargs, 5) < 0) {
         return NULL;
     }
     if (args[1] == Py_None) {
@@ -595,7 +585,7 @@ nccl_unique_id(PyObject *m, PyObject *Py_UNUSED(ignored))
 static PyObject *
 nccl_init_rank(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("_nccl_init_rank", nargs, 3) < 0) {
+    if (pyccl_check_nargs("_nccl_init_rank", nargs, 3) < 0) {
         return NULL;
     }
     pyccl_state *st = PyModule_GetState(m);
@@ -606,7 +596,7 @@ nccl_init_rank(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 nccl_init_ranks(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("_nccl_init_ranks", nargs, 4) < 0) {
+    if (pyccl_check_nargs("_nccl_init_ranks", nargs, 4) < 0) {
         return NULL;
     }
     pyccl_state *st = PyModule_GetState(m);
