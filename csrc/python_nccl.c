@@ -119,353 +119,442 @@ check_in_place(const char *op, const coll_desc *d, Py_ssize_t i, int rank,
                                "the same memory");
 }
 
-static PyObject *
-collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
-           PyObject *outputs_obj, PyObject *root_obj, PyObject *redop_obj,
-           PyObject *streams_obj, PyObject *comms_obj)
-{
-    const char *op = d->op;
-    pyccl_state *st = get_state(module);
-    if (st == NULL) {
-        return NULL;
-    }
-    PyObject *inputs = NULL, *outputs = NULL, *streams = NULL, *comms = NULL;
-    PyObject *ref_dtype = NULL;
-    void *block = NULL;
-    PyObject *result = NULL;
-    int redop = 0, root = 0;
+/* One _nccl_* call while it is checked and enqueued: what the steps below
+ * read, and what the end of the call releases. */
+typedef struct {
+    pyccl_state *st;
+    const coll_desc *d;
+    const char *op;
+    /* private tuples (see tensor_seq, optional_seq); outputs NULL: in place,
+     * or reduce's single output (outputs_obj) */
+    PyObject *inputs, *outputs, *streams, *comms;
+    PyObject *outputs_obj;
+    PyObject *ref_dtype;  /* the dtype every tensor must have */
+    Py_ssize_t n;         /* number of inputs: one per local device */
+    int have_comms;       /* comms given (else the clique of the devices) */
+    int has_root, root, redop, nranks;
+    /* per-index state in one block: input and output descriptors, devices,
+     * tasks */
+    void *block;
+    pyccl_tensor *tin, *tout;
+    pyccl_task *tasks;
+    int *devices;
+    Py_ssize_t root_idx;  /* the local index that is reduce's root; -1: none */
+    int type;             /* ncclDataType_t */
+    size_t count;
+} nccl_call;
 
-    inputs = tensor_seq(st, inputs_obj, op, "inputs");
-    if (inputs == NULL) {
-        goto error;
+static pyccl_comm *
+call_comm(const nccl_call *x, Py_ssize_t i)
+{
+    return (pyccl_comm *)PySequence_Fast_GET_ITEM(x->comms, i);
+}
+
+/* The sequences, in torch's order of checks; comms live and sized. */
+static int
+read_sequences(nccl_call *x, PyObject *inputs_obj, PyObject *streams_obj,
+               PyObject *comms_obj)
+{
+    pyccl_state *st = x->st;
+    const char *op = x->op;
+    x->inputs = tensor_seq(st, inputs_obj, op, "inputs");
+    if (x->inputs == NULL) {
+        return -1;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(inputs);
-    int single_output = d->coll == PYCCL_REDUCE;
+    Py_ssize_t n = x->n = PySequence_Fast_GET_SIZE(x->inputs);
+    PyObject *outputs_obj = x->outputs_obj;
+    int single_output = x->d->coll == PYCCL_REDUCE;
     if (!single_output && outputs_obj != NULL && outputs_obj != Py_None) {
-        outputs = tensor_seq(st, outputs_obj, op, "outputs");
-        if (outputs == NULL) {
-            goto error;
+        x->outputs = tensor_seq(st, outputs_obj, op, "outputs");
+        if (x->outputs == NULL) {
+            return -1;
         }
     }
     else if (single_output && outputs_obj != Py_None &&
              !pyccl_is_tensor(st, outputs_obj)) {
         PyErr_Format(PyExc_TypeError, "%s: output must be a Tensor or None, "
                      "got %.200s", op, Py_TYPE(outputs_obj)->tp_name);
-        goto error;
+        return -1;
     }
-    streams = optional_seq(streams_obj, n, op, "streams",
-                           "number of streams is not equal to number of inputs");
-    if (streams == NULL) {
-        goto error;
+    x->streams = optional_seq(streams_obj, n, op, "streams",
+                              "number of streams is not equal to number of inputs");
+    if (x->streams == NULL) {
+        return -1;
     }
-    comms = optional_seq(comms_obj, n, op, "comms",
-                         "number of communicators is not equal to number of inputs");
-    if (comms == NULL) {
-        goto error;
+    x->comms = optional_seq(comms_obj, n, op, "comms",
+                            "number of communicators is not equal to number of inputs");
+    if (x->comms == NULL) {
+        return -1;
     }
-    int have_comms = comms != Py_None;
-    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-        PyObject *c = PySequence_Fast_GET_ITEM(comms, i);
+    x->have_comms = x->comms != Py_None;
+    for (Py_ssize_t i = 0; x->have_comms && i < n; i++) {
+        PyObject *c = PySequence_Fast_GET_ITEM(x->comms, i);
         if (!pyccl_is_comm(st, c)) {
             PyErr_Format(PyExc_TypeError,
                          "%s: comms[%zd] must be a pyccl Communicator (from "
                          "init_rank), got %.200s",
                          op, i, Py_TYPE(c)->tp_name);
-            goto error;
+            return -1;
         }
         if (pyccl_comm_alive(st, op, (pyccl_comm *)c) < 0 ||
             pyccl_comm_refresh(st, op, (pyccl_comm *)c) < 0) {
-            goto error;
+            return -1;
         }
     }
     if (n == 0) {
         PyErr_SetString(PyExc_RuntimeError, "input sequence can't be empty");
-        goto error;
+        return -1;
     }
-    if (outputs != NULL && PySequence_Fast_GET_SIZE(outputs) != n) {
+    if (x->outputs != NULL && PySequence_Fast_GET_SIZE(x->outputs) != n) {
         PyErr_Format(PyExc_RuntimeError,
                      "inputs and outputs sequences have to be of the same "
                      "length, but got input of length %zd and output of "
                      "length %zd",
-                     n, PySequence_Fast_GET_SIZE(outputs));
-        goto error;
+                     n, PySequence_Fast_GET_SIZE(x->outputs));
+        return -1;
     }
+    return 0;
+}
+
+/* op= and root= (NULL: the collective has none). */
+static int
+read_op_and_root(nccl_call *x, PyObject *redop_obj, PyObject *root_obj)
+{
+    const char *op = x->op;
     if (redop_obj != NULL) {
-        if (pyccl_read_int(op, "op", redop_obj, &redop) < 0) {
-            goto error;
+        if (pyccl_read_int(op, "op", redop_obj, &x->redop) < 0) {
+            return -1;
         }
         /* With user communicators, values past AVG may be ops the user made
          * on them (premul_sum); NCCL checks those. */
-        if (redop < 0 || (!have_comms && redop > ncclAvg)) {
+        if (x->redop < 0 || (!x->have_comms && x->redop > ncclAvg)) {
             PyErr_Format(PyExc_ValueError,
                          "%s: op=%d is not a reduction op (SUM=0, PROD=1, "
                          "MAX=2, MIN=3, AVG=4)",
-                         op, redop);
-            goto error;
+                         op, x->redop);
+            return -1;
         }
     }
-    int nranks = have_comms
-                     ? ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, 0))->size
-                     : (int)n;
+    x->nranks = x->have_comms ? call_comm(x, 0)->size : (int)x->n;
+    x->has_root = root_obj != NULL;
     if (root_obj != NULL) {
-        if (pyccl_read_int(op, "root", root_obj, &root) < 0) {
-            goto error;
+        if (pyccl_read_int(op, "root", root_obj, &x->root) < 0) {
+            return -1;
         }
-        if (root < 0 || root >= nranks) {
+        if (x->root < 0 || x->root >= x->nranks) {
             PyErr_SetString(PyExc_RuntimeError, "invalid root");
-            goto error;
+            return -1;
         }
     }
+    return 0;
+}
 
-    /* Per-index state in one block: input and output descriptors, devices,
-     * tasks. */
-    size_t sz = (size_t)n * (2 * sizeof(pyccl_tensor) + sizeof(int) +
-                             sizeof(pyccl_task));
-    block = PyMem_Calloc(1, sz);
-    if (block == NULL) {
-        PyErr_NoMemory();
-        goto error;
+/* inputs[i] and, when given, outputs[i]: dtype, sizes, devices, overlap. */
+static int
+read_pair(nccl_call *x, Py_ssize_t i)
+{
+    pyccl_state *st = x->st;
+    const char *op = x->op;
+    pyccl_tensor *tin = x->tin, *tout = x->tout;
+    PyObject *in = PySequence_Fast_GET_ITEM(x->inputs, i);
+    char what[32];
+    PyOS_snprintf(what, sizeof what, "inputs[%zd]", i);
+    if (pyccl_check_tensor(st, op, what, in, &x->ref_dtype, &tin[i]) < 0) {
+        return -1;
     }
-    pyccl_tensor *tin = block;
-    pyccl_tensor *tout = tin + n;
-    pyccl_task *tasks = (pyccl_task *)(tout + n);
-    int *devices = (int *)(tasks + n);
-
-    /* The local index that is the root of a reduce (-1: none here). */
-    Py_ssize_t root_idx = -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *in = PySequence_Fast_GET_ITEM(inputs, i);
-        char what[32];
-        PyOS_snprintf(what, sizeof what, "inputs[%zd]", i);
-        if (pyccl_check_tensor(st, op, what, in, &ref_dtype, &tin[i]) < 0) {
-            goto error;
+    if (tin[i].numel != tin[0].numel) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "all inputs must have the same number of elements");
+        return -1;
+    }
+    int rank_i = x->have_comms ? call_comm(x, i)->rank : (int)i;
+    int size_i = x->have_comms ? call_comm(x, i)->size : (int)x->n;
+    if (x->has_root && rank_i == x->root) {
+        x->root_idx = i;
+    }
+    if (x->outputs != NULL) {
+        PyObject *out = PySequence_Fast_GET_ITEM(x->outputs, i);
+        PyOS_snprintf(what, sizeof what, "outputs[%zd]", i);
+        if (pyccl_check_tensor(st, op, what, out, &x->ref_dtype, &tout[i]) < 0) {
+            return -1;
         }
-        if (tin[i].numel != tin[0].numel) {
+        if (tout[i].device != tin[i].device) {
             PyErr_SetString(PyExc_RuntimeError,
-                            "all inputs must have the same number of elements");
-            goto error;
+                            "input and output must be on the same device");
+            return -1;
         }
-        int rank_i = have_comms
-                         ? ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->rank
-                         : (int)i;
-        int size_i = have_comms
-                         ? ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->size
-                         : (int)n;
-        if (root_obj != NULL && rank_i == root) {
-            root_idx = i;
+        /* torch's rule, output * out_mult == input * in_mult, with N the
+         * communicator's rank count (torch uses len(inputs)). */
+        int64_t lhs, rhs;
+        PyOS_snprintf(what, sizeof what, "outputs[%zd]", i);
+        if (pyccl_mul_size(op, what, tout[i].numel,
+                           x->d->in_mult_is_n ? size_i : 1, "the world size",
+                           &lhs) < 0 ||
+            pyccl_mul_size(op, "inputs[0]", tin[0].numel,
+                           x->d->out_mult_is_n ? size_i : 1, "the world size",
+                           &rhs) < 0) {
+            return -1;
         }
-        if (outputs != NULL) {
-            PyObject *out = PySequence_Fast_GET_ITEM(outputs, i);
-            PyOS_snprintf(what, sizeof what, "outputs[%zd]", i);
-            if (pyccl_check_tensor(st, op, what, out, &ref_dtype, &tout[i]) < 0) {
-                goto error;
-            }
-            if (tout[i].device != tin[i].device) {
-                PyErr_SetString(PyExc_RuntimeError,
-                                "input and output must be on the same device");
-                goto error;
-            }
-            /* torch's rule, output * out_mult == input * in_mult, with N the
-             * communicator's rank count (torch uses len(inputs)). */
-            int64_t lhs, rhs;
-            PyOS_snprintf(what, sizeof what, "outputs[%zd]", i);
-            if (pyccl_mul_size(op, what, tout[i].numel,
-                               d->in_mult_is_n ? size_i : 1, "the world size",
-                               &lhs) < 0 ||
-                pyccl_mul_size(op, "inputs[0]", tin[0].numel,
-                               d->out_mult_is_n ? size_i : 1, "the world size",
-                               &rhs) < 0) {
-                goto error;
-            }
-            if (lhs != rhs) {
-                PyErr_SetString(PyExc_RuntimeError,
-                                "output must be of size input_size * "
-                                "size_multiplier");
-                goto error;
-            }
-            if (check_in_place(op, d, i, rank_i, &tin[i], &tout[i]) < 0) {
-                goto error;
-            }
+        if (lhs != rhs) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "output must be of size input_size * "
+                            "size_multiplier");
+            return -1;
         }
-        else {
-            tout[i] = tin[i]; /* in place */
+        if (check_in_place(op, x->d, i, rank_i, &tin[i], &tout[i]) < 0) {
+            return -1;
         }
-        for (Py_ssize_t j = 0; j < i; j++) {
-            if (devices[j] == tin[i].device) {
-                PyErr_SetString(PyExc_RuntimeError,
-                                "inputs must be on unique devices");
-                goto error;
-            }
-        }
-        devices[i] = tin[i].device;
-        if (have_comms) {
-            pyccl_comm *c = (pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i);
-            if (c->device != tin[i].device) {
-                PyErr_Format(PyExc_RuntimeError,
-                             "%s: inputs[%zd] is on cuda:%d but comms[%zd] "
-                             "(rank %d) is on cuda:%d",
-                             op, i, tin[i].device, i, c->rank, c->device);
-                goto error;
-            }
-        }
-    }
-    if (single_output) {
-        /* reduce: one output, written on the root only; None = in place. */
-        if (outputs_obj != Py_None) {
-            pyccl_tensor o;
-            if (pyccl_check_tensor(st, op, "output", outputs_obj, &ref_dtype,
-                                   &o) < 0) {
-                goto error;
-            }
-            if (root_idx >= 0) {
-                if (o.device != tin[root_idx].device) {
-                    PyErr_SetString(PyExc_RuntimeError,
-                                    "input and output must be on the same "
-                                    "device");
-                    goto error;
-                }
-                if (o.numel != tin[0].numel) {
-                    PyErr_SetString(PyExc_RuntimeError,
-                                    "output must be of size input_size * "
-                                    "size_multiplier");
-                    goto error;
-                }
-                char in_what[32];
-                PyOS_snprintf(in_what, sizeof in_what, "inputs[%zd]", root_idx);
-                if (pyccl_check_overlap(op, "output", &o, in_what,
-                                        &tin[root_idx], 0,
-                                        "the same memory") < 0) {
-                    goto error;
-                }
-                tout[root_idx] = o;
-            }
-        }
-    }
-
-    if (pyccl_load(st, op) < 0) {
-        goto error;
-    }
-    int type;
-    size_t count;
-    if (d->reduces) {
-        type = pyccl_reduce_type(st, op, &tin[0]);
-        if (type < 0) {
-            goto error;
-        }
-        count = (size_t)(d->in_mult_is_n ? tout[0].numel : tin[0].numel);
     }
     else {
-        pyccl_move_type(st, &tin[0], &type, &count, (size_t)tin[0].numel);
+        tout[i] = tin[i]; /* in place */
     }
+    for (Py_ssize_t j = 0; j < i; j++) {
+        if (x->devices[j] == tin[i].device) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "inputs must be on unique devices");
+            return -1;
+        }
+    }
+    x->devices[i] = tin[i].device;
+    if (x->have_comms) {
+        pyccl_comm *c = call_comm(x, i);
+        if (c->device != tin[i].device) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "%s: inputs[%zd] is on cuda:%d but comms[%zd] "
+                         "(rank %d) is on cuda:%d",
+                         op, i, tin[i].device, i, c->rank, c->device);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* reduce: one output, written on the root only; None = in place. */
+static int
+read_reduce_output(nccl_call *x)
+{
+    const char *op = x->op;
+    Py_ssize_t root_idx = x->root_idx;
+    if (x->outputs_obj == Py_None) {
+        return 0;
+    }
+    pyccl_tensor o;
+    if (pyccl_check_tensor(x->st, op, "output", x->outputs_obj, &x->ref_dtype,
+                           &o) < 0) {
+        return -1;
+    }
+    if (root_idx < 0) {
+        return 0;
+    }
+    if (o.device != x->tin[root_idx].device) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "input and output must be on the same "
+                        "device");
+        return -1;
+    }
+    if (o.numel != x->tin[0].numel) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "output must be of size input_size * "
+                        "size_multiplier");
+        return -1;
+    }
+    char in_what[32];
+    PyOS_snprintf(in_what, sizeof in_what, "inputs[%zd]", root_idx);
+    if (pyccl_check_overlap(op, "output", &o, in_what, &x->tin[root_idx], 0,
+                            "the same memory") < 0) {
+        return -1;
+    }
+    x->tout[root_idx] = o;
+    return 0;
+}
+
+/* Every tensor, into the per-index block. */
+static int
+read_tensors(nccl_call *x)
+{
+    Py_ssize_t n = x->n;
+    size_t sz = (size_t)n * (2 * sizeof(pyccl_tensor) + sizeof(int) +
+                             sizeof(pyccl_task));
+    x->block = PyMem_Calloc(1, sz);
+    if (x->block == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    x->tin = x->block;
+    x->tout = x->tin + n;
+    x->tasks = (pyccl_task *)(x->tout + n);
+    x->devices = (int *)(x->tasks + n);
+    x->root_idx = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *s = streams == Py_None ? Py_None
-                                         : PySequence_Fast_GET_ITEM(streams, i);
+        if (read_pair(x, i) < 0) {
+            return -1;
+        }
+    }
+    if (x->d->coll == PYCCL_REDUCE) {
+        return read_reduce_output(x);
+    }
+    return 0;
+}
+
+/* NCCL's type and count for the call, and each index's stream. */
+static int
+read_type_and_streams(nccl_call *x)
+{
+    pyccl_state *st = x->st;
+    const char *op = x->op;
+    const pyccl_tensor *tin = x->tin;
+    if (pyccl_load(st, op) < 0) {
+        return -1;
+    }
+    if (x->d->reduces) {
+        x->type = pyccl_reduce_type(st, op, &tin[0]);
+        if (x->type < 0) {
+            return -1;
+        }
+        x->count = (size_t)(x->d->in_mult_is_n ? x->tout[0].numel : tin[0].numel);
+    }
+    else {
+        pyccl_move_type(st, &tin[0], &x->type, &x->count, (size_t)tin[0].numel);
+    }
+    for (Py_ssize_t i = 0; i < x->n; i++) {
+        PyObject *s = x->streams == Py_None
+                          ? Py_None
+                          : PySequence_Fast_GET_ITEM(x->streams, i);
         char what[32];
         PyOS_snprintf(what, sizeof what, "streams[%zd]", i);
         /* nothing to move: check the streams given, ask CUDA for none */
-        if (count == 0 && s == Py_None) {
+        if (x->count == 0 && s == Py_None) {
             continue;
         }
         if (pyccl_stream(st, op, what, s, tin[i].device, "its tensor",
-                         &tasks[i].stream) < 0) {
-            goto error;
+                         &x->tasks[i].stream) < 0) {
+            return -1;
         }
     }
+    return 0;
+}
+
+/* Without comms: the devices, read from user code, are in range. */
+static int
+check_devices(nccl_call *x)
+{
+    int ndev = 0;
+    cudaError_t ce = x->st->api.cudaGetDeviceCount(&ndev);
+    if (ce != cudaSuccess) {
+        x->st->api.cudaGetLastError();
+        ndev = 0;
+    }
+    for (Py_ssize_t i = 0; i < x->n; i++) {
+        if (x->devices[i] >= ndev) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "%s: inputs[%zd] is on cuda:%d but this process "
+                         "has %d CUDA device%s",
+                         x->op, i, x->devices[i], ndev, ndev == 1 ? "" : "s");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The tasks, on the given communicators or the devices' clique, enqueued. */
+static int
+enqueue_call(nccl_call *x)
+{
+    pyccl_state *st = x->st;
+    const char *op = x->op;
+    Py_ssize_t n = x->n;
+    int have_comms = x->have_comms;
+    pyccl_task *tasks = x->tasks;
     /* The last user code (tensor-likes' attributes, streams) has run: a
      * communicator it destroyed or aborted is reported here, not by NCCL. */
     for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-        if (pyccl_comm_alive(st, op, (pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i)) < 0) {
-            goto error;
+        if (pyccl_comm_alive(st, op, call_comm(x, i)) < 0) {
+            return -1;
         }
     }
     /* Zero elements: NCCL would do nothing, so neither a clique nor a GPU is
      * needed (and every rank sees the same count, so every rank skips). */
-    if (count == 0) {
-        result = Py_NewRef(Py_None);
-        goto error;
+    if (x->count == 0) {
+        return 0;
     }
-    if (!have_comms) { /* devices read from user code: in range? */
-        int ndev = 0;
-        cudaError_t ce = st->api.cudaGetDeviceCount(&ndev);
-        if (ce != cudaSuccess) {
-            st->api.cudaGetLastError();
-            ndev = 0;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (devices[i] >= ndev) {
-                PyErr_Format(PyExc_RuntimeError,
-                             "%s: inputs[%zd] is on cuda:%d but this process "
-                             "has %d CUDA device%s",
-                             op, i, devices[i], ndev, ndev == 1 ? "" : "s");
-                goto error;
-            }
-        }
+    if (!have_comms && check_devices(x) < 0) {
+        return -1;
     }
     PyObject *clique = NULL;
     if (!have_comms) {
-        clique = pyccl_clique(st, op, devices, n);
+        clique = pyccl_clique(st, op, x->devices, n);
         if (clique == NULL) {
-            goto error;
+            return -1;
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        pyccl_comm *c = (pyccl_comm *)(have_comms
-                                           ? PySequence_Fast_GET_ITEM(comms, i)
-                                           : PyTuple_GET_ITEM(clique, i));
-        tasks[i].coll = d->coll;
+        pyccl_comm *c = have_comms ? call_comm(x, i)
+                                   : (pyccl_comm *)PyTuple_GET_ITEM(clique, i);
+        tasks[i].coll = x->d->coll;
         tasks[i].comm = c->comm;
-        tasks[i].send = tin[i].ptr;
-        tasks[i].recv = tout[i].ptr;
-        tasks[i].count = count;
-        tasks[i].type = type;
-        tasks[i].peer = root;
+        tasks[i].send = x->tin[i].ptr;
+        tasks[i].recv = x->tout[i].ptr;
+        tasks[i].count = x->count;
+        tasks[i].type = x->type;
+        tasks[i].peer = x->root;
+    }
+    /* user communicators: another thread's destroy() waits for this */
+    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+        call_comm(x, i)->inflight++;
+    }
+    int timed = 0;
+    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+        pyccl_comm *c = call_comm(x, i);
+        timed |= c->watch != NULL;
+        if (c->watch == NULL && pyccl_comm_note_stream(c, tasks[i].stream) < 0) {
+            timed = -1;
+        }
+    }
+    if (timed < 0) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            call_comm(x, i)->inflight--;
+        }
+        return -1;
     }
     /* Two threads on one clique would interleave their groups differently
      * on each device and deadlock: clique calls are serialized. */
-    if (count > 0) {
-        /* user communicators: another thread's destroy() waits for this */
-        for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-            ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight++;
-        }
-        int timed = 0;
-        for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-            pyccl_comm *c = (pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i);
-            timed |= c->watch != NULL;
-            if (c->watch == NULL && pyccl_comm_note_stream(c, tasks[i].stream) < 0) {
-                timed = -1;
-            }
-        }
-        if (timed < 0) {
-            for (Py_ssize_t i = 0; i < n; i++) {
-                ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight--;
-            }
-            goto error;
-        }
-        int rc = timed ? pyccl_enqueue_timed(
-                             st, op, tasks, n, redop,
-                             (pyccl_comm *const *)PySequence_Fast_ITEMS(comms), n)
-                       : pyccl_enqueue(st, op, tasks, n, redop,
-                                       have_comms ? NULL : st->clique_call_lock,
-                                       have_comms ? (pyccl_comm *const *)
-                                                        PySequence_Fast_ITEMS(comms)
-                                                  : NULL,
-                                       have_comms ? n : 0);
-        for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-            ((pyccl_comm *)PySequence_Fast_GET_ITEM(comms, i))->inflight--;
-        }
-        if (rc < 0) {
-            goto error;
-        }
+    pyccl_comm *const *comms =
+        have_comms ? (pyccl_comm *const *)PySequence_Fast_ITEMS(x->comms) : NULL;
+    int rc = timed ? pyccl_enqueue_timed(st, op, tasks, n, x->redop, comms, n)
+                   : pyccl_enqueue(st, op, tasks, n, x->redop,
+                                   have_comms ? NULL : st->clique_call_lock,
+                                   comms, have_comms ? n : 0);
+    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
+        call_comm(x, i)->inflight--;
     }
-    result = Py_NewRef(Py_None);
-error:
-    PyMem_Free(block);
-    Py_XDECREF(ref_dtype);
-    Py_XDECREF(inputs);
-    Py_XDECREF(outputs);
-    Py_XDECREF(streams);
-    Py_XDECREF(comms);
-    return result;
+    return rc;
+}
+
+/* One _nccl_* collective: parse -> validate (torch's order) -> enqueue. */
+static PyObject *
+collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
+           PyObject *outputs_obj, PyObject *root_obj, PyObject *redop_obj,
+           PyObject *streams_obj, PyObject *comms_obj)
+{
+    nccl_call x = {.d = d, .op = d->op, .outputs_obj = outputs_obj};
+    x.st = get_state(module);
+    if (x.st == NULL) {
+        return NULL;
+    }
+    int rc = -1;
+    if (read_sequences(&x, inputs_obj, streams_obj, comms_obj) == 0 &&
+        read_op_and_root(&x, redop_obj, root_obj) == 0 &&
+        read_tensors(&x) == 0 &&
+        read_type_and_streams(&x) == 0) {
+        rc = enqueue_call(&x);
+    }
+    PyMem_Free(x.block);
+    Py_XDECREF(x.ref_dtype);
+    Py_XDECREF(x.inputs);
+    Py_XDECREF(x.outputs);
+    Py_XDECREF(x.streams);
+    Py_XDECREF(x.comms);
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 static const coll_desc ALL_REDUCE = {PYCCL_ALL_REDUCE, "all_reduce", 1, 0, 0};
