@@ -1,29 +1,24 @@
-/* The collective methods of pyccl.Communicator (the per-rank API).
+/* The collective methods of pyccl.Communicator (the per-rank API), and the
+ * reading and checking that every method shares (comm_ops.h).
  *
  * Each method: parse (fast call, keywords by name) -> read the arrays (a CUDA
  * torch.Tensor, or __cuda_array_interface__) -> check them against this
  * communicator (device, dtype, sizes, ranks) -> pyccl_task rows ->
- * pyccl_enqueue.  Collectives with per-peer buffers (list outputs,
- * all_to_all, gather, scatter) become one NCCL group of broadcast/reduce or
- * send/recv rows, so they stay zero-copy. */
+ * pyccl_enqueue.  Collectives with per-peer buffers (list outputs here;
+ * all_to_all, gather, scatter in comm_p2p.c) become one NCCL group of
+ * broadcast/reduce or send/recv rows, so they stay zero-copy.  split() is
+ * comm_split.c's. */
 #include "pyccl.h"
 #include "args.h"
+#include "comm_ops.h"
 
 #include <limits.h>
 #include <string.h>
 
-/* ---------------- argument parsing ---------------- */
+/* ---------------- shared reading and checks (comm_ops.h) ---------------- */
 
-/* ---------------- shared checks ---------------- */
-
-typedef struct {
-    pyccl_state *st;
-    pyccl_comm *c;
-    const char *op;
-} call_ctx;
-
-static int
-ctx_init(call_ctx *x, PyObject *self, const char *op)
+int
+ops_ctx_init(call_ctx *x, PyObject *self, const char *op)
 {
     x->op = op;
     x->c = (pyccl_comm *)self;
@@ -36,8 +31,8 @@ ctx_init(call_ctx *x, PyObject *self, const char *op)
 }
 
 /* Read an array that must live on this communicator's device. */
-static int
-read_on_comm(call_ctx *x, const char *what, PyObject *obj, pyccl_tensor *t)
+int
+ops_read_on_comm(call_ctx *x, const char *what, PyObject *obj, pyccl_tensor *t)
 {
     if (pyccl_read_array(x->st, x->op, what, obj, t) < 0) {
         return -1;
@@ -55,8 +50,8 @@ read_on_comm(call_ctx *x, const char *what, PyObject *obj, pyccl_tensor *t)
     return 0;
 }
 
-static int
-same_dtype(call_ctx *x, const char *what, const pyccl_tensor *t,
+int
+ops_same_dtype(call_ctx *x, const char *what, const pyccl_tensor *t,
            const char *ref_what, const pyccl_tensor *ref)
 {
     /* table rows when known: a dtype this torch lacks has no object */
@@ -77,9 +72,9 @@ same_dtype(call_ctx *x, const char *what, const pyccl_tensor *t,
     return 0;
 }
 
-static int
-numel_is(call_ctx *x, const char *what, const pyccl_tensor *t, int64_t want,
-         const char *why)
+int
+ops_numel_is(call_ctx *x, const char *what, const pyccl_tensor *t,
+             int64_t want, const char *why)
 {
     if (t->numel != want) {
         PyErr_Format(PyExc_ValueError,
@@ -127,8 +122,8 @@ slot_or_apart(call_ctx *x, const char *small_what, const pyccl_tensor *small,
     return 0;
 }
 
-static int
-read_rank(call_ctx *x, const char *what, PyObject *obj, int *out)
+int
+ops_read_rank(call_ctx *x, const char *what, PyObject *obj, int *out)
 {
     int r = pyccl_read_bounded(x->op, what, obj, 0, x->c->size - 1, out);
     if (r > 0) {
@@ -141,8 +136,8 @@ read_rank(call_ctx *x, const char *what, PyObject *obj, int *out)
     return r;
 }
 
-static int
-get_stream(call_ctx *x, PyObject *stream, cudaStream_t *out)
+int
+ops_stream(call_ctx *x, PyObject *stream, cudaStream_t *out)
 {
     /* the owner is named only when a given stream is on another device; the
      * usual stream=None path skips the formatting (it runs on every call) */
@@ -335,8 +330,9 @@ destroy_op(call_ctx *x, int redop)
     PyErr_SetRaisedException(exc);
 }
 
-static PyObject *
-finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop, int made)
+PyObject *
+ops_finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop,
+           int made)
 {
     int rc = 0;
     /* The last user code (array attributes, stream, op) has run: a
@@ -367,9 +363,9 @@ finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop, int made)
     Py_RETURN_NONE;
 }
 
-static void
-task(pyccl_task *t, pyccl_coll coll, const void *send, void *recv,
-     size_t count, int type, int peer, call_ctx *x, cudaStream_t s)
+void
+ops_task(pyccl_task *t, pyccl_coll coll, const void *send, void *recv,
+         size_t count, int type, int peer, call_ctx *x, cudaStream_t s)
 {
     t->coll = coll;
     t->send = send;
@@ -386,10 +382,10 @@ task(pyccl_task *t, pyccl_coll coll, const void *send, void *recv,
  * read from a private tuple (*keep, which the caller releases after the
  * enqueue): the arrays' attributes are user code, which may change the
  * caller's list, and the tuple keeps every array alive for the call. */
-static pyccl_tensor *
-read_list(call_ctx *x, const char *what, PyObject *obj,
-          const pyccl_tensor *ref, const char *ref_what, int64_t numel,
-          PyObject **keep)
+pyccl_tensor *
+ops_read_list(call_ctx *x, const char *what, PyObject *obj,
+              const pyccl_tensor *ref, const char *ref_what, int64_t numel,
+              PyObject **keep)
 {
     *keep = NULL;
     if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
@@ -417,9 +413,9 @@ read_list(call_ctx *x, const char *what, PyObject *obj,
         char name[64];
         PyOS_snprintf(name, sizeof name, "%s[%zd]", what, i);
         PyObject *item = PyTuple_GET_ITEM(seq, i);
-        if (read_on_comm(x, name, item, &ts[i]) < 0 ||
-            same_dtype(x, name, &ts[i], ref_what, ref) < 0 ||
-            numel_is(x, name, &ts[i], numel, "one chunk per rank") < 0) {
+        if (ops_read_on_comm(x, name, item, &ts[i]) < 0 ||
+            ops_same_dtype(x, name, &ts[i], ref_what, ref) < 0 ||
+            ops_numel_is(x, name, &ts[i], numel, "one chunk per rank") < 0) {
             PyMem_Free(ts);
             Py_DECREF(seq);
             return NULL;
@@ -444,20 +440,20 @@ pyccl_comm_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     int type, redop, made;
     pyccl_algo algo;
     if (pyccl_parse_args("all_reduce", args, nargs, kwnames, names, 5, 2, 1, a) < 0 ||
-        ctx_init(&x, self, "all_reduce") < 0 ||
-        read_on_comm(&x, "tensor", a[0], &t) < 0) {
+        ops_ctx_init(&x, self, "all_reduce") < 0 ||
+        ops_read_on_comm(&x, "tensor", a[0], &t) < 0) {
         return NULL;
     }
     o = t;
     if (a[2] != NULL && a[2] != Py_None &&
-        (read_on_comm(&x, "out", a[2], &o) < 0 ||
-         same_dtype(&x, "out", &o, "tensor", &t) < 0 ||
-         numel_is(&x, "out", &o, t.numel, "same as tensor") < 0 ||
+        (ops_read_on_comm(&x, "out", a[2], &o) < 0 ||
+         ops_same_dtype(&x, "out", &o, "tensor", &t) < 0 ||
+         ops_numel_is(&x, "out", &o, t.numel, "same as tensor") < 0 ||
          same_or_apart(&x, &o, &t) < 0)) {
         return NULL;
     }
     if ((type = pyccl_reduce_type(x.st, x.op, &t)) < 0 ||
-        get_stream(&x, a[3], &s) < 0 ||
+        ops_stream(&x, a[3], &s) < 0 ||
         pyccl_read_algo(x.op, a[4], &algo) < 0 ||
         read_op(&x, a[1], &t, type, &redop, &made) < 0) {
         return NULL;
@@ -475,8 +471,8 @@ pyccl_comm_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     pyccl_task tk;
-    task(&tk, PYCCL_ALL_REDUCE, t.ptr, o.ptr, (size_t)t.numel, type, 0, &x, s);
-    return finish(&x, &tk, t.numel > 0, redop, made);
+    ops_task(&tk, PYCCL_ALL_REDUCE, t.ptr, o.ptr, (size_t)t.numel, type, 0, &x, s);
+    return ops_finish(&x, &tk, t.numel > 0, redop, made);
 }
 
 /* broadcast(tensor, root, *, out=None, stream=None) and
@@ -510,15 +506,15 @@ rooted(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         outobj = a[2];
         streamobj = a[3];
     }
-    if (ctx_init(&x, self, op) < 0 || read_on_comm(&x, "tensor", a[0], &t) < 0 ||
-        read_rank(&x, "root", a[1], &root) < 0) {
+    if (ops_ctx_init(&x, self, op) < 0 || ops_read_on_comm(&x, "tensor", a[0], &t) < 0 ||
+        ops_read_rank(&x, "root", a[1], &root) < 0) {
         return NULL;
     }
     o = t;
     if (outobj != NULL && outobj != Py_None &&
-        (read_on_comm(&x, "out", outobj, &o) < 0 ||
-         same_dtype(&x, "out", &o, "tensor", &t) < 0 ||
-         numel_is(&x, "out", &o, t.numel, "same as tensor") < 0 ||
+        (ops_read_on_comm(&x, "out", outobj, &o) < 0 ||
+         ops_same_dtype(&x, "out", &o, "tensor", &t) < 0 ||
+         ops_numel_is(&x, "out", &o, t.numel, "same as tensor") < 0 ||
          same_or_apart(&x, &o, &t) < 0)) {
         return NULL;
     }
@@ -531,14 +527,14 @@ rooted(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     else {
         pyccl_move_type(x.st, &t, &type, &count, (size_t)t.numel);
     }
-    if (get_stream(&x, streamobj, &s) < 0 ||
+    if (ops_stream(&x, streamobj, &s) < 0 ||
         (is_reduce && read_op(&x, opobj, &t, type, &redop, &made) < 0)) {
         return NULL;
     }
     pyccl_task tk;
-    task(&tk, is_reduce ? PYCCL_REDUCE : PYCCL_BROADCAST, t.ptr, o.ptr, count,
+    ops_task(&tk, is_reduce ? PYCCL_REDUCE : PYCCL_BROADCAST, t.ptr, o.ptr, count,
          type, root, &x, s);
-    return finish(&x, &tk, count > 0, redop, made);
+    return ops_finish(&x, &tk, count > 0, redop, made);
 }
 
 PyObject *
@@ -571,28 +567,28 @@ pyccl_comm_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     size_t count;
     int64_t whole;
     if (pyccl_parse_args("all_gather", args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
-        ctx_init(&x, self, "all_gather") < 0 ||
-        read_on_comm(&x, "input", a[0], &in) < 0 ||
-        get_stream(&x, a[2], &s) < 0) {
+        ops_ctx_init(&x, self, "all_gather") < 0 ||
+        ops_read_on_comm(&x, "input", a[0], &in) < 0 ||
+        ops_stream(&x, a[2], &s) < 0) {
         return NULL;
     }
     pyccl_move_type(x.st, &in, &type, &count, (size_t)in.numel);
-    list = read_list(&x, "output", a[1], &in, "input", in.numel, &keep);
+    list = ops_read_list(&x, "output", a[1], &in, "input", in.numel, &keep);
     if (list == NULL && PyErr_Occurred()) {
         return NULL;
     }
     if (list == NULL) {
-        if (read_on_comm(&x, "output", a[1], &out) < 0 ||
-            same_dtype(&x, "output", &out, "input", &in) < 0 ||
+        if (ops_read_on_comm(&x, "output", a[1], &out) < 0 ||
+            ops_same_dtype(&x, "output", &out, "input", &in) < 0 ||
             pyccl_mul_size(x.op, "input", in.numel, x.c->size, "the world size",
                            &whole) < 0 ||
-            numel_is(&x, "output", &out, whole, "input size x world size") < 0 ||
+            ops_numel_is(&x, "output", &out, whole, "input size x world size") < 0 ||
             slot_or_apart(&x, "input", &in, "output", &out, NULL) < 0) {
             return NULL;
         }
         pyccl_task tk;
-        task(&tk, PYCCL_ALL_GATHER, in.ptr, out.ptr, count, type, 0, &x, s);
-        return finish(&x, &tk, count > 0, 0, 0);
+        ops_task(&tk, PYCCL_ALL_GATHER, in.ptr, out.ptr, count, type, 0, &x, s);
+        return ops_finish(&x, &tk, count > 0, 0, 0);
     }
     if (slot_or_apart(&x, "input", &in, "output", NULL, list) < 0) {
         goto done;
@@ -603,10 +599,10 @@ pyccl_comm_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         goto done;
     }
     for (int r = 0; r < x.c->size; r++) {
-        task(&tasks[r], PYCCL_BROADCAST, in.ptr, list[r].ptr, count, type, r,
+        ops_task(&tasks[r], PYCCL_BROADCAST, in.ptr, list[r].ptr, count, type, r,
              &x, s);
     }
-    res = finish(&x, tasks, count > 0 ? x.c->size : 0, 0, 0);
+    res = ops_finish(&x, tasks, count > 0 ? x.c->size : 0, 0, 0);
 done:
     PyMem_Free(tasks);
     PyMem_Free(list);
@@ -629,21 +625,21 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
     int type, redop, made = 0;
     int64_t whole;
     if (pyccl_parse_args("reduce_scatter", args, nargs, kwnames, names, 4, 3, 2, a) < 0 ||
-        ctx_init(&x, self, "reduce_scatter") < 0 ||
-        read_on_comm(&x, "output", a[1], &out) < 0 ||
-        get_stream(&x, a[3], &s) < 0) {
+        ops_ctx_init(&x, self, "reduce_scatter") < 0 ||
+        ops_read_on_comm(&x, "output", a[1], &out) < 0 ||
+        ops_stream(&x, a[3], &s) < 0) {
         return NULL;
     }
-    list = read_list(&x, "input", a[0], &out, "output", out.numel, &keep);
+    list = ops_read_list(&x, "input", a[0], &out, "output", out.numel, &keep);
     if (list == NULL && PyErr_Occurred()) {
         return NULL;
     }
     if (list == NULL &&
-        (read_on_comm(&x, "input", a[0], &in) < 0 ||
-         same_dtype(&x, "output", &out, "input", &in) < 0 ||
+        (ops_read_on_comm(&x, "input", a[0], &in) < 0 ||
+         ops_same_dtype(&x, "output", &out, "input", &in) < 0 ||
          pyccl_mul_size(x.op, "output", out.numel, x.c->size, "the world size",
                         &whole) < 0 ||
-         numel_is(&x, "input", &in, whole, "output size x world size") < 0)) {
+         ops_numel_is(&x, "input", &in, whole, "output size x world size") < 0)) {
         goto done;
     }
     if (slot_or_apart(&x, "output", &out, "input", &in, list) < 0) {
@@ -656,8 +652,8 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
     size_t count = (size_t)out.numel;
     if (list == NULL) {
         pyccl_task tk;
-        task(&tk, PYCCL_REDUCE_SCATTER, in.ptr, out.ptr, count, type, 0, &x, s);
-        res = finish(&x, &tk, count > 0, redop, made);
+        ops_task(&tk, PYCCL_REDUCE_SCATTER, in.ptr, out.ptr, count, type, 0, &x, s);
+        res = ops_finish(&x, &tk, count > 0, redop, made);
         made = 0;
         goto done;
     }
@@ -667,10 +663,10 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
         goto done;
     }
     for (int r = 0; r < x.c->size; r++) {
-        task(&tasks[r], PYCCL_REDUCE, list[r].ptr, out.ptr, count, type, r, &x,
+        ops_task(&tasks[r], PYCCL_REDUCE, list[r].ptr, out.ptr, count, type, r, &x,
              s);
     }
-    res = finish(&x, tasks, count > 0 ? x.c->size : 0, redop, made);
+    res = ops_finish(&x, tasks, count > 0 ? x.c->size : 0, redop, made);
     made = 0;
 done:
     if (made) {
@@ -680,433 +676,6 @@ done:
     PyMem_Free(list);
     Py_XDECREF(keep);
     return res;
-}
-
-/* send(tensor, peer, *, stream=None) / recv(tensor, peer, *, stream=None) */
-static PyObject *
-p2p(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-    pyccl_coll coll)
-{
-    static const char *const names[] = {"tensor", "peer", "stream"};
-    const char *op = coll == PYCCL_SEND ? "send" : "recv";
-    PyObject *a[3];
-    call_ctx x;
-    pyccl_tensor t;
-    cudaStream_t s;
-    int peer, type;
-    size_t count;
-    if (pyccl_parse_args(op, args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
-        ctx_init(&x, self, op) < 0 || read_on_comm(&x, "tensor", a[0], &t) < 0 ||
-        read_rank(&x, "peer", a[1], &peer) < 0 || get_stream(&x, a[2], &s) < 0) {
-        return NULL;
-    }
-    pyccl_move_type(x.st, &t, &type, &count, (size_t)t.numel);
-    pyccl_task tk;
-    task(&tk, coll, t.ptr, t.ptr, count, type, peer, &x, s);
-    return finish(&x, &tk, count > 0, 0, 0);
-}
-
-PyObject *
-pyccl_comm_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
-                PyObject *kwnames)
-{
-    return p2p(self, args, nargs, kwnames, PYCCL_SEND);
-}
-
-PyObject *
-pyccl_comm_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
-                PyObject *kwnames)
-{
-    return p2p(self, args, nargs, kwnames, PYCCL_RECV);
-}
-
-/* Per-peer chunks of one side of all_to_all/gather/scatter: either a list of
- * size arrays of `chunk` elements, or one array of size x chunk. */
-typedef struct {
-    pyccl_tensor whole;
-    pyccl_tensor *list;
-    PyObject *keep;      /* the list's private tuple, released after the call */
-} chunks;
-
-static int
-read_chunks(call_ctx *x, const char *what, PyObject *obj,
-            const pyccl_tensor *ref, const char *ref_what, int64_t chunk,
-            chunks *out)
-{
-    out->list = read_list(x, what, obj, ref, ref_what, chunk, &out->keep);
-    if (out->list != NULL) {
-        return 0;
-    }
-    if (PyErr_Occurred()) {
-        return -1;
-    }
-    int64_t whole;
-    if (read_on_comm(x, what, obj, &out->whole) < 0 ||
-        same_dtype(x, what, &out->whole, ref_what, ref) < 0 ||
-        pyccl_mul_size(x->op, ref_what, chunk, x->c->size, "the world size",
-                       &whole) < 0 ||
-        numel_is(x, what, &out->whole, whole, "one chunk per rank") < 0) {
-        return -1;
-    }
-    return 0;
-}
-
-static char *
-chunk_ptr(const chunks *c, int r, size_t chunk_bytes)
-{
-    return c->list ? c->list[r].ptr : c->whole.ptr + (size_t)r * chunk_bytes;
-}
-
-/* all_to_all(input, output, *, stream=None): equal chunks; each side is one
- * array of size x chunk elements or a list of size arrays. */
-PyObject *
-pyccl_comm_all_to_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
-                      PyObject *kwnames)
-{
-    static const char *const names[] = {"input", "output", "stream"};
-    PyObject *a[3], *res = NULL, *inobj = NULL;
-    call_ctx x;
-    chunks in = {0}, out = {0};
-    pyccl_task *tasks = NULL;
-    cudaStream_t s;
-    if (pyccl_parse_args("all_to_all", args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
-        ctx_init(&x, self, "all_to_all") < 0 || get_stream(&x, a[2], &s) < 0) {
-        return NULL;
-    }
-    /* The chunk size comes from the input: its first list item, or 1/size of
-     * the whole array. */
-    pyccl_tensor first;
-    int64_t chunk;
-    if (PyList_Check(a[0]) || PyTuple_Check(a[0])) {
-        /* a private tuple: reading input[0] runs user code that may change
-         * the list (read_list takes this tuple as it is) */
-        if ((inobj = PySequence_Tuple(a[0])) == NULL) {
-            return NULL;
-        }
-        if (PyTuple_GET_SIZE(inobj) == 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "all_to_all: input has 0 tensors, expected %d (one "
-                         "per rank)", x.c->size);
-            goto done;
-        }
-        if (read_on_comm(&x, "input[0]", PyTuple_GET_ITEM(inobj, 0),
-                         &first) < 0) {
-            goto done;
-        }
-        chunk = first.numel;
-    }
-    else {
-        inobj = Py_NewRef(a[0]);
-        if (read_on_comm(&x, "input", a[0], &first) < 0) {
-            goto done;
-        }
-        if (first.numel % x.c->size != 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "all_to_all: input has %lld elements, not a multiple "
-                         "of the world size %d",
-                         (long long)first.numel, x.c->size);
-            goto done;
-        }
-        chunk = first.numel / x.c->size;
-    }
-    if (read_chunks(&x, "input", inobj, &first, "input", chunk, &in) < 0 ||
-        read_chunks(&x, "output", a[1], &first, "input", chunk, &out) < 0) {
-        goto done;
-    }
-    int type;
-    size_t count;
-    pyccl_move_type(x.st, &first, &type, &count, (size_t)chunk);
-    size_t bytes = (size_t)chunk * (size_t)first.itemsize; /* <= first.nbytes */
-    tasks = PyMem_Calloc(2 * (size_t)x.c->size, sizeof(pyccl_task));
-    if (tasks == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (int r = 0; r < x.c->size; r++) {
-        task(&tasks[2 * r], PYCCL_SEND, chunk_ptr(&in, r, bytes), NULL, count,
-             type, r, &x, s);
-        task(&tasks[2 * r + 1], PYCCL_RECV, NULL, chunk_ptr(&out, r, bytes),
-             count, type, r, &x, s);
-    }
-    /* always a group: every send must be matched by its recv concurrently */
-    res = finish(&x, tasks, count > 0 ? 2 * x.c->size : 0, 0, 0);
-done:
-    PyMem_Free(tasks);
-    PyMem_Free(in.list);
-    PyMem_Free(out.list);
-    Py_XDECREF(in.keep);
-    Py_XDECREF(out.keep);
-    Py_XDECREF(inobj);
-    return res;
-}
-
-static int
-read_splits(call_ctx *x, const char *what, PyObject *obj, int64_t rows,
-            int64_t **out)
-{
-    int64_t *v = PyMem_Calloc((size_t)x->c->size, sizeof(int64_t));
-    if (v == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    if (obj == NULL || obj == Py_None) {
-        if (rows % x->c->size != 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "all_to_all_single: %s is None but dim 0 (%lld) is "
-                         "not a multiple of the world size %d",
-                         what, (long long)rows, x->c->size);
-            PyMem_Free(v);
-            return -1;
-        }
-        for (int r = 0; r < x->c->size; r++) {
-            v[r] = rows / x->c->size;
-        }
-        *out = v;
-        return 0;
-    }
-    PyObject *seq = PySequence_Tuple(obj);
-    if (seq == NULL || PySequence_Fast_GET_SIZE(seq) != x->c->size) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError,
-                     "all_to_all_single: %s must be a list of %d row counts",
-                     what, x->c->size);
-        Py_XDECREF(seq);
-        PyMem_Free(v);
-        return -1;
-    }
-    int64_t total = 0;
-    for (int r = 0; r < x->c->size; r++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, r);
-        if (!PyLong_Check(item) || PyBool_Check(item)) {
-            PyErr_Format(PyExc_TypeError,
-                         "all_to_all_single: %s[%d] must be an int, got %.200s",
-                         what, r, Py_TYPE(item)->tp_name);
-            Py_DECREF(seq);
-            PyMem_Free(v);
-            return -1;
-        }
-        int overflow;
-        long long n = PyLong_AsLongLongAndOverflow(item, &overflow);
-        if (n == -1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            PyMem_Free(v);
-            return -1;
-        }
-        if (overflow > 0) {
-            n = LLONG_MAX; /* more than any dim 0: reported below */
-        }
-        if (n < 0 || overflow < 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "all_to_all_single: %s[%d]=%S is negative", what, r, item);
-            Py_DECREF(seq);
-            PyMem_Free(v);
-            return -1;
-        }
-        if (n > rows - total) { /* also keeps the sum from overflowing */
-            PyErr_Format(PyExc_ValueError,
-                         "all_to_all_single: %s sum to more than the %lld rows "
-                         "of dim 0", what, (long long)rows);
-            Py_DECREF(seq);
-            PyMem_Free(v);
-            return -1;
-        }
-        v[r] = n;
-        total += n;
-    }
-    Py_DECREF(seq);
-    if (total != rows) {
-        PyErr_Format(PyExc_ValueError,
-                     "all_to_all_single: %s sum to %lld rows but dim 0 has %lld",
-                     what, (long long)total, (long long)rows);
-        PyMem_Free(v);
-        return -1;
-    }
-    *out = v;
-    return 0;
-}
-
-/* The rows (dim 0) of an all_to_all_single side: the reader's, for a
- * __cuda_array_interface__ array, else len(); 0 when there are no elements.
- * The elements must split into that many equal rows. */
-static int
-dim0(call_ctx *x, const char *what, PyObject *obj, const pyccl_tensor *t,
-     int64_t *rows)
-{
-    if (t->numel == 0) {
-        *rows = 0;
-        return 0;
-    }
-    int64_t r = t->rows;
-    if (r < 0) {
-        Py_ssize_t n = PyObject_Size(obj);
-        if (n < 0) {
-            return -1;
-        }
-        r = n;
-    }
-    if (r == 0 || t->numel % r != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: %s has %lld elements, which do not make %lld rows "
-                     "(dim 0) of equal size",
-                     x->op, what, (long long)t->numel, (long long)r);
-        return -1;
-    }
-    *rows = r;
-    return 0;
-}
-
-/* all_to_all_single(input, output, input_splits=None, output_splits=None, *,
- * stream=None): splits count dim-0 rows, as in torch.distributed. */
-PyObject *
-pyccl_comm_all_to_all_single(PyObject *self, PyObject *const *args,
-                             Py_ssize_t nargs, PyObject *kwnames)
-{
-    static const char *const names[] = {"input", "output", "input_splits",
-                                        "output_splits", "stream"};
-    PyObject *a[5], *res = NULL;
-    call_ctx x;
-    pyccl_tensor in, out;
-    pyccl_task *tasks = NULL;
-    int64_t *isp = NULL, *osp = NULL;
-    cudaStream_t s;
-    if (pyccl_parse_args("all_to_all_single", args, nargs, kwnames, names, 5, 4, 2, a) < 0 ||
-        ctx_init(&x, self, "all_to_all_single") < 0 ||
-        read_on_comm(&x, "input", a[0], &in) < 0 ||
-        read_on_comm(&x, "output", a[1], &out) < 0 ||
-        same_dtype(&x, "output", &out, "input", &in) < 0 ||
-        get_stream(&x, a[4], &s) < 0) {
-        return NULL;
-    }
-    int64_t in_rows, out_rows;
-    if (dim0(&x, "input", a[0], &in, &in_rows) < 0 ||
-        dim0(&x, "output", a[1], &out, &out_rows) < 0) {
-        return NULL;
-    }
-    int64_t in_row = in_rows ? in.numel / in_rows : 0;
-    int64_t out_row = out_rows ? out.numel / out_rows : 0;
-    if (in_rows && out_rows && in_row != out_row) {
-        PyErr_Format(PyExc_ValueError,
-                     "all_to_all_single: input rows have %lld elements but "
-                     "output rows have %lld",
-                     (long long)in_row, (long long)out_row);
-        return NULL;
-    }
-    int64_t row = in_row ? in_row : out_row;
-    if (read_splits(&x, "input_splits", a[2], in_rows, &isp) < 0 ||
-        read_splits(&x, "output_splits", a[3], out_rows, &osp) < 0) {
-        goto done;
-    }
-    int type;
-    size_t unit;
-    pyccl_move_type(x.st, &in, &type, &unit, 1);
-    tasks = PyMem_Calloc(2 * (size_t)x.c->size, sizeof(pyccl_task));
-    if (tasks == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    size_t ioff = 0, ooff = 0, n = 0;
-    size_t rowbytes = (size_t)row * (size_t)in.itemsize;
-    for (int r = 0; r < x.c->size; r++) {
-        /* zero-row exchanges are left out on both sides alike */
-        if (isp[r] > 0) {
-            task(&tasks[n++], PYCCL_SEND, in.ptr + ioff, NULL,
-                 (size_t)(isp[r] * row) * unit, type, r, &x, s);
-        }
-        if (osp[r] > 0) {
-            task(&tasks[n++], PYCCL_RECV, NULL, out.ptr + ooff,
-                 (size_t)(osp[r] * row) * unit, type, r, &x, s);
-        }
-        ioff += (size_t)isp[r] * rowbytes;
-        ooff += (size_t)osp[r] * rowbytes;
-    }
-    res = finish(&x, tasks, (Py_ssize_t)n, 0, 0);
-done:
-    PyMem_Free(tasks);
-    PyMem_Free(isp);
-    PyMem_Free(osp);
-    return res;
-}
-
-/* gather(tensor, outputs, root, *, stream=None) and
- * scatter(inputs, tensor, root, *, stream=None): the root's side is a list of
- * size arrays or one array of size x tensor; other ranks may pass None. */
-static PyObject *
-gather_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
-               PyObject *kwnames, int is_gather)
-{
-    static const char *const gnames[] = {"tensor", "outputs", "root", "stream"};
-    static const char *const snames[] = {"inputs", "tensor", "root", "stream"};
-    const char *op = is_gather ? "gather" : "scatter";
-    PyObject *a[4], *res = NULL;
-    call_ctx x;
-    pyccl_tensor t;
-    chunks many = {0};
-    pyccl_task *tasks = NULL;
-    cudaStream_t s;
-    int root;
-    PyObject *tobj, *manyobj;
-    const char *many_what = is_gather ? "outputs" : "inputs";
-    if (pyccl_parse_args(op, args, nargs, kwnames, is_gather ? gnames : snames, 4, 3,
-                   3, a) < 0 ||
-        ctx_init(&x, self, op) < 0) {
-        return NULL;
-    }
-    tobj = is_gather ? a[0] : a[1];
-    manyobj = is_gather ? a[1] : a[0];
-    if (read_on_comm(&x, "tensor", tobj, &t) < 0 ||
-        read_rank(&x, "root", a[2], &root) < 0 || get_stream(&x, a[3], &s) < 0) {
-        return NULL;
-    }
-    int am_root = x.c->rank == root;
-    if (am_root) {
-        if (manyobj == Py_None) {
-            PyErr_Format(PyExc_ValueError, "%s: %s is required on the root "
-                         "(rank %d)", op, many_what, root);
-            return NULL;
-        }
-        if (read_chunks(&x, many_what, manyobj, &t, "tensor", t.numel, &many) < 0) {
-            return NULL;
-        }
-    }
-    int type;
-    size_t count;
-    pyccl_move_type(x.st, &t, &type, &count, (size_t)t.numel);
-    size_t bytes = (size_t)t.nbytes;
-    tasks = PyMem_Calloc((size_t)x.c->size + 1, sizeof(pyccl_task));
-    if (tasks == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_ssize_t n = 0;
-    pyccl_coll mine = is_gather ? PYCCL_SEND : PYCCL_RECV;
-    pyccl_coll roots = is_gather ? PYCCL_RECV : PYCCL_SEND;
-    /* every rank, the root too, sends to (gather) / receives from (scatter)
-     * the root; the root also talks to every rank */
-    task(&tasks[n++], mine, t.ptr, t.ptr, count, type, root, &x, s);
-    for (int r = 0; am_root && r < x.c->size; r++) {
-        char *p = chunk_ptr(&many, r, bytes);
-        task(&tasks[n++], roots, p, p, count, type, r, &x, s);
-    }
-    res = finish(&x, tasks, count > 0 ? n : 0, 0, 0);
-done:
-    PyMem_Free(tasks);
-    PyMem_Free(many.list);
-    Py_XDECREF(many.keep);
-    return res;
-}
-
-PyObject *
-pyccl_comm_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
-                  PyObject *kwnames)
-{
-    return gather_scatter(self, args, nargs, kwnames, 1);
-}
-
-PyObject *
-pyccl_comm_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
-                   PyObject *kwnames)
-{
-    return gather_scatter(self, args, nargs, kwnames, 0);
 }
 
 /* barrier(*, stream=None): a one-element all-reduce on this communicator,
@@ -1120,7 +689,7 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     call_ctx x;
     cudaStream_t s;
     if (pyccl_parse_args("barrier", args, nargs, kwnames, names, 1, 0, 0, a) < 0 ||
-        ctx_init(&x, self, "barrier") < 0 || get_stream(&x, a[0], &s) < 0 ||
+        ops_ctx_init(&x, self, "barrier") < 0 || ops_stream(&x, a[0], &s) < 0 ||
         pyccl_comm_alive(x.st, "barrier", x.c) < 0) { /* after the stream's code */
         return NULL;
     }
@@ -1148,7 +717,7 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         }
     }
     pyccl_task tk;
-    task(&tk, PYCCL_ALL_REDUCE, c->scratch, c->scratch, 1, ncclFloat32, 0, &x, s);
+    ops_task(&tk, PYCCL_ALL_REDUCE, c->scratch, c->scratch, 1, ncclFloat32, 0, &x, s);
     if (c->watch != NULL) {
         /* enqueue and wait like any call on it: bounded, interruptible */
         c->inflight++;
@@ -1182,101 +751,6 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     Py_RETURN_NONE;
 }
 
-/* split(color, key=None) -> Communicator or None (color < 0: not a member). */
-PyObject *
-pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
-                 PyObject *kwnames)
-{
-    static const char *const names[] = {"color", "key"};
-    PyObject *a[2];
-    call_ctx x;
-    int color, key;
-    if (pyccl_parse_args("split", args, nargs, kwnames, names, 2, 2, 1, a) < 0 ||
-        ctx_init(&x, self, "split") < 0) {
-        return NULL;
-    }
-    int rc = pyccl_read_bounded("split", "color", a[0], 0, INT32_MAX, &color);
-    if (rc < 0) {
-        return NULL;
-    }
-    if (rc == PYCCL_ABOVE) {
-        PyErr_Format(PyExc_ValueError, "split: color=%S is out of range", a[0]);
-        return NULL;
-    }
-    if (rc == PYCCL_BELOW) {
-        color = NCCL_SPLIT_NOCOLOR; /* any negative color: not a member */
-    }
-    key = x.c->rank;
-    if (a[1] != NULL && a[1] != Py_None &&
-        pyccl_read_int("split", "key", a[1], &key) < 0) {
-        return NULL;
-    }
-    const pyccl_api *api = &x.st->api;
-    if (api->ncclCommSplit == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "split: needs NCCL >= 2.18");
-        return NULL;
-    }
-    if (x.c->watch != NULL) {
-        return pyccl_watch_split(x.st, x.c, color, key); /* the child too */
-    }
-    if (pyccl_group_depth() > 0) {
-        /* NCCL writes the child's handle when the group ends, so it goes
-         * straight into a Communicator kept alive until then. */
-        static ncclComm_t not_member; /* color < 0: NCCL writes NULL here */
-        PyObject *child = NULL;
-        ncclComm_t *slot = &not_member;
-        if (color >= 0) {
-            child = pyccl_comm_new(x.st, NULL, -1, 0, x.c->device);
-            if (child == NULL || pyccl_add_pending_split(x.st, child) < 0) {
-                Py_XDECREF(child);
-                return NULL;
-            }
-            ((pyccl_comm *)child)->pending = 1;
-            slot = &((pyccl_comm *)child)->comm;
-        }
-        char last[PYCCL_LAST_ERROR_SIZE] = "";
-        pyccl_comm_lock(x.c); /* a short call: no GIL release around it */
-        ncclResult_t r = api->ncclCommSplit(x.c->comm, color, key, slot, NULL);
-        pyccl_nccl_failed(api, r, x.c->comm, last, sizeof last);
-        pthread_mutex_unlock(&x.c->mu);
-        if (r != ncclSuccess) {
-            Py_XDECREF(child); /* stays pending until the group ends */
-            pyccl_raise_nccl(x.st, "split", r, last);
-            return NULL;
-        }
-        if (child == NULL) {
-            Py_RETURN_NONE;
-        }
-        return child;
-    }
-    ncclComm_t nc = NULL;
-    ncclResult_t r;
-    int rank = -1, size = 0;
-    char last[PYCCL_LAST_ERROR_SIZE] = "";
-    x.c->inflight++;
-    Py_BEGIN_ALLOW_THREADS
-    pyccl_comms_lock(&x.c, 1);
-    r = api->ncclCommSplit(x.c->comm, color, key, &nc, NULL);
-    if (r == ncclSuccess && nc != NULL) {
-        r = api->ncclCommUserRank(nc, &rank);
-        if (r == ncclSuccess) {
-            r = api->ncclCommCount(nc, &size);
-        }
-    }
-    pyccl_nccl_failed(api, r, x.c->comm, last, sizeof last);
-    pyccl_comms_unlock(&x.c, 1);
-    Py_END_ALLOW_THREADS
-    x.c->inflight--;
-    if (r != ncclSuccess) {
-        pyccl_raise_nccl(x.st, "split", r, last);
-        return NULL;
-    }
-    if (nc == NULL) {
-        Py_RETURN_NONE;
-    }
-    return pyccl_comm_new(x.st, nc, rank, size, x.c->device);
-}
-
 /* all_reduce_coalesced(tensors, op=SUM, *, algo=None): pack, one collective,
  * unpack.  The pack and unpack are torch's kernels (torch.cat and
  * torch._foreach_copy_, one launch each for up to ~100 tensors), on the
@@ -1290,7 +764,7 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
     PyObject *a[3];
     call_ctx x;
     if (pyccl_parse_args(op, args, nargs, kwnames, names, 3, 2, 1, a) < 0 ||
-        ctx_init(&x, self, op) < 0) {
+        ops_ctx_init(&x, self, op) < 0) {
         return NULL;
     }
     if (!PyList_Check(a[0]) && !PyTuple_Check(a[0])) {
@@ -1323,8 +797,8 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
                          Py_TYPE(item)->tp_name);
             goto done;
         }
-        if (read_on_comm(&x, name, item, i ? &t : &first) < 0 ||
-            (i && same_dtype(&x, name, &t, "tensors[0]", &first) < 0)) {
+        if (ops_read_on_comm(&x, name, item, i ? &t : &first) < 0 ||
+            (i && ops_same_dtype(&x, name, &t, "tensors[0]", &first) < 0)) {
             goto done;
         }
         PyObject *v = PyObject_CallMethod(item, "view", "i", -1);

@@ -10,6 +10,7 @@
  * which then owns its handle. */
 #include "pyccl.h"
 #include "args.h"
+#include "comm_ops.h"
 
 #include <string.h>
 
@@ -446,70 +447,6 @@ comm_get_timeout(PyObject *self, void *Py_UNUSED(closure))
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(all_reduce_doc,
-"all_reduce($self, /, tensor, op=0, *, out=None, stream=None, algo=None)\n--\n\n"
-"Reduce `tensor` over all ranks; the result lands in `out` (default: in place).\n\n"
-"algo: 'auto' (None), 'nccl', 'oneshot' or 'twoshot'. 'auto' runs pyccl's own\n"
-"peer-memory kernels for float32/float16/bfloat16/int32 SUM/MAX/MIN up to\n"
-"all_reduce_info['twoshot_max'] bytes when every rank shares the host, NCCL\n"
-"otherwise. The first such call sets up peer memory on all ranks together;\n"
-"destroy() is then collective. PYCCL_DISABLE_OWN_KERNELS=1 turns them off.");
-PyDoc_STRVAR(broadcast_doc,
-"broadcast($self, /, tensor, root, *, out=None, stream=None)\n--\n\n"
-"Copy the root's `tensor` to every rank's `out` (default: in place).");
-PyDoc_STRVAR(reduce_doc,
-"reduce($self, /, tensor, root, op=0, *, out=None, stream=None)\n--\n\n"
-"Reduce `tensor` over all ranks into the root's `out` (default: in place).");
-PyDoc_STRVAR(all_gather_doc,
-"all_gather($self, /, input, output, *, stream=None)\n--\n\n"
-"Every rank's `input`, in rank order, into `output`: one tensor of size x "
-"input elements or a list of `size` tensors.");
-PyDoc_STRVAR(reduce_scatter_doc,
-"reduce_scatter($self, /, input, output, op=0, *, stream=None)\n--\n\n"
-"Reduce `input` (one tensor of size x output elements, or a list of `size` "
-"tensors) and give rank r chunk r in `output`.");
-PyDoc_STRVAR(send_doc,
-"send($self, /, tensor, peer, *, stream=None)\n--\n\n"
-"Send `tensor` to rank `peer` (pair with its recv; use pyccl.group() for "
-"exchanges that must progress together).");
-PyDoc_STRVAR(recv_doc,
-"recv($self, /, tensor, peer, *, stream=None)\n--\n\n"
-"Receive into `tensor` from rank `peer` (pair with that rank's send).");
-PyDoc_STRVAR(all_to_all_doc,
-"all_to_all($self, /, input, output, *, stream=None)\n--\n\n"
-"Chunk j of this rank's input goes to rank j; chunk i of output comes from "
-"rank i. Each side: one tensor of size x chunk elements or a list of tensors.");
-PyDoc_STRVAR(all_to_all_single_doc,
-"all_to_all_single($self, /, input, output, input_splits=None, output_splits=None, *, "
-"stream=None)\n--\n\n"
-"all_to_all with per-rank row counts along dim 0 (None: equal splits).");
-PyDoc_STRVAR(gather_doc,
-"gather($self, /, tensor, outputs, root, *, stream=None)\n--\n\n"
-"Every rank's `tensor` into the root's `outputs` (a list of `size` tensors "
-"or one tensor of size x elements); other ranks may pass None.");
-PyDoc_STRVAR(scatter_doc,
-"scatter($self, /, inputs, tensor, root, *, stream=None)\n--\n\n"
-"Chunk r of the root's `inputs` into rank r's `tensor`; other ranks may pass "
-"None as inputs.");
-PyDoc_STRVAR(barrier_doc,
-"barrier($self, /, *, stream=None)\n--\n\n"
-"Return once every rank has called barrier (a one-element all-reduce, then a "
-"wait on the host).");
-PyDoc_STRVAR(split_doc,
-"split($self, /, color, key=None)\n--\n\n"
-"A new Communicator of the ranks that passed the same color, ordered by key "
-"(default: this rank). color < 0: not a member; returns None.");
-
-PyDoc_STRVAR(all_reduce_coalesced_doc,
-"all_reduce_coalesced($self, /, tensors, op=0, *, algo=None)\n--\n\n"
-"all_reduce of many tensors (one dtype, this device) in place as one collective: "
-"one pack kernel (torch.cat) into a flat buffer, one all_reduce (algo= as in "
-"all_reduce), one unpack kernel (torch._foreach_copy_), all on the current stream. "
-"For many small gradients, where a call per tensor is latency-bound.");
-
-#define PYCCL_OP_ENTRY(name)                                                  \
-    {#name, (PyCFunction)(void (*)(void))pyccl_comm_##name,                   \
-     METH_FASTCALL | METH_KEYWORDS, name##_doc},
 static PyObject *
 comm_get_ar_info(PyObject *self, void *Py_UNUSED(closure))
 {
@@ -533,7 +470,79 @@ comm_ar_epoch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMethodDef comm_methods[] = {
-    PYCCL_COMM_OPS(PYCCL_OP_ENTRY)
+    {"all_reduce", (PyCFunction)(void (*)(void))pyccl_comm_all_reduce,
+     METH_FASTCALL | METH_KEYWORDS,
+     "all_reduce($self, /, tensor, op=0, *, out=None, stream=None, algo=None)\n--\n\n"
+     "Reduce `tensor` over all ranks; the result lands in `out` (default: in place).\n\n"
+     "algo: 'auto' (None), 'nccl', 'oneshot' or 'twoshot'. 'auto' runs pyccl's own\n"
+     "peer-memory kernels for float32/float16/bfloat16/int32 SUM/MAX/MIN up to\n"
+     "all_reduce_info['twoshot_max'] bytes when every rank shares the host, NCCL\n"
+     "otherwise. The first such call sets up peer memory on all ranks together;\n"
+     "destroy() is then collective. PYCCL_DISABLE_OWN_KERNELS=1 turns them off."},
+    {"broadcast", (PyCFunction)(void (*)(void))pyccl_comm_broadcast,
+     METH_FASTCALL | METH_KEYWORDS,
+     "broadcast($self, /, tensor, root, *, out=None, stream=None)\n--\n\n"
+     "Copy the root's `tensor` to every rank's `out` (default: in place)."},
+    {"reduce", (PyCFunction)(void (*)(void))pyccl_comm_reduce,
+     METH_FASTCALL | METH_KEYWORDS,
+     "reduce($self, /, tensor, root, op=0, *, out=None, stream=None)\n--\n\n"
+     "Reduce `tensor` over all ranks into the root's `out` (default: in place)."},
+    {"all_gather", (PyCFunction)(void (*)(void))pyccl_comm_all_gather,
+     METH_FASTCALL | METH_KEYWORDS,
+     "all_gather($self, /, input, output, *, stream=None)\n--\n\n"
+     "Every rank's `input`, in rank order, into `output`: one tensor of size x "
+     "input elements or a list of `size` tensors."},
+    {"reduce_scatter", (PyCFunction)(void (*)(void))pyccl_comm_reduce_scatter,
+     METH_FASTCALL | METH_KEYWORDS,
+     "reduce_scatter($self, /, input, output, op=0, *, stream=None)\n--\n\n"
+     "Reduce `input` (one tensor of size x output elements, or a list of `size` "
+     "tensors) and give rank r chunk r in `output`."},
+    {"send", (PyCFunction)(void (*)(void))pyccl_comm_send,
+     METH_FASTCALL | METH_KEYWORDS,
+     "send($self, /, tensor, peer, *, stream=None)\n--\n\n"
+     "Send `tensor` to rank `peer` (pair with its recv; use pyccl.group() for "
+     "exchanges that must progress together)."},
+    {"recv", (PyCFunction)(void (*)(void))pyccl_comm_recv,
+     METH_FASTCALL | METH_KEYWORDS,
+     "recv($self, /, tensor, peer, *, stream=None)\n--\n\n"
+     "Receive into `tensor` from rank `peer` (pair with that rank's send)."},
+    {"all_to_all", (PyCFunction)(void (*)(void))pyccl_comm_all_to_all,
+     METH_FASTCALL | METH_KEYWORDS,
+     "all_to_all($self, /, input, output, *, stream=None)\n--\n\n"
+     "Chunk j of this rank's input goes to rank j; chunk i of output comes from "
+     "rank i. Each side: one tensor of size x chunk elements or a list of tensors."},
+    {"all_to_all_single", (PyCFunction)(void (*)(void))pyccl_comm_all_to_all_single,
+     METH_FASTCALL | METH_KEYWORDS,
+     "all_to_all_single($self, /, input, output, input_splits=None, output_splits=None, *, "
+     "stream=None)\n--\n\n"
+     "all_to_all with per-rank row counts along dim 0 (None: equal splits)."},
+    {"gather", (PyCFunction)(void (*)(void))pyccl_comm_gather,
+     METH_FASTCALL | METH_KEYWORDS,
+     "gather($self, /, tensor, outputs, root, *, stream=None)\n--\n\n"
+     "Every rank's `tensor` into the root's `outputs` (a list of `size` tensors "
+     "or one tensor of size x elements); other ranks may pass None."},
+    {"scatter", (PyCFunction)(void (*)(void))pyccl_comm_scatter,
+     METH_FASTCALL | METH_KEYWORDS,
+     "scatter($self, /, inputs, tensor, root, *, stream=None)\n--\n\n"
+     "Chunk r of the root's `inputs` into rank r's `tensor`; other ranks may pass "
+     "None as inputs."},
+    {"barrier", (PyCFunction)(void (*)(void))pyccl_comm_barrier,
+     METH_FASTCALL | METH_KEYWORDS,
+     "barrier($self, /, *, stream=None)\n--\n\n"
+     "Return once every rank has called barrier (a one-element all-reduce, then a "
+     "wait on the host)."},
+    {"split", (PyCFunction)(void (*)(void))pyccl_comm_split,
+     METH_FASTCALL | METH_KEYWORDS,
+     "split($self, /, color, key=None)\n--\n\n"
+     "A new Communicator of the ranks that passed the same color, ordered by key "
+     "(default: this rank). color < 0: not a member; returns None."},
+    {"all_reduce_coalesced", (PyCFunction)(void (*)(void))pyccl_comm_all_reduce_coalesced,
+     METH_FASTCALL | METH_KEYWORDS,
+     "all_reduce_coalesced($self, /, tensors, op=0, *, algo=None)\n--\n\n"
+     "all_reduce of many tensors (one dtype, this device) in place as one collective: "
+     "one pack kernel (torch.cat) into a flat buffer, one all_reduce (algo= as in "
+     "all_reduce), one unpack kernel (torch._foreach_copy_), all on the current stream. "
+     "For many small gradients, where a call per tensor is latency-bound."},
     {"destroy", comm_destroy, METH_NOARGS,
      "destroy($self, /)\n--\n\nFree the NCCL communicator now (idempotent). Using it "
      "afterwards raises RuntimeError. With a timeout: waits at most that long "

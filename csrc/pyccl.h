@@ -288,17 +288,6 @@ int pyccl_add_pending_split(pyccl_state *st, PyObject *comm);
 /* The outermost group of this thread ended: its splits are ready. */
 void pyccl_resolve_pending_splits(pyccl_state *st);
 
-/* ---- comm_ops.c: Communicator methods (METH_FASTCALL | METH_KEYWORDS) ---- */
-#define PYCCL_COMM_OPS(X)                                                     \
-    X(all_reduce) X(broadcast) X(reduce) X(all_gather) X(reduce_scatter)      \
-    X(send) X(recv) X(all_to_all) X(all_to_all_single) X(gather) X(scatter)   \
-    X(barrier) X(split) X(all_reduce_coalesced)
-#define PYCCL_DECLARE_OP(name)                                                \
-    PyObject *pyccl_comm_##name(PyObject *self, PyObject *const *args,        \
-                                Py_ssize_t nargs, PyObject *kwnames);
-PYCCL_COMM_OPS(PYCCL_DECLARE_OP)
-#undef PYCCL_DECLARE_OP
-
 /* ---- fastar.c: pyccl's own all-reduce kernels ---- */
 /* Seconds for messages: "5.0", "0.25" (as Python prints a float). */
 void pyccl_fmt_seconds(char *buf, size_t n, double s);

@@ -1,0 +1,86 @@
+/* The methods of pyccl.Communicator that move data (comm_ops.c,
+ * comm_p2p.c, comm_split.c), and what those files share: one call's context
+ * and the checks every method words the same way.  The method table, each
+ * entry with its docstring, is the type's (communicator.c). */
+#ifndef PYCCL_COMM_OPS_H
+#define PYCCL_COMM_OPS_H
+
+#include "pyccl.h"
+
+/* ---- the methods (METH_FASTCALL | METH_KEYWORDS) ---- */
+/* comm_ops.c: one buffer per rank, one NCCL collective (or pyccl's own
+ * all-reduce), plus barrier and all_reduce_coalesced */
+PyObject *pyccl_comm_all_reduce(PyObject *self, PyObject *const *args,
+                                Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_broadcast(PyObject *self, PyObject *const *args,
+                               Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_reduce(PyObject *self, PyObject *const *args,
+                            Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_all_gather(PyObject *self, PyObject *const *args,
+                                Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
+                                    Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_barrier(PyObject *self, PyObject *const *args,
+                             Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args,
+                                          Py_ssize_t nargs, PyObject *kwnames);
+/* comm_p2p.c: per-peer buffers, as groups of send/recv */
+PyObject *pyccl_comm_send(PyObject *self, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_recv(PyObject *self, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_all_to_all(PyObject *self, PyObject *const *args,
+                                Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_all_to_all_single(PyObject *self, PyObject *const *args,
+                                       Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_gather(PyObject *self, PyObject *const *args,
+                            Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_scatter(PyObject *self, PyObject *const *args,
+                             Py_ssize_t nargs, PyObject *kwnames);
+/* comm_split.c */
+PyObject *pyccl_comm_split(PyObject *self, PyObject *const *args,
+                           Py_ssize_t nargs, PyObject *kwnames);
+
+/* ---- shared by the method files (comm_ops.c defines them) ----
+ * Hidden visibility: calls between these files are direct, as they were
+ * when all of it was one file's static functions. */
+#pragma GCC visibility push(hidden)
+
+/* One method call: its module state, communicator and name (for messages). */
+typedef struct {
+    pyccl_state *st;
+    pyccl_comm *c;
+    const char *op;
+} call_ctx;
+
+int ops_ctx_init(call_ctx *x, PyObject *self, const char *op);
+/* An array argument, on this communicator's device. */
+int ops_read_on_comm(call_ctx *x, const char *what, PyObject *obj,
+                     pyccl_tensor *t);
+/* TypeError unless t has ref's dtype. */
+int ops_same_dtype(call_ctx *x, const char *what, const pyccl_tensor *t,
+                   const char *ref_what, const pyccl_tensor *ref);
+/* ValueError unless t has `want` elements (`why` says why). */
+int ops_numel_is(call_ctx *x, const char *what, const pyccl_tensor *t,
+                 int64_t want, const char *why);
+/* A rank of this communicator (root=, peer=). */
+int ops_read_rank(call_ctx *x, const char *what, PyObject *obj, int *out);
+/* stream= (None: torch's current stream of the communicator's device). */
+int ops_stream(call_ctx *x, PyObject *stream, cudaStream_t *out);
+/* The end of a method: c still alive, the tasks enqueued (timed or not),
+ * a premul_sum op made for the call (`made`) freed; None, or NULL with an
+ * exception. */
+PyObject *ops_finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n,
+                     int redop, int made);
+void ops_task(pyccl_task *t, pyccl_coll coll, const void *send, void *recv,
+              size_t count, int type, int peer, call_ctx *x, cudaStream_t s);
+/* A list/tuple of `size` arrays like `ref`, read from a private tuple
+ * (*keep, released by the caller after the enqueue); NULL with no error
+ * when obj is not a list/tuple. */
+pyccl_tensor *ops_read_list(call_ctx *x, const char *what, PyObject *obj,
+                            const pyccl_tensor *ref, const char *ref_what,
+                            int64_t numel, PyObject **keep);
+
+#pragma GCC visibility pop
+
+#endif /* PYCCL_COMM_OPS_H */

@@ -1,0 +1,102 @@
+/* Communicator.split(): a new Communicator of the ranks that passed the same
+ * color.  With a timeout the watchdog splits (the child gets a watch too);
+ * inside pyccl.group() NCCL writes the child's handle only when the group
+ * ends, so the child stays pending until then (communicator.c). */
+#include "pyccl.h"
+#include "args.h"
+#include "comm_ops.h"
+
+/* split(color, key=None) -> Communicator or None (color < 0: not a member). */
+PyObject *
+pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                 PyObject *kwnames)
+{
+    static const char *const names[] = {"color", "key"};
+    PyObject *a[2];
+    call_ctx x;
+    int color, key;
+    if (pyccl_parse_args("split", args, nargs, kwnames, names, 2, 2, 1, a) < 0 ||
+        ops_ctx_init(&x, self, "split") < 0) {
+        return NULL;
+    }
+    int rc = pyccl_read_bounded("split", "color", a[0], 0, INT32_MAX, &color);
+    if (rc < 0) {
+        return NULL;
+    }
+    if (rc == PYCCL_ABOVE) {
+        PyErr_Format(PyExc_ValueError, "split: color=%S is out of range", a[0]);
+        return NULL;
+    }
+    if (rc == PYCCL_BELOW) {
+        color = NCCL_SPLIT_NOCOLOR; /* any negative color: not a member */
+    }
+    key = x.c->rank;
+    if (a[1] != NULL && a[1] != Py_None &&
+        pyccl_read_int("split", "key", a[1], &key) < 0) {
+        return NULL;
+    }
+    const pyccl_api *api = &x.st->api;
+    if (api->ncclCommSplit == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "split: needs NCCL >= 2.18");
+        return NULL;
+    }
+    if (x.c->watch != NULL) {
+        return pyccl_watch_split(x.st, x.c, color, key); /* the child too */
+    }
+    if (pyccl_group_depth() > 0) {
+        /* NCCL writes the child's handle when the group ends, so it goes
+         * straight into a Communicator kept alive until then. */
+        static ncclComm_t not_member; /* color < 0: NCCL writes NULL here */
+        PyObject *child = NULL;
+        ncclComm_t *slot = &not_member;
+        if (color >= 0) {
+            child = pyccl_comm_new(x.st, NULL, -1, 0, x.c->device);
+            if (child == NULL || pyccl_add_pending_split(x.st, child) < 0) {
+                Py_XDECREF(child);
+                return NULL;
+            }
+            ((pyccl_comm *)child)->pending = 1;
+            slot = &((pyccl_comm *)child)->comm;
+        }
+        char last[PYCCL_LAST_ERROR_SIZE] = "";
+        pyccl_comm_lock(x.c); /* a short call: no GIL release around it */
+        ncclResult_t r = api->ncclCommSplit(x.c->comm, color, key, slot, NULL);
+        pyccl_nccl_failed(api, r, x.c->comm, last, sizeof last);
+        pthread_mutex_unlock(&x.c->mu);
+        if (r != ncclSuccess) {
+            Py_XDECREF(child); /* stays pending until the group ends */
+            pyccl_raise_nccl(x.st, "split", r, last);
+            return NULL;
+        }
+        if (child == NULL) {
+            Py_RETURN_NONE;
+        }
+        return child;
+    }
+    ncclComm_t nc = NULL;
+    ncclResult_t r;
+    int rank = -1, size = 0;
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
+    x.c->inflight++;
+    Py_BEGIN_ALLOW_THREADS
+    pyccl_comms_lock(&x.c, 1);
+    r = api->ncclCommSplit(x.c->comm, color, key, &nc, NULL);
+    if (r == ncclSuccess && nc != NULL) {
+        r = api->ncclCommUserRank(nc, &rank);
+        if (r == ncclSuccess) {
+            r = api->ncclCommCount(nc, &size);
+        }
+    }
+    pyccl_nccl_failed(api, r, x.c->comm, last, sizeof last);
+    pyccl_comms_unlock(&x.c, 1);
+    Py_END_ALLOW_THREADS
+    x.c->inflight--;
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(x.st, "split", r, last);
+        return NULL;
+    }
+    if (nc == NULL) {
+        Py_RETURN_NONE;
+    }
+    return pyccl_comm_new(x.st, nc, rank, size, x.c->device);
+}
