@@ -44,7 +44,7 @@ libubsan="$("$cc" -print-file-name=libubsan.so)"
 for lib in "$libasan" "$libubsan"; do
     [ -e "$lib" ] || { echo "sanitize: $cc has no $(basename "$lib") (install libasan/libubsan)"; exit 1; }
 done
-ldd "$so" | grep -q libasan || { echo "sanitize: $so is not linked with libasan"; exit 1; }
+ldd "$so" | grep libasan >/dev/null || { echo "sanitize: $so is not linked with libasan"; exit 1; }
 
 logs="$scratch/sanitizer-logs"
 mkdir -p "$logs"
