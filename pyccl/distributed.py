@@ -16,7 +16,7 @@ import datetime
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ReduceOp, _create_work_from_future
+from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, _create_work_from_future
 
 from . import _C
 
@@ -40,7 +40,8 @@ def _unsupported(what):
 
 def reduce_op(opname, op):
     """pyccl's op for torch's `op` (a ReduceOp or a ReduceOp.RedOpType) in operation `opname`."""
-    kind = op.op if isinstance(op, ReduceOp) else op
+    # (isinstance(RedOpType, ReduceOp) is True through torch's metaclass: test the enum first)
+    kind = op if isinstance(op, _RedOp) else op.op
     mapped = _OPS.get(kind)
     if mapped is not None:
         return mapped
@@ -154,8 +155,8 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         if opts is None:
             self._comm.all_reduce(t)
         else:
-            self._comm.all_reduce(t, reduce_op("allreduce", opts if isinstance(opts, (ReduceOp, _RedOp))
-                                               else opts.reduceOp))
+            self._comm.all_reduce(t, reduce_op("allreduce", opts.reduceOp if isinstance(opts, AllreduceOptions)
+                                               else opts))
         return self._work(tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
