@@ -38,7 +38,16 @@ from ._C import (  # noqa: E402
 from . import nccl  # noqa: E402
 from .launch import init_from_env, init_from_mpi, init_ranks  # noqa: E402
 
-if torch.distributed.is_available():
+
+def _has_torch_distributed():
+    try:
+        import torch.distributed
+    except ImportError:  # a torch without it (or the CPU tests' stand-in torch)
+        return False
+    return torch.distributed.is_available()
+
+
+if _has_torch_distributed():
     # registers the torch.distributed backend "pyccl" (CUDA tensors)
     from . import distributed  # noqa: E402,F401
 

@@ -294,7 +294,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
 # creations per group name in this process: every member creates the groups of one name in
 # the same order, so (name, count) names the same creation on every rank, also when a store
 # outlives a destroy_process_group() (torchrun's agent store) and group names repeat.
-_generation = collections.Counter()
+_generation: "collections.Counter[str]" = collections.Counter()
 
 
 def _unique_id():

@@ -272,7 +272,7 @@ def test_creator_through_init_process_group(world):
     assert dist.get_backend() == "pyccl"
     assert pg.name() == "pyccl" and pg.group_name == dist.distributed_c10d._get_process_group_name(pg)
     assert pg._get_backend(torch.device("cuda")).supports_splitting is False
-    assert dist.get_backend_config() if hasattr(dist, "get_backend_config") else True
+    assert dist.get_backend_config() == "cuda:pyccl"
     sub = dist.new_group([0])
     assert isinstance(sub, pd.ProcessGroupPyccl) and sub.group_name != pg.group_name
     assert len(created) == 2
