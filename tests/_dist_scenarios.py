@@ -362,5 +362,5 @@ def ddp_killed_peer(rank, world, store_path, timeout, kill_after):
         except Exception as e:  # noqa: BLE001 (what DDP raises is the measurement)
             raised = time.time()
             killed_at = float(store.get("killed_at").decode())
-            return raised - killed_at, type(e).__name__, str(e)[:500], step
+            return raised - killed_at, type(e).__name__, str(e)[:2000], step
     raise AssertionError("no step raised after the peer was killed")
