@@ -23,15 +23,17 @@ from . import _C
 BACKEND_NAME = "pyccl"
 
 _RedOp = ReduceOp.RedOpType
-# torch's reduce ops -> pyccl's; the bitwise ones have no NCCL reduction.
+# torch's reduce ops -> pyccl's, keyed by the enum's value: hashing the pybind enum itself
+# costs 0.5 us a call.  The bitwise ops have no NCCL reduction.
 _OPS = {
-    _RedOp.SUM: _C.SUM,
-    _RedOp.PRODUCT: _C.PROD,
-    _RedOp.MIN: _C.MIN,
-    _RedOp.MAX: _C.MAX,
-    _RedOp.AVG: _C.AVG,
+    _RedOp.SUM.value: _C.SUM,
+    _RedOp.PRODUCT.value: _C.PROD,
+    _RedOp.MIN.value: _C.MIN,
+    _RedOp.MAX.value: _C.MAX,
+    _RedOp.AVG.value: _C.AVG,
 }
-_UNSUPPORTED_OPS = {_RedOp.BAND: "BAND", _RedOp.BOR: "BOR", _RedOp.BXOR: "BXOR"}
+_PREMUL_SUM = _RedOp.PREMUL_SUM.value
+_UNSUPPORTED_OPS = {_RedOp.BAND.value: "BAND", _RedOp.BOR.value: "BOR", _RedOp.BXOR.value: "BXOR"}
 
 
 def _unsupported(what):
@@ -41,11 +43,11 @@ def _unsupported(what):
 def reduce_op(opname, op):
     """pyccl's op for torch's `op` (a ReduceOp or a ReduceOp.RedOpType) in operation `opname`."""
     # (isinstance(RedOpType, ReduceOp) is True through torch's metaclass: test the enum first)
-    kind = op if isinstance(op, _RedOp) else op.op
+    kind = (op if type(op) is _RedOp else op.op).value
     mapped = _OPS.get(kind)
     if mapped is not None:
         return mapped
-    if kind == _RedOp.PREMUL_SUM:
+    if kind == _PREMUL_SUM:
         from . import premul_sum
         # torch >= 2.12 exposes the factor (a float, or a tensor) as ReduceOp.factor
         factor = getattr(op, "factor", None)
@@ -59,7 +61,7 @@ def reduce_op(opname, op):
                                    "1-element CPU tensor)")
             factor = factor.item()
         return premul_sum(factor)
-    name = _UNSUPPORTED_OPS.get(kind, repr(kind))
+    name = _UNSUPPORTED_OPS.get(kind, str(kind))
     raise _unsupported(f"{opname} with ReduceOp.{name}")
 
 
@@ -149,14 +151,16 @@ class ProcessGroupPyccl(dist.ProcessGroup):
 
     # ---- collectives ----
     def allreduce(self, tensors, opts=None):
-        if isinstance(tensors, torch.Tensor):  # pg.allreduce(tensor, op) overload
+        # the hot path (dist.all_reduce, DDP's buckets): keep it to a few attribute reads
+        if type(tensors) is not list and isinstance(tensors, torch.Tensor):  # pg.allreduce(tensor, op)
             tensors = [tensors]
-        t = _one("allreduce", tensors)
+        if len(tensors) != 1:
+            _one("allreduce", tensors)
         if opts is None:
-            self._comm.all_reduce(t)
+            self._comm.all_reduce(tensors[0])
         else:
-            self._comm.all_reduce(t, reduce_op("allreduce", opts.reduceOp if isinstance(opts, AllreduceOptions)
-                                               else opts))
+            self._comm.all_reduce(tensors[0], reduce_op("allreduce", opts.reduceOp
+                                                        if type(opts) is AllreduceOptions else opts))
         return self._work(tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
