@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 
+from . import algos as A
 from . import data as D
 from . import report as R
 from . import sizes as S
@@ -173,6 +174,10 @@ def _host(drv, cfg, out):
     out.put(("host", drv.ranks, [host] * len(drv.devices), gpu))
 
 
+# what a child runs for each mode (--algos and --host-breakdown: pyccl's per-rank API only)
+MODES = {"sweep": _sweep, "host": _host, "algos": A.algo_sweep, "breakdown": A.host_breakdown}
+
+
 def dump_after(timeout):
     """Seconds without progress after which a child dumps its stacks: before the parent's kill."""
     return max(0.5, timeout - min(10.0, timeout / 3.0))
@@ -280,7 +285,7 @@ def _child(system, index, rank, nranks, cfg, rendezvous, conn, barrier, dump_loc
         if _test_hook(cfg, "_fail_rank", index):  # or one that fails
             raise RuntimeError(f"rank {rank} fails on purpose")
         out.put(("info", [drv.describe(r, d) for r, d in zip(drv.ranks, drv.devices)]))
-        (_host if cfg["mode"] == "host" else _sweep)(drv, cfg, out)
+        MODES[cfg["mode"]](drv, cfg, out)
         drv.close()
         out.close()
         conn.send(("done", index))
@@ -528,3 +533,52 @@ def run_host_overhead(system, nranks, cfg):
     return R.HostResult(system, nranks, cfg["host_iters"],
                         R.aggregate_times([host[r] for r in ranks], 3) * 1e6,
                         R.aggregate_times([gpu[r] for r in ranks], 3) * 1e6)
+
+
+def _per_rank_loops(system, nranks, cfg, kind, on_progress=None, total=0):
+    """Run one of the per-rank modes; -> ({key: {rank: value}}, all_reduce_info of rank 0)."""
+    got, info = {}, {}
+
+    def handle(msg):
+        if msg[0] == "algo_info":
+            info[msg[1]] = msg[2]
+        elif msg[0] == kind:
+            key = msg[2]
+            got.setdefault(key, {})[msg[1]] = msg[3:] if kind == "breakdown" else msg[3]
+            if on_progress and len(got[key]) == nranks:
+                on_progress(system, len([k for k in got if len(got[k]) == nranks]), total, str(key))
+
+    _run(system, nranks, cfg, handle)
+    short = [k for k, v in got.items() if len(v) != nranks]
+    if short:
+        raise BenchError(f"{system}: {kind} results for {short[0]} came back from "
+                         f"{len(got[short[0]])} of {nranks} ranks")
+    return got, info.get(0)
+
+
+def run_algos(nranks, cfg, on_progress=None, system="pyccl"):
+    """--algos on pyccl's per-rank API: -> ([report.AlgoResult], all_reduce_info of rank 0).
+    Each figure is the median over loops of cfg['average'] over ranks (default the maximum)."""
+    own = [a for a in cfg["algos"] if a in A.OWN]
+    total = len(cfg["sizes"]) * 3 * (len(cfg["algos"]) + len(own) * len(cfg["variants"])) + 4
+    got, info = _per_rank_loops(system, nranks, cfg, "algo", on_progress, total)
+    out = []
+    for (size, algo, variant, timing), per in got.items():
+        iters = 5 if timing in ("per-tensor loop", "coalesced") else A.algo_iters(cfg, size)
+        loops = [per[r] for r in sorted(per)]
+        out.append(R.AlgoResult(system, nranks, size, algo, variant, timing, iters,
+                                R.aggregate_times(loops, cfg["average"])))
+    return out, info
+
+
+def run_breakdown(nranks, cfg, system="pyccl"):
+    """--host-breakdown: -> ([report.BreakdownResult], [all_reduce_info, no-PDL info] of rank 0).
+    Each rank's median over loops, then the maximum over ranks, in the order measured."""
+    import statistics
+    got, info = _per_rank_loops(system, nranks, cfg, "breakdown")
+    out = []
+    for case, per in got.items():  # dicts keep the order the cases were measured in
+        host = max(statistics.median(per[r][0]) for r in per)
+        gpu = max(statistics.median(per[r][1]) for r in per)
+        out.append(R.BreakdownResult(case, nranks, cfg["host_iters"], host, gpu))
+    return out, info
