@@ -39,6 +39,7 @@ D = importlib.import_module(_PKG + ".data")
 R = importlib.import_module(_PKG + ".report")
 cli = importlib.import_module(_PKG + ".cli")
 runner = importlib.import_module(_PKG + ".runner")
+SP = importlib.import_module(_PKG + ".spawn")
 
 K, M, G = 1024, 1024 ** 2, 1024 ** 3
 
@@ -616,6 +617,17 @@ def test_a_failing_rank_reports_its_traceback():
     assert not multiprocessing.active_children()
 
 
+@needs_gloo
+def test_a_rank_that_dies_without_a_word_is_named_with_its_exit_code():
+    t0 = time.monotonic()
+    with pytest.raises(runner.BenchError) as e:
+        runner.run_sweep(runner.CPU_SYSTEM, 2, _cfg(_die_rank=1, timeout=60.0))
+    assert time.monotonic() - t0 < 45  # end-of-file on its pipe, not the timeout
+    assert str(e.value).startswith(f"{runner.CPU_SYSTEM}: process 1 (pid ")
+    assert str(e.value).endswith(") ended before reporting its results (exit code 3)")
+    assert not multiprocessing.active_children()
+
+
 needs_spawn = pytest.mark.skipif(
     not REAL_PACKAGE, reason="needs an importable pyccl package (spawned children import it)")
 
@@ -701,9 +713,9 @@ def test_kill_takes_the_whole_process_tree(tmp_path):
     while not (pidfile.exists() and pidfile.read_text().strip()) and time.monotonic() < deadline:
         time.sleep(0.1)
     grandchild = int(pidfile.read_text())
-    assert runner._running(grandchild) and grandchild in runner._descendants(p.pid)
+    assert SP.running(grandchild) and grandchild in SP.descendants(p.pid)
     assert runner._kill([p], wait=10.0) == []
-    assert not p.is_alive() and not runner._running(grandchild)
+    assert not p.is_alive() and not SP.running(grandchild)
 
 
 @needs_spawn
@@ -719,7 +731,7 @@ def test_children_die_with_the_parent():
         deadline, kids = time.monotonic() + 90, []
         while not kids and time.monotonic() < deadline:
             time.sleep(0.2)
-            kids = [c for c in runner._descendants(parent.pid)
+            kids = [c for c in SP.descendants(parent.pid)
                     if b"spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
         assert kids, "the benchmark child did not start"
         time.sleep(1.0)  # past the child's prctl
@@ -727,9 +739,9 @@ def test_children_die_with_the_parent():
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 20
-    while any(runner._running(c) for c in kids) and time.monotonic() < deadline:
+    while any(SP.running(c) for c in kids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(runner._running(c) for c in kids)
+    assert not any(SP.running(c) for c in kids)
 
 
 def test_progress_names_every_system_in_a_log():

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import gpu_count, needs_gpus
-from _ranks import run_bounded
+from pyccl.bench.spawn import run_bounded
 
 pytestmark = pytest.mark.bench
 
