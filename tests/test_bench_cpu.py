@@ -1091,3 +1091,28 @@ def test_algo_and_breakdown_plots_write_pngs(tmp_path):
     R.write_breakdown_plot(tmp_path / "b.png", b)
     for name in ("a.png", "b.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- the test suite's data (the same generator) -------------------------------------------------
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_test_data_reductions_are_exact_even_at_the_ends_of_the_range(world):
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8,
+              torch.uint8, torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2]
+    for dtype in dtypes:
+        for op in D.OP_NAMES:
+            if op == D.AVG and dtype.itemsize == 1 and dtype.is_floating_point:
+                continue
+            vals = [D.rank_values(r, 4099, dtype, op, world) for r in range(world)]
+            lo, hi = D.test_range(dtype, op, world)
+            assert all(v.min() >= lo and v.max() <= hi for v in vals)
+            assert len(torch.cat(vals).unique()) > min(hi - lo, 1000) // 2  # spread, never one value
+            if world > 1:
+                assert not torch.equal(vals[0], vals[1])  # ranks differ
+            ends = [[torch.full((3,), float(x), dtype=torch.float64)] * world for x in (lo, hi)]
+            for v in [vals] + ends:
+                got = D.reduce_ref(v, op, dtype)
+                if op != D.AVG:
+                    assert torch.equal(got.to(torch.float64), D.reduce_ref(v, op, torch.float64)), (
+                        dtype, D.OP_NAMES[op], world)
+            assert D.same_bits(D.to_dtype(vals[0], dtype), D.to_dtype(vals[0].clone(), dtype))
