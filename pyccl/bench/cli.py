@@ -110,8 +110,10 @@ def build_parser():
       help="instead of the sweep: host and GPU us per eager call, from a Python no-op and raw "
            "ctypes launches up to the 8-byte all_reduce (own kernel with and without PDL, NCCL)")
     a("--json", metavar="FILE", help="write configuration and results as JSON")
-    a("--csv", metavar="FILE", help="write results as CSV, one row per size and placement")
-    a("--plot", metavar="FILE.png", help="plot time and busbw against size (needs matplotlib)")
+    a("--csv", metavar="FILE", help="write results as CSV, one row per result (sweep: per size "
+                                    "and placement; --algos: per size, algo and timing)")
+    a("--plot", metavar="FILE.png", help="plot time and busbw against size; --algos: time per "
+                                         "call per timing; --host-breakdown: bars (needs matplotlib)")
     a("--no-progress", action="store_true", help="no progress line on stderr")
     return p
 
