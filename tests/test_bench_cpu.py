@@ -7,6 +7,7 @@ The bench modules are loaded from their files when `import pyccl` fails (extensi
 they need neither a GPU nor pyccl._C to import.
 """
 import importlib
+import json
 import importlib.util
 import multiprocessing
 import os
@@ -38,6 +39,7 @@ D = importlib.import_module(_PKG + ".data")
 R = importlib.import_module(_PKG + ".report")
 cli = importlib.import_module(_PKG + ".cli")
 runner = importlib.import_module(_PKG + ".runner")
+SP = importlib.import_module(_PKG + ".spawn")
 
 K, M, G = 1024, 1024 ** 2, 1024 ** 3
 
@@ -615,6 +617,17 @@ def test_a_failing_rank_reports_its_traceback():
     assert not multiprocessing.active_children()
 
 
+@needs_gloo
+def test_a_rank_that_dies_without_a_word_is_named_with_its_exit_code():
+    t0 = time.monotonic()
+    with pytest.raises(runner.BenchError) as e:
+        runner.run_sweep(runner.CPU_SYSTEM, 2, _cfg(_die_rank=1, timeout=60.0))
+    assert time.monotonic() - t0 < 45  # end-of-file on its pipe, not the timeout
+    assert str(e.value).startswith(f"{runner.CPU_SYSTEM}: process 1 (pid ")
+    assert str(e.value).endswith(") ended before reporting its results (exit code 3)")
+    assert not multiprocessing.active_children()
+
+
 needs_spawn = pytest.mark.skipif(
     not REAL_PACKAGE, reason="needs an importable pyccl package (spawned children import it)")
 
@@ -700,9 +713,9 @@ def test_kill_takes_the_whole_process_tree(tmp_path):
     while not (pidfile.exists() and pidfile.read_text().strip()) and time.monotonic() < deadline:
         time.sleep(0.1)
     grandchild = int(pidfile.read_text())
-    assert runner._running(grandchild) and grandchild in runner._descendants(p.pid)
+    assert SP.running(grandchild) and grandchild in SP.descendants(p.pid)
     assert runner._kill([p], wait=10.0) == []
-    assert not p.is_alive() and not runner._running(grandchild)
+    assert not p.is_alive() and not SP.running(grandchild)
 
 
 @needs_spawn
@@ -718,7 +731,7 @@ def test_children_die_with_the_parent():
         deadline, kids = time.monotonic() + 90, []
         while not kids and time.monotonic() < deadline:
             time.sleep(0.2)
-            kids = [c for c in runner._descendants(parent.pid)
+            kids = [c for c in SP.descendants(parent.pid)
                     if b"spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
         assert kids, "the benchmark child did not start"
         time.sleep(1.0)  # past the child's prctl
@@ -726,9 +739,9 @@ def test_children_die_with_the_parent():
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 20
-    while any(runner._running(c) for c in kids) and time.monotonic() < deadline:
+    while any(SP.running(c) for c in kids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(runner._running(c) for c in kids)
+    assert not any(SP.running(c) for c in kids)
 
 
 def test_progress_names_every_system_in_a_log():
@@ -858,3 +871,248 @@ def test_main_host_overhead_runs_four_systems(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "300 calls per loop" in out and "torch.cuda.nccl       2            14.00" in out
     assert [h.system for h in R.read_csv(tmp_path / "h.csv", R.HostResult)] == seen
+
+
+# ---- --algos and --host-breakdown (pyccl's own kernels) -----------------------------------------
+
+A = importlib.import_module(_PKG + ".algos")
+
+
+def test_algos_variants_and_breakdown_parse():
+    cfg = cli.make_config(cli.build_parser().parse_args(
+        "-b 8 -e 16M -f 4 -n 100 --algos all --variants PYCCL_AR_PDL=0,PYCCL_AR_BLOCKS=32 "
+        "PYCCL_AR_LL_MAX=0".split()))
+    assert cfg["mode"] == "algos" and cfg["algos"] == ["auto", "nccl", "oneshot", "twoshot"]
+    assert cfg["variants"] == ["PYCCL_AR_PDL=0", "PYCCL_AR_BLOCKS=32", "PYCCL_AR_LL_MAX=0"]
+    assert cfg["sizes"] == [8, 32, 128, 512, 2 * K, 8 * K, 32 * K, 128 * K, 512 * K, 2 * M,
+                            8 * M] and cfg["iters"] == 100 and cfg["algo"] == "auto"
+    cfg = cli.make_config(cli.build_parser().parse_args(["--algos", "nccl,oneshot,nccl"]))
+    assert cfg["algos"] == ["nccl", "oneshot"] and cfg["variants"] == []  # no repeats
+    cfg = cli.make_config(cli.build_parser().parse_args(["--host-breakdown"]))
+    assert cfg["mode"] == "breakdown" and cfg["host_iters"] == 400 and cfg["repeats"] == 5
+    cfg = cli.make_config(cli.build_parser().parse_args(["--host-overhead"]))
+    assert cfg["mode"] == "host" and cfg["host_iters"] == 2000 and cfg["algos"] is None
+    assert A.algo_iters({"iters": 100}, M) == 100 and A.algo_iters({"iters": 100}, 2 * M) == 10
+    assert A.algo_iters({"iters": 20}, 2 * M) == 5  # never fewer than 5 calls per loop
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--algos", "fast"], "argument --algos: unknown algo 'fast': choose from auto, nccl, "
+                          "oneshot, twoshot or all"),
+    (["--algos", ","], "argument --algos: empty algo list ','"),
+    (["--variants", "PYCCL_AR_PDL=0"], "--variants needs --algos (it repeats the own-kernel "
+                                       "columns)"),
+    (["--algos", "all", "--variants", "PYCCL_AR_PDL"], "--variants: 'PYCCL_AR_PDL' is not "
+                                                       "NAME=VALUE"),
+    (["--algos", "all", "--variants", "=1"], "--variants: '=1' is not NAME=VALUE"),
+    (["--algos", "auto,nccl", "--variants", "PYCCL_AR_PDL=0"],
+     "--variants measures the own kernels: --algos must include oneshot or twoshot"),
+    (["--algos", "all", "--host-breakdown"], "--algos and --host-breakdown are separate modes: "
+                                             "give one"),
+    (["--host-overhead", "--host-breakdown"], "--host-overhead and --host-breakdown are separate "
+                                              "modes: give one"),
+    (["--algos", "all", "--api", "nccl"], "--algos measures pyccl's per-rank API: --api nccl "
+                                          "does not apply"),
+    (["--host-breakdown", "--compare"], "--host-breakdown cannot be combined with --compare "
+                                        "(NCCL runs on the same communicator, algo='nccl')"),
+    (["--algos", "all", "--algo", "nccl"], "--algos cannot be combined with --algo (--algos "
+                                           "lists every algo to measure)"),
+    (["--algos", "all", "-G", "2"], "-G/--cudagraph does not apply to --algos (it times eager "
+                                    "and CUDA-graph calls both)"),
+    (["--host-breakdown", "-z", "1"], "-z/--blocking does not apply to --host-breakdown"),
+    (["--algos", "all", "-d", "half"], "--algos measures all_reduce float sum in place: "
+                                       "-t/--coll, -d/--datatype and -o/--op do not apply"),
+    (["--algos", "all", "-t", "broadcast"], "--algos measures all_reduce float sum in place"),
+    (["--algos", "all", "-b", "2", "-e", "8", "-f", "2"],
+     "--algos: sizes start at 4 bytes (one float), got -b 2"),
+    (["--host-breakdown", "--host-iters", "0"], "--host_iters must be >= 1, got 0"),
+])
+def test_algos_and_breakdown_refusals_exit_2_with_the_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m pyccl.bench: error: " + message in err, err
+
+
+def _fake_run(messages):
+    """Stands in for runner._run: feeds the handler what the ranks would have sent."""
+    def run(system, nranks, cfg, handle):
+        for m in messages:
+            handle(m)
+    return run
+
+
+def test_run_algos_is_the_median_over_loops_of_the_max_over_ranks(monkeypatch):
+    key = (8, "oneshot", None, "eager")
+    monkeypatch.setattr(runner, "_run", _fake_run([
+        ("info", ["#  Rank  0", "#  Rank  1"]),
+        ("algo_info", 0, {"buffer_bytes": 16 * M}),
+        ("algo", 0, key, [1.0, 5.0, 2.0]), ("algo", 1, key, [3.0, 1.0, 1.0]),
+        ("algo", 0, (3 * M, "nccl", None, "eager"), [7.0, 7.0, 7.0]),
+        ("algo", 1, (3 * M, "nccl", None, "eager"), [8.0, 8.0, 8.0]),
+        ("algo", 0, (9, "auto", None, "coalesced"), [4.0]),
+        ("algo", 1, (9, "auto", None, "coalesced"), [6.0])]))
+    cfg = {"sizes": [8], "algos": ["oneshot"], "variants": [], "iters": 100, "average": 3}
+    got, info = runner.run_algos(2, cfg)
+    by = {(r.size, r.algo, r.timing): r for r in got}
+    assert by[(8, "oneshot", "eager")].time_us == 3.0  # max per loop: 3, 5, 2 -> median 3
+    assert by[(8, "oneshot", "eager")].iters == 100 and by[(3 * M, "nccl", "eager")].iters == 10
+    assert by[(3 * M, "nccl", "eager")].time_us == 8.0 and by[(9, "auto", "coalesced")].iters == 5
+    assert info == {"buffer_bytes": 16 * M} and all(r.nranks == 2 for r in got)
+
+
+def test_run_algos_names_a_measurement_missing_from_a_rank(monkeypatch):
+    monkeypatch.setattr(runner, "_run", _fake_run([("algo", 0, (8, "auto", None, "eager"), [1.0])]))
+    with pytest.raises(runner.BenchError, match=r"pyccl: algo results for \(8, 'auto', None, "
+                                                r"'eager'\) came back from 1 of 2 ranks"):
+        runner.run_algos(2, {"sizes": [8], "algos": ["auto"], "variants": [], "iters": 5,
+                             "average": 3})
+
+
+def test_run_breakdown_is_the_max_over_ranks_of_each_ranks_median(monkeypatch):
+    monkeypatch.setattr(runner, "_run", _fake_run([
+        ("algo_info", 0, [{"pdl": True}, {"pdl": False}]),
+        ("breakdown", 0, "python call of a no-op", [1.0, 9.0, 2.0], [0.5, 0.5, 0.5]),
+        ("breakdown", 1, "python call of a no-op", [3.0, 3.0, 0.0], [0.1, 0.2, 0.3]),
+        ("breakdown", 0, "comm.all_reduce(empty tensor)", [4.0] * 3, [1.0] * 3),
+        ("breakdown", 1, "comm.all_reduce(empty tensor)", [5.0] * 3, [1.0] * 3)]))
+    got, info = runner.run_breakdown(2, {"host_iters": 400})
+    assert [b.case for b in got] == ["python call of a no-op", "comm.all_reduce(empty tensor)"]
+    assert (got[0].host_us, got[0].gpu_us) == (3.0, 0.5)  # medians 2 and 3 -> 3; 0.5 and 0.2
+    assert got[1].host_us == 5.0 and got[0].calls == 400 and info[1] == {"pdl": False}
+
+
+def _fake_algos(cfg_seen):
+    def run_algos(n, cfg, on_progress=None):
+        cfg_seen.append(cfg)
+        out = []
+        for size in cfg["sizes"]:
+            for i, algo in enumerate(cfg["algos"]):
+                for timing in ("eager", "graph", "host"):
+                    out.append(R.AlgoResult("pyccl", n, size, algo, None, timing, 100,
+                                            2.0 + i + (timing == "graph")))
+            for v in cfg["variants"]:
+                out.append(R.AlgoResult("pyccl", n, size, "oneshot", v, "graph", 100, 2.5))
+        nb = sum(A.GRADS) * 4
+        for algo, lo, co in (("auto", 560.0, 670.0), ("nccl", 1460.0, 730.0)):
+            out.append(R.AlgoResult("pyccl", n, nb, algo, None, "per-tensor loop", 5, lo))
+            out.append(R.AlgoResult("pyccl", n, nb, algo, None, "coalesced", 5, co))
+        return out, {"state": "ready", "buffer_bytes": 16 * M}
+    return run_algos
+
+
+def test_main_algos_prints_the_tables_and_writes_every_file(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
+    seen = []
+    monkeypatch.setattr(runner, "run_algos", _fake_algos(seen))
+    argv = ["-b", "8", "-e", "32", "-f", "4", "-n", "100", "--algos", "nccl,oneshot,auto",
+            "--variants", "PYCCL_AR_PDL=0", "--no-progress", "--json", str(tmp_path / "a.json"),
+            "--csv", str(tmp_path / "a.csv")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "#   algo=auto : loop     560.0   coalesced    670.0   (0.8x)" in out
+    assert "#   algo=nccl : loop    1460.0   coalesced    730.0   (2.0x)" in out
+    assert "# command: python -m pyccl.bench " + " ".join(argv) in out
+    assert "median of 5 loops of the max over ranks); own kernels: {'state': 'ready'" in out
+    eager = out[out.index("## eager\n"):].splitlines()
+    assert eager[1].split() == ["bytes", "nccl", "oneshot", "auto", "best-own/nccl", "one@PDL=0"]
+    assert eager[2].split() == ["8", "2.00", "3.00", "4.00", "0.67x", "-"]
+    graph = out[out.index("## CUDA graph\n"):].splitlines()
+    assert graph[3].split() == ["32", "3.00", "4.00", "5.00", "0.75x", "2.50"]
+    assert "nccl/own host" in out
+    config, results, host, algos, breakdown = R.read_json_all(tmp_path / "a.json")
+    assert results == [] and host == [] and breakdown == []
+    assert config["mode"] == "algos" and config["variants"] == ["PYCCL_AR_PDL=0"]
+    assert config["all_reduce_info"] == {"state": "ready", "buffer_bytes": 16 * M}
+    assert config["systems"] == ["pyccl"] and config["ngpus"] == 2
+    assert len(algos) == 2 * 3 * 3 + 2 + 4 and algos[0] == R.AlgoResult(
+        "pyccl", 2, 8, "nccl", None, "eager", 100, 2.0)
+    doc = json.load(open(tmp_path / "a.json"))
+    assert set(doc) == {"pyccl_bench", "config", "results", "host_overhead", "algos",
+                        "host_breakdown"}
+    assert set(doc["algos"][0]) == {"system", "nranks", "size", "algo", "variant", "timing",
+                                    "iters", "time_us"}
+    assert R.read_csv(tmp_path / "a.csv", R.AlgoResult) == algos
+
+
+def test_main_algos_on_one_gpu_says_the_own_kernels_are_left_out(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(runner, "run_algos", _fake_algos([]))
+    assert cli.main(["-b", "8", "-e", "8", "--algos", "auto,nccl", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# 1 rank: pyccl's own kernels need 2 to 8 ranks; their rows and "
+                          "columns are left out (auto is NCCL here)\n")
+    assert "best-own/nccl" not in out  # no own algo asked for: no ratio column
+
+
+def test_main_host_breakdown_prints_and_writes(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
+
+    def run_breakdown(n, cfg):
+        return ([R.BreakdownResult("python call of a no-op", n, cfg["host_iters"], 0.05, 0.08),
+                 R.BreakdownResult("comm.all_reduce(8 B): own kernel, PDL", n, cfg["host_iters"],
+                                   5.6, 5.7)], [{"pdl": True}, {"pdl": False}])
+    monkeypatch.setattr(runner, "run_breakdown", run_breakdown)
+    assert cli.main(["-g", "2", "--host-breakdown", "--no-progress", "--json",
+                     str(tmp_path / "b.json"), "--csv", str(tmp_path / "b.csv")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("# eager host cost per call, 2 ranks, 400 calls a loop, median of 5, "
+                             "max over ranks; torch ")
+    assert out[1] == "# command: python -m pyccl.bench -g 2 --host-breakdown --no-progress --json " \
+        + str(tmp_path / "b.json") + " --csv " + str(tmp_path / "b.csv")
+    assert out[2].split() == ["host", "us", "gpu", "us"]
+    assert out[3].split() == ["python", "call", "of", "a", "no-op", "0.05", "0.08"]
+    assert out[4].endswith("    5.60     5.70")
+    config, _, _, algos, breakdown = R.read_json_all(tmp_path / "b.json")
+    assert config["mode"] == "breakdown" and algos == [] and len(breakdown) == 2
+    assert R.read_csv(tmp_path / "b.csv", R.BreakdownResult) == breakdown
+
+
+def test_main_own_kernel_modes_exit_1_naming_the_failure(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
+
+    def fail(n, cfg, *a):
+        raise runner.BenchError("pyccl: process 1 failed:\nTraceback ...")
+    monkeypatch.setattr(runner, "run_breakdown", fail)
+    assert cli.main(["--host-breakdown", "--no-progress"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "pyccl.bench: error: pyccl: process 1 failed:"
+    assert err[-1] == ("pyccl.bench: FAILED: --host-breakdown did not complete (errors above); "
+                       "exit status 1")
+
+
+def test_algo_and_breakdown_plots_write_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    algos, _ = _fake_algos([])(2, {"sizes": [8, 64], "algos": ["auto", "nccl"],
+                                   "variants": ["PYCCL_AR_PDL=0"]})
+    assert R.write_algo_plot(tmp_path / "a.png", algos) == tmp_path / "a.png"
+    b = [R.BreakdownResult("python call of a no-op", 2, 400, 0.05, 0.08)]
+    R.write_breakdown_plot(tmp_path / "b.png", b)
+    for name in ("a.png", "b.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- the test suite's data (the same generator) -------------------------------------------------
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_test_data_reductions_are_exact_even_at_the_ends_of_the_range(world):
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8,
+              torch.uint8, torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2]
+    for dtype in dtypes:
+        for op in D.OP_NAMES:
+            if op == D.AVG and dtype.itemsize == 1 and dtype.is_floating_point:
+                continue
+            vals = [D.rank_values(r, 4099, dtype, op, world) for r in range(world)]
+            lo, hi = D.test_range(dtype, op, world)
+            assert all(v.min() >= lo and v.max() <= hi for v in vals)
+            assert len(torch.cat(vals).unique()) > min(hi - lo, 1000) // 2  # spread, never one value
+            if world > 1:
+                assert not torch.equal(vals[0], vals[1])  # ranks differ
+            ends = [[torch.full((3,), float(x), dtype=torch.float64)] * world for x in (lo, hi)]
+            for v in [vals] + ends:
+                got = D.reduce_ref(v, op, dtype)
+                if op != D.AVG:
+                    assert torch.equal(got.to(torch.float64), D.reduce_ref(v, op, torch.float64)), (
+                        dtype, D.OP_NAMES[op], world)
+            assert D.same_bits(D.to_dtype(vals[0], dtype), D.to_dtype(vals[0].clone(), dtype))

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import gpu_count, needs_gpus
-from _ranks import run_bounded
+from pyccl.bench.spawn import run_bounded
 
 pytestmark = pytest.mark.bench
 
@@ -43,3 +43,68 @@ def test_compare_runs_three_systems(tmp_path):
     assert "# Comparison" in r.stdout
     systems = {x["system"] for x in json.load(open(out))["results"]}
     assert systems == {"pyccl", "torch.distributed", "torch.cuda.nccl"}, systems
+
+
+def _own_kernel_run(tmp_path, g, *args):
+    out = tmp_path / "own.json"
+    r = bench("-g", str(g), "--repeats", "2", "--no-progress", "--json", str(out), *args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.load(open(out))
+    assert doc["results"] == [] and doc["host_overhead"] == []
+    return r, doc
+
+
+@needs_gpus(1)
+def test_algos_on_one_gpu_measures_auto_and_nccl(tmp_path):
+    """One rank: the own kernels refuse (2 to 8 ranks), so auto and NCCL only, said in a note."""
+    r, doc = _own_kernel_run(tmp_path, 1, "-b", "8", "-e", "64K", "-f", "64", "-n", "5",
+                             "--algos", "all")
+    assert "# 1 rank: pyccl's own kernels need 2 to 8 ranks" in r.stdout
+    rows = doc["algos"]
+    got = {(x["size"], x["algo"], x["timing"]) for x in rows if x["size"] in (8, 512, 32768)}
+    assert got == {(s, a, t) for s in (8, 512, 32768) for a in ("auto", "nccl")
+                   for t in ("eager", "graph", "host")}, got
+    steps = {(x["algo"], x["timing"]) for x in rows if x["timing"] in ("per-tensor loop", "coalesced")}
+    assert steps == {(a, t) for a in ("auto", "nccl") for t in ("per-tensor loop", "coalesced")}
+    assert all(x["time_us"] > 0 for x in rows) and doc["host_breakdown"] == []
+
+
+@needs_gpus(2)
+def test_algos_on_two_gpus_measure_own_kernels_and_variants(tmp_path):
+    r, doc = _own_kernel_run(tmp_path, 2, "-b", "8", "-e", "64K", "-f", "64", "-n", "5",
+                             "--algos", "all", "--variants", "PYCCL_AR_PDL=0")
+    rows = doc["algos"]
+    for algo in ("auto", "nccl", "oneshot", "twoshot"):
+        assert {x["timing"] for x in rows if x["algo"] == algo and x["size"] == 8
+                and x["variant"] is None} == {"eager", "graph", "host"}, algo
+    variant = {(x["algo"], x["timing"]) for x in rows if x["variant"] == "PYCCL_AR_PDL=0"
+               and x["size"] == 8}
+    assert variant == {(a, t) for a in ("oneshot", "twoshot") for t in ("eager", "graph", "host")}
+    assert doc["config"]["all_reduce_info"]["state"] == "ready", doc["config"]["all_reduce_info"]
+    assert "one@PDL=0" in r.stdout and all(x["time_us"] > 0 for x in rows)
+
+
+ONE_RANK_CASES = ["python call of a no-op", "ctypes cuCtxGetDevice",
+                  "ctypes cuLaunchKernel, empty kernel", "ctypes cuLaunchKernel, 144-byte param",
+                  "comm.all_reduce(empty tensor)", "comm.all_reduce(8 B, algo='nccl')",
+                  "raw ncclAllReduce via ctypes (8 B)", "on a side stream: empty kernel launch"]
+
+
+@needs_gpus(1)
+def test_host_breakdown_on_one_gpu(tmp_path):
+    r, doc = _own_kernel_run(tmp_path, 1, "--host-breakdown", "--host-iters", "50")
+    cases = [x["case"] for x in doc["host_breakdown"]]
+    assert cases == ONE_RANK_CASES, cases
+    assert all(x["host_us"] > 0 and x["calls"] == 50 for x in doc["host_breakdown"])
+    assert "raw ncclAllReduce via ctypes (8 B)" in r.stdout
+
+
+@needs_gpus(2)
+def test_host_breakdown_on_two_gpus_adds_the_own_kernel_rows(tmp_path):
+    r, doc = _own_kernel_run(tmp_path, 2, "--host-breakdown", "--host-iters", "50")
+    cases = [x["case"] for x in doc["host_breakdown"]]
+    assert cases == ONE_RANK_CASES[:5] + [
+        "comm.all_reduce(8 B): own kernel, PDL", "comm.all_reduce(8 B): own kernel, no PDL",
+        "comm.all_reduce(8 B, algo='oneshot')"] + ONE_RANK_CASES[5:7] + [
+        "on a side stream: own kernel, PDL", "on a side stream: empty kernel launch"], cases
+    assert doc["config"]["all_reduce_info"][1]["pdl"] is False

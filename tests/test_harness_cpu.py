@@ -1,6 +1,6 @@
-"""CPU tier of the test harness itself (_ranks.py): a rank that crashes, hangs,
-or dies after reporting fails the test promptly, names the rank, and leaves no
-process behind."""
+"""CPU tier of the test harness itself (pyccl/bench/spawn.py, which the GPU tier reaches through
+tests/_ranks.py and pyccl.bench shares): a rank that fails, crashes, hangs, or dies after
+reporting fails the test promptly, names the rank, and leaves no process behind."""
 import multiprocessing.util
 import os
 import signal
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from _ranks import reserved_port, run_bounded, run_ranks
+from pyccl.bench.spawn import reserved_port, run_bounded, run_ranks
 
 
 def _ok(rank, world):
@@ -26,6 +26,12 @@ def _hang(rank, world, pidfile):
     with open(f"{pidfile}.{rank}", "w") as f:
         f.write(str(os.getpid()))
     time.sleep(120)
+
+
+def _raise_on_1(rank, world):
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    time.sleep(120)  # rank 0 waits "for its peer" forever
 
 
 def _crash_at_exit_on_0(rank, world):
@@ -57,6 +63,15 @@ def test_a_crashed_rank_fails_fast_with_its_signal():
     with pytest.raises(AssertionError, match=r"rank 1 died without reporting: killed by signal SIGSEGV \(11\)"):
         run_ranks(_segv_on_1, 2, make_comm=False, timeout=100)
     assert time.monotonic() - t0 < 60  # not the 100 s deadline
+
+
+def test_a_failing_rank_reports_its_traceback_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError) as e:
+        run_ranks(_raise_on_1, 2, make_comm=False, timeout=100)
+    assert time.monotonic() - t0 < 60
+    text = str(e.value)
+    assert text.startswith("rank 1:\nTraceback") and "ValueError: rank 1 fails on purpose" in text
 
 
 def test_a_crash_after_reporting_is_a_failure():

@@ -7,11 +7,12 @@
 #   --ignore=tests/test_timeout_cpu.py` and `GPU_CHECK_BENCH=0 bash tools/gpu-check.sh
 #   tests/test_stress_gpu.py`.  Given test paths (tests/...), only those run.
 #        bash tools/gpu-check.sh --bench [pyccl.bench args...]   (build, then the benchmark)
-#   GPU_CHECK_BENCH=0 leaves out the quick benchmark and the kernel sweep after the tests;
+#   GPU_CHECK_BENCH=0 leaves out the quick benchmark and the own-kernel sweep (python -m
+#   pyccl.bench --algos) after the tests;
 #   GPU_CHECK_WHEEL=0 leaves out the offline `pip wheel` build; GPU_CHECK_PYTEST_S caps pytest (500 s).
 # PYCCL_EXPECT_GPUS defaults to the GPU count nvidia-smi shows: every skip short of a test
 # needing more GPUs than that is a failure (set it yourself to override).
-# Writes env.txt, build.log, pytest.log, quick.txt (bench.txt, bench.json,
+# Writes env.txt, build.log, pytest.log, quick.txt, fastar.txt/json (bench.txt, bench.json,
 # perf.png, host.txt with --bench) under $OUT (or ./gpu-out).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -79,9 +80,18 @@ TO=$($PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout=300")
 timeout "${GPU_CHECK_PYTEST_S:-500}" $PY -m pytest -q -rs -p no:cacheprovider $TO "$@" 2>&1 | tee "$OUT/pytest.log" | tail -60
 rc=$?
 [ "${GPU_CHECK_BENCH:-1}" = 0 ] && exit $rc
-timeout 90 $PY tools/quick_bench.py 2>&1 | tee "$OUT/quick.txt"
+# The quick benchmark: the drop-in against torch.cuda.nccl (one process, every GPU), host cost
+# per call of the four systems, and where an eager call's host time goes; then the own-kernel
+# algo sweep against NCCL (eager, CUDA graph, host) on 2 GPUs or more.  Numbers, not a verdict:
+# their exit status does not change the tests' ($rc).
 G=$($PY -c 'import torch; print(torch.cuda.device_count())')
+{
+  timeout 150 $PY -m pyccl.bench --api nccl --compare -b 8 -e 256M -f 8 -n 50 -w 5 -c 1 --no-progress
+  timeout 60 $PY -m pyccl.bench --host-overhead --no-progress
+  timeout 60 $PY -m pyccl.bench -g 1 --host-breakdown --no-progress
+} 2>&1 | tee "$OUT/quick.txt"
 if [ "$G" -ge 2 ]; then
-  timeout 200 $PY tools/fastar_sweep.py -g "$G" -b 8 -e 16M --json "$OUT/fastar.json" 2>&1 | tee "$OUT/fastar.txt"
+  timeout 200 $PY -m pyccl.bench -g "$G" -b 8 -e 16M -f 4 -n 100 --algos nccl,oneshot,twoshot,auto \
+      --json "$OUT/fastar.json" --no-progress 2>&1 | tee "$OUT/fastar.txt"
 fi
 exit $rc

@@ -1,5 +1,8 @@
 """Command line of `python -m pyccl.bench`: nccl-tests' flags and output, plus --compare
-(torch.distributed and torch.cuda.nccl in the same run), --host-overhead, --api and files.
+(torch.distributed and torch.cuda.nccl in the same run), --host-overhead, --api and files, and
+two modes of pyccl's own all_reduce kernels: --algos (an algo sweep, with --variants of their
+settings; eager, CUDA-graph and host time per call) and --host-breakdown (where the host time of
+an eager call goes). Every mode prints tables and writes --json/--csv/--plot.
 main(argv) returns the exit status: 0; 1 when no GPU is found, any system's run fails (crashes,
 hangs past -T/--timeout and is killed, or cannot start; a peer's too, and a last line names every
 failed system), or pyccl gives wrong results (a peer's wrong results are only reported); 2 on a
@@ -12,6 +15,7 @@ import sys
 import time
 import traceback
 
+from . import algos as A
 from . import report as R
 from . import runner
 from . import sizes as S
@@ -28,6 +32,9 @@ examples:
   python -m pyccl.bench -t all -b 1K -e 1G -f 4 --compare --json out.json --plot out.png
   python -m pyccl.bench -b 8 -e 256K -f 8 -G 10                 captured in a CUDA graph
   python -m pyccl.bench --host-overhead                          CPU us per call, 4 systems
+  python -m pyccl.bench -b 8 -e 16M -f 4 -n 100 --algos all --variants PYCCL_AR_PDL=0
+                                                    own kernels vs NCCL, eager/graph/host
+  python -m pyccl.bench --host-breakdown                         where an eager call's host time goes
 """
 
 
@@ -81,23 +88,97 @@ def build_parser():
     a("--repeats", type=int, default=5, help="timed loops per size; the median is reported (default 5)")
     a("--api", choices=("comm", "nccl"), default="comm",
       help="pyccl API: comm = per-rank Communicator (default), nccl = torch.cuda.nccl drop-in")
-    a("--algo", choices=("auto", "nccl", "oneshot", "twoshot"), default="auto",
+    a("--algo", choices=A.ALGOS, default=None,
       help="pyccl all_reduce algorithm (per-rank API): auto = pyccl's own kernels where they "
            "win, else NCCL (default auto)")
     a("--compare", action="store_true",
       help="also run torch.distributed and torch.cuda.nccl and print pyccl/peer ratios")
     a("--host-overhead", action="store_true",
       help="instead of the sweep: CPU and GPU us per 1-element all_reduce call, four systems")
-    a("--host-iters", type=int, default=2000, help="calls per loop for --host-overhead (default 2000)")
+    a("--host-iters", type=int, default=None,
+      help="calls per loop for --host-overhead (default 2000) and --host-breakdown (default 400)")
+    a("--algos", type=_typed(_parse_algos, "algos"), default=None,
+      help="instead of the sweep: all_reduce float sum in place with each of these algos "
+           f"({', '.join(A.ALGOS)} or all), eager, CUDA graph and host CPU time per call, on "
+           "pyccl's per-rank API; -n calls per loop up to 1M, a tenth above; then 100 small "
+           "tensors, a call each against all_reduce_coalesced")
+    a("--variants", nargs="+", metavar="NAME=VALUE", default=[],
+      help="with --algos: also measure the own kernels (oneshot, twoshot) on a sub-communicator "
+           "set up with this environment variable, one per variant (e.g. PYCCL_AR_PDL=0 "
+           "PYCCL_AR_BLOCKS=32; commas separate too)")
+    a("--host-breakdown", action="store_true",
+      help="instead of the sweep: host and GPU us per eager call, from a Python no-op and raw "
+           "ctypes launches up to the 8-byte all_reduce (own kernel with and without PDL, NCCL)")
     a("--json", metavar="FILE", help="write configuration and results as JSON")
-    a("--csv", metavar="FILE", help="write results as CSV, one row per size and placement")
-    a("--plot", metavar="FILE.png", help="plot time and busbw against size (needs matplotlib)")
+    a("--csv", metavar="FILE", help="write results as CSV, one row per result (sweep: per size "
+                                    "and placement; --algos: per size, algo and timing)")
+    a("--plot", metavar="FILE.png", help="plot time and busbw against size; --algos: time per "
+                                         "call per timing; --host-breakdown: bars (needs matplotlib)")
     a("--no-progress", action="store_true", help="no progress line on stderr")
     return p
 
 
+def _parse_algos(text):
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["all"]:
+        return list(A.ALGOS)
+    for t in names:
+        if t not in A.ALGOS:
+            raise ValueError(f"unknown algo {t!r}: choose from {', '.join(A.ALGOS)} or all")
+    if not names:
+        raise ValueError(f"empty algo list {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def _variants(args):
+    out = [v for text in args.variants for v in text.split(",") if v]
+    for v in out:
+        name, eq, _ = v.partition("=")
+        if not eq or not name:
+            raise ValueError(f"--variants: {v!r} is not NAME=VALUE")
+    if out and args.algos is None:
+        raise ValueError("--variants needs --algos (it repeats the own-kernel columns)")
+    if out and not any(a in A.OWN for a in args.algos):
+        raise ValueError("--variants measures the own kernels: --algos must include oneshot "
+                         "or twoshot")
+    return out
+
+
+def _mode(args):
+    modes = [flag for flag, on in (("--algos", args.algos is not None),
+                                   ("--host-overhead", args.host_overhead),
+                                   ("--host-breakdown", args.host_breakdown)) if on]
+    if len(modes) > 1:
+        raise ValueError(f"{' and '.join(modes)} are separate modes: give one")
+    if not modes or modes[0] == "--host-overhead":
+        return "host" if modes else "sweep", None
+    flag = modes[0]
+    if args.api != "comm":
+        raise ValueError(f"{flag} measures pyccl's per-rank API: --api {args.api} does not apply")
+    if args.compare:
+        raise ValueError(f"{flag} cannot be combined with --compare (NCCL runs on the same "
+                         "communicator, algo='nccl')")
+    if args.algo is not None:
+        raise ValueError(f"{flag} cannot be combined with --algo"
+                         + (" (--algos lists every algo to measure)" if flag == "--algos" else ""))
+    if args.cudagraph:
+        raise ValueError(f"-G/--cudagraph does not apply to {flag}"
+                         + (" (it times eager and CUDA-graph calls both)" if flag == "--algos" else ""))
+    if args.blocking:
+        raise ValueError(f"-z/--blocking does not apply to {flag}")
+    if flag == "--algos" and (args.coll != ["all_reduce"] or args.datatype != ["float"]
+                              or args.op != ["sum"]):
+        raise ValueError("--algos measures all_reduce float sum in place: -t/--coll, "
+                         "-d/--datatype and -o/--op do not apply")
+    return ("algos" if flag == "--algos" else "breakdown"), flag
+
+
 def make_config(args):
     """Validated plain-dict configuration handed to the runner (and to child processes)."""
+    mode, flag = _mode(args)
+    variants = _variants(args)
+    if args.host_iters is None:
+        args.host_iters = 400 if mode == "breakdown" else 2000
     for name, low in (("iters", 1), ("warmup_iters", 0), ("check", 0), ("cudagraph", 0),
                       ("blocking", 0), ("repeats", 1), ("host_iters", 1), ("root", 0)):
         if getattr(args, name) < low:
@@ -107,13 +188,16 @@ def make_config(args):
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
     sizes = S.size_list(args.minbytes, args.maxbytes, args.stepbytes, args.stepfactor)
-    return {"mode": "host" if args.host_overhead else "sweep", "colls": args.coll,
+    if mode == "algos" and sizes[0] < 4:
+        raise ValueError(f"--algos: sizes start at 4 bytes (one float), got -b {sizes[0]}")
+    return {"mode": mode, "colls": args.coll,
             "dtypes": args.datatype, "ops": args.op, "root": args.root, "sizes": sizes,
             "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepbytes": args.stepbytes,
             "stepfactor": args.stepfactor, "iters": args.iters, "warmup": args.warmup_iters,
             "repeats": args.repeats, "check": args.check, "graph": args.cudagraph,
             "blocking": bool(args.blocking), "average": args.average, "timeout": args.timeout,
-            "host_iters": args.host_iters, "algo": args.algo}
+            "host_iters": args.host_iters, "algo": args.algo or "auto",
+            "algos": args.algos, "variants": variants}
 
 
 class _Progress:
@@ -194,7 +278,7 @@ def main(argv=None):
         cfg = make_config(args)
     except ValueError as e:
         parser.error(str(e))
-    os.environ["PYCCL_BENCH_ALGO"] = args.algo  # read by the spawned pyccl processes
+    os.environ["PYCCL_BENCH_ALGO"] = cfg["algo"]  # read by the spawned pyccl processes
     avail = runner.cuda_device_count()
     if avail == 0:
         print("pyccl.bench: no CUDA GPU found", file=sys.stderr)
@@ -211,6 +295,9 @@ def main(argv=None):
     primary = "pyccl" if args.api == "comm" else "pyccl.nccl"
     progress = _Progress(not args.no_progress)
     printer = _Printer(cfg, sys.stdout, progress)
+    if cfg["mode"] in ("algos", "breakdown"):
+        argv = sys.argv[1:] if argv is None else argv
+        return _own_kernels(args, cfg, n, progress, printer, "python -m pyccl.bench " + " ".join(argv))
     status, results, host, failed = 0, [], [], []
     if cfg["mode"] == "host":
         systems = ["pyccl", "pyccl.nccl"] + PEERS
@@ -252,21 +339,59 @@ def main(argv=None):
     return status
 
 
-def _write_files(args, cfg, n, systems, results, host):
+def _own_kernels(args, cfg, n, progress, printer, command):
+    """--algos and --host-breakdown: pyccl's per-rank API, one table, the same files."""
+    what = "--algos" if cfg["mode"] == "algos" else "--host-breakdown"
+    algos, breakdown = [], []
+    try:
+        progress("pyccl", 0, 1, what)
+        if cfg["mode"] == "algos":
+            algos, info = runner.run_algos(n, cfg, progress)
+            text = R.format_algos(algos, cfg["algos"], cfg["variants"], cfg["sizes"], n, info,
+                                  command, cfg["repeats"])
+        else:
+            import torch
+            breakdown, info = runner.run_breakdown(n, cfg)
+            text = R.format_breakdown(breakdown, n, cfg["host_iters"], cfg["repeats"], info,
+                                      command, torch.__version__)
+    except KeyboardInterrupt:
+        progress.clear()
+        print(f"pyccl.bench: interrupted during {what}", file=sys.stderr)
+        return 130
+    except Exception as e:
+        progress.clear()
+        text = str(e) if isinstance(e, runner.BenchError) else \
+            f"pyccl: unexpected error in the parent:\n{traceback.format_exc().rstrip()}"
+        print(f"pyccl.bench: error: {text}", file=sys.stderr, flush=True)
+        print(f"pyccl.bench: FAILED: {what} did not complete (errors above); exit status 1",
+              file=sys.stderr, flush=True)
+        return 1
+    if n < 2:
+        text = ("# 1 rank: pyccl's own kernels need 2 to 8 ranks; their rows and columns are "
+                "left out (auto is NCCL here)\n" + text)
+    printer.emit(text)
+    cfg = dict(cfg, all_reduce_info=info)
+    return _write_files(args, cfg, n, ["pyccl"], [], [], algos, breakdown)
+
+
+def _write_files(args, cfg, n, systems, results, host, algos=(), breakdown=()):
     status = 0
     if args.json:
         import torch
         config = dict(cfg, ngpus=n, systems=systems, api=args.api, torch=torch.__version__,
                       hostname=socket.gethostname())
-        R.write_json(args.json, config, results, host)
-    if args.csv and (results or host):
-        R.write_csv(args.csv, results or host)
+        R.write_json(args.json, config, results, host, algos, breakdown)
+    records = results or host or algos or breakdown
+    if args.csv and records:
+        R.write_csv(args.csv, records)
     if args.plot:
-        if not results:
+        plot = (R.write_plot, results) if results else (R.write_algo_plot, algos) if algos else \
+            (R.write_breakdown_plot, breakdown) if breakdown else None
+        if plot is None:
             print("pyccl.bench: --plot: no sweep results to plot", file=sys.stderr)
         else:
             try:
-                R.write_plot(args.plot, results)
+                plot[0](args.plot, plot[1])
             except ImportError:
                 print("pyccl.bench: --plot needs matplotlib (pip install matplotlib)",
                       file=sys.stderr)

@@ -7,6 +7,10 @@ to it. Ranges are chosen per dtype and op so that every partial result is exactl
 The one exception is avg on floating types: NCCL may pre-multiply by 1/n, so it is checked to a
 relative tolerance (avg_tolerance). Works on any torch device; the CPU tests simulate
 collectives with it.
+
+The test suite draws its data from the same generator (rank_values and the helpers at the end):
+its ranges are per torch dtype, including fp8 and the unsigned types, and capped at 1000 so that
+one range serves every op and world size of a test, with signed values where the dtype has them.
 """
 import torch
 
@@ -163,3 +167,75 @@ def views(coll, placement, send, recv, counts, rank):
     s = counts.send_inplace_offset * rank
     r = counts.recv_inplace_offset * rank
     return recv[s:s + counts.sendcount], recv[r:r + counts.recvcount]
+
+
+# ---- the test suite's view: torch dtypes, integer op codes, float64 references ------------------
+
+SUM, PROD, MAX, MIN, AVG = range(5)
+OP_NAMES = {SUM: "sum", PROD: "prod", MAX: "max", MIN: "min", AVG: "avg"}
+
+# Largest integer each dtype holds exactly (capped: int sums need no more).
+_TEST_EXACT = {
+    "float8_e5m2": 8, "float8_e4m3fn": 16, "bfloat16": 256, "float16": 2048,
+    "int8": 127, "uint8": 255, "float32": 1 << 24, "float64": 1 << 24,
+    "int32": 1 << 24, "int64": 1 << 24, "uint32": 1 << 24, "uint64": 1 << 24,
+}
+
+
+def dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def test_range(dtype, op, world):
+    """Inclusive (lo, hi) of every rank's values for a reduction `op` over `world` ranks of a
+    torch dtype: sums, products and averages of `world` such values stay exact."""
+    limit = _TEST_EXACT[dtype_name(dtype)]
+    if op == PROD:
+        m = int(limit ** (1.0 / world))
+    else:
+        m = limit // world
+    # at least -2..2 where the dtype allows it; -1..1 (fp8 over many ranks) where it does not:
+    # the hashed values of many ranks can all sit at one end of the range
+    m = max(1 if op == PROD or limit // world < 2 else 2, min(m, 1000))
+    unsigned = dtype_name(dtype).startswith("uint")
+    # Integer AVG divides a non-negative sum, where truncation and floor agree.
+    lo = 0 if unsigned or (op == AVG and not dtype.is_floating_point) else -m
+    return lo, m
+
+
+def rank_values(rank, count, dtype, op, world, seed=0):
+    """float64 values of one rank's buffer of `count` elements: gen() over test_range."""
+    lo, hi = test_range(dtype, op, world)
+    return gen(rank, torch.arange(count, dtype=torch.int64), seed, lo, hi).to(torch.float64)
+
+
+def to_dtype(values, dtype):
+    if dtype.is_floating_point and values.dtype == torch.float64 and dtype.itemsize == 1:
+        return values.to(torch.float32).to(dtype)
+    return values.to(dtype)
+
+
+def reduce_ref(values, op, dtype):
+    """float64 reference of a reduction over a list of per-rank float64 tensors."""
+    stack = torch.stack(values)
+    if op == SUM:
+        r = stack.sum(0)
+    elif op == PROD:
+        r = stack.prod(0)
+    elif op == MAX:
+        r = stack.max(0).values
+    elif op == MIN:
+        r = stack.min(0).values
+    elif op == AVG:
+        r = stack.sum(0)
+        r = r / len(values) if dtype.is_floating_point else torch.div(r, len(values), rounding_mode="trunc")
+    else:
+        raise ValueError(op)
+    return to_dtype(r, dtype)
+
+
+def same_bits(a, b):
+    """Bitwise equality of two tensors of one dtype (works for fp8 too)."""
+    a = a.detach().cpu().contiguous()
+    b = b.detach().cpu().contiguous()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

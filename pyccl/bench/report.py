@@ -1,5 +1,6 @@
 """Results of the benchmark and every way they are shown: nccl-tests tables, the comparison
-table with pyccl/peer ratios, the host-overhead table, JSON, CSV and the PNG plot.
+table with pyccl/peer ratios, the host-overhead table, the --algos and --host-breakdown tables,
+JSON, CSV and the PNG plot.
 
 Everything here is pure (no CUDA); the runner hands in per-rank timings and wrong counts.
 """
@@ -38,6 +39,33 @@ class Result:
 class HostResult:
     """Host CPU and GPU microseconds per all_reduce call on a 1-element tensor."""
     system: str
+    nranks: int
+    calls: int
+    host_us: float
+    gpu_us: float
+
+
+@dataclass
+class AlgoResult:
+    """--algos: microseconds per all_reduce call (float32 sum in place) of one algo at one size.
+    timing: eager, graph, host (CPU time of the eager loop), or for the many-small-tensors
+    step (size = the bytes of all tensors together) per-tensor loop or coalesced, per step.
+    variant: NAME=VALUE the sub-communicator was set up under, None for the defaults."""
+    system: str
+    nranks: int
+    size: int
+    algo: str
+    variant: typing.Optional[str]
+    timing: str
+    iters: int
+    time_us: float
+
+
+@dataclass
+class BreakdownResult:
+    """--host-breakdown: host CPU and GPU microseconds per call of one case (maximum over ranks of
+    each rank's median over loops)."""
+    case: str
     nranks: int
     calls: int
     host_us: float
@@ -130,6 +158,63 @@ def format_host(results, calls, repeats):
     return "\n".join(lines)
 
 
+def _cell(v, w):
+    return f"{v:{w}.2f}" if v is not None else f"{'-':>{w}}"
+
+
+def format_algos(results, algos, variants, sizes, nranks, info, command, repeats=5, ntensors=100):
+    """The --algos tables: many small tensors, then eager, CUDA graph and host, a row per size,
+    a column per algo (then per own algo and variant)."""
+    t = {(r.size, r.algo, r.variant, r.timing): r.time_us for r in results}
+    lines = []
+    steps = [r for r in results if r.timing in ("per-tensor loop", "coalesced")]
+    if steps:
+        nb = steps[0].size
+        lines.append(f"# {ntensors} float32 tensors of 256..32K elements ({nb} bytes), "
+                     "us per step (all of them once): per-tensor loop vs all_reduce_coalesced")
+        for algo in ("auto", "nccl"):
+            lo, co = t.get((nb, algo, None, "per-tensor loop")), t.get((nb, algo, None, "coalesced"))
+            if lo is not None and co is not None:
+                lines.append(f"#   algo={algo:5}: loop {lo:9.1f}   coalesced {co:8.1f}   "
+                             f"({lo / co:.1f}x)")
+    lines.append(f"# all_reduce float32 sum in place, {nranks} ranks, us per call (median of "
+                 f"{repeats} loops of the max over ranks); own kernels: {info}")
+    lines.append(f"# command: {command}")
+    own = [a for a in algos if a in ("oneshot", "twoshot")]
+    extra = [(v, a) for v in variants for a in own]
+    for timing in ("eager", "graph", "host"):
+        lines.append("\n## " + {"eager": "eager", "graph": "CUDA graph",
+                                "host": "eager, host CPU time per call (enqueue only; eager is "
+                                        "host-bound where this is close to it)"}[timing])
+        ratio = "nccl" in algos and own
+        head = f"{'bytes':>10} " + " ".join(f"{a:>9}" for a in algos)
+        if ratio:
+            head += "  best-own/nccl" if timing != "host" else "  nccl/own host"
+        head += "".join(f" {a[:3]}@{v.replace('PYCCL_AR_', '')}" for v, a in extra)
+        lines.append(head)
+        for size in sizes:
+            row = {a: t.get((size, a, None, timing)) for a in algos}
+            line = f"{size:>10} " + " ".join(_cell(row[a], 9) for a in algos)
+            if ratio:
+                mine = [row[a] for a in own if row[a] is not None]
+                nccl = row["nccl"]
+                line += "  " + (f"{nccl / min(mine):13.2f}x" if mine and nccl else f"{'-':>14}")
+            for v, a in extra:
+                line += " " + _cell(t.get((size, a, v, timing)), 5 + len(v.replace("PYCCL_AR_", "")))
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def format_breakdown(results, nranks, calls, repeats, info, command, torch_version="?"):
+    lines = [f"# eager host cost per call, {nranks} ranks, {calls} calls a loop, median of "
+             f"{repeats}, max over ranks; torch {torch_version}, pyccl own kernels: {info}",
+             f"# command: {command}",
+             f"{'':45} {'host us':>8} {'gpu us':>8}"]
+    for b in results:
+        lines.append(f"{b.case:45} {b.host_us:8.2f} {b.gpu_us:8.2f}")
+    return "\n".join(lines)
+
+
 # ---- comparison -------------------------------------------------------------------------------
 
 SHORT = {"pyccl": "pyccl", "pyccl.nccl": "pyccl.nccl", "torch.distributed": "dist",
@@ -197,20 +282,33 @@ def format_comparison(rows, primary, peers):
 
 # ---- files ------------------------------------------------------------------------------------
 
-def write_json(path, config, results, host=()):
+def write_json(path, config, results, host=(), algos=(), breakdown=()):
+    """Every mode writes one document: config, results (the sweep), host_overhead, algos and
+    host_breakdown (each a list, empty where that mode did not run)."""
     doc = {"pyccl_bench": 1, "config": config,
            "results": [dataclasses.asdict(r) for r in results],
-           "host_overhead": [dataclasses.asdict(h) for h in host]}
+           "host_overhead": [dataclasses.asdict(h) for h in host],
+           "algos": [dataclasses.asdict(a) for a in algos],
+           "host_breakdown": [dataclasses.asdict(b) for b in breakdown]}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
 
 
 def read_json(path):
-    """-> (config, [Result], [HostResult])"""
+    """-> (config, [Result], [HostResult]); read_json_all for the --algos and --host-breakdown
+    lists too."""
+    config, results, host, _, _ = read_json_all(path)
+    return config, results, host
+
+
+def read_json_all(path):
+    """-> (config, [Result], [HostResult], [AlgoResult], [BreakdownResult])"""
     with open(path) as f:
         doc = json.load(f)
     return (doc["config"], [Result(**r) for r in doc["results"]],
-            [HostResult(**h) for h in doc.get("host_overhead", [])])
+            [HostResult(**h) for h in doc.get("host_overhead", [])],
+            [AlgoResult(**a) for a in doc.get("algos", [])],
+            [BreakdownResult(**b) for b in doc.get("host_breakdown", [])])
 
 
 def write_csv(path, records):
@@ -277,6 +375,63 @@ def write_plot(path, results):
         ax_b.legend(fontsize="small")
     title = ", ".join(sorted(" ".join(c) for c in combos))
     fig.suptitle(f"pyccl.bench: {title}" if title else "pyccl.bench")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_algo_plot(path, results):
+    """--algos: time per call against size, one panel per timing (eager, CUDA graph, host), one
+    line per algo (and variant)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timings = ("eager", "graph", "host")
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5), sharey=True)
+    for ax, timing in zip(axes, timings):
+        series = {}
+        for r in results:
+            if r.timing == timing:
+                label = r.algo if r.variant is None else f"{r.algo} @{r.variant}"
+                series.setdefault(label, []).append(r)
+        for i, (label, rs) in enumerate(sorted(series.items())):
+            rs.sort(key=lambda r: r.size)
+            ax.plot([r.size for r in rs], [r.time_us for r in rs], marker=".", color=f"C{i % 10}",
+                    label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title({"eager": "eager", "graph": "CUDA graph", "host": "host CPU, eager"}[timing])
+        ax.set_xlabel("size (bytes)")
+        ax.grid(True, which="both", alpha=0.3)
+        if series:
+            ax.legend(fontsize="small")
+    axes[0].set_ylabel("time per call (us)")
+    fig.suptitle("pyccl.bench --algos: all_reduce float32 sum in place")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_breakdown_plot(path, results):
+    """--host-breakdown: host and GPU microseconds per call, one pair of bars per case."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(results) + 1.5))
+    ys = range(len(results))
+    ax.barh([y - 0.2 for y in ys], [b.host_us for b in results], height=0.4, label="host")
+    ax.barh([y + 0.2 for y in ys], [b.gpu_us for b in results], height=0.4, label="GPU")
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels([b.case for b in results], fontsize="small")
+    ax.invert_yaxis()
+    ax.set_xlabel("us per call")
+    ax.legend()
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.suptitle("pyccl.bench --host-breakdown: where an eager call's host time goes")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -12,19 +12,21 @@ so a hang shows where it is; the processes of a run take turns, so dumps do not 
 Start-up (spawn, importing torch and pyccl: seconds on a loaded machine), before a process can
 report or dump anything, gets at least START_S before the run is killed. Children die with the
 parent (PR_SET_PDEATHSIG on Linux), so a killed benchmark leaves no process holding a GPU.
+Spawning, pipes, killing and reaping are spawn.py's, which the tests' harness shares.
 pyccl and torch's CUDA parts are imported inside the functions, so this module loads anywhere.
 """
 import faulthandler
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
 
+from . import algos as A
 from . import data as D
 from . import report as R
 from . import sizes as S
+from . import spawn as SP
 from .drivers import (  # noqa: F401
     CPU_LISTS_SYSTEM, CPU_SYSTEM, ONE_PROCESS, PER_RANK, SINGLE, SYSTEMS, make_driver)
 
@@ -173,20 +175,13 @@ def _host(drv, cfg, out):
     out.put(("host", drv.ranks, [host] * len(drv.devices), gpu))
 
 
+# what a child runs for each mode (--algos and --host-breakdown: pyccl's per-rank API only)
+MODES = {"sweep": _sweep, "host": _host, "algos": A.algo_sweep, "breakdown": A.host_breakdown}
+
+
 def dump_after(timeout):
     """Seconds without progress after which a child dumps its stacks: before the parent's kill."""
     return max(0.5, timeout - min(10.0, timeout / 3.0))
-
-
-def _die_with_parent(parent_pid):
-    """Linux: SIGKILL this process when the parent dies, even by SIGKILL (no orphan on a GPU)."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux, or no prctl: the parent's kill() still covers normal cases
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 class _Reporter:
@@ -263,11 +258,11 @@ def _test_hook(cfg, name, index):
     return cfg.get(name) is not None and cfg[name] == index
 
 
-def _child(system, index, rank, nranks, cfg, rendezvous, conn, barrier, dump_lock=None):
+def _child(system, index, rank, nranks, cfg, rendezvous, barrier, dump_lock, conn):
     """Process entry point (spawned): run one system's share of the benchmark, sending messages
     to the parent through conn, the write end of this process's own pipe."""
     if cfg.get("_parent_pid"):
-        _die_with_parent(cfg["_parent_pid"])
+        SP.die_with_parent(cfg["_parent_pid"])
     out = _Reporter(conn, f"{system} process {index}", cfg["timeout"], dump_lock)
     out.put(("hello", index))  # the parent's no-progress clock now starts after this one's
     try:
@@ -279,8 +274,10 @@ def _child(system, index, rank, nranks, cfg, rendezvous, conn, barrier, dump_loc
             ctypes.PyDLL(None).sleep(1000000)
         if _test_hook(cfg, "_fail_rank", index):  # or one that fails
             raise RuntimeError(f"rank {rank} fails on purpose")
+        if _test_hook(cfg, "_die_rank", index):  # or one that dies without a word
+            os._exit(3)
         out.put(("info", [drv.describe(r, d) for r, d in zip(drv.ranks, drv.devices)]))
-        (_host if cfg["mode"] == "host" else _sweep)(drv, cfg, out)
+        MODES[cfg["mode"]](drv, cfg, out)
         drv.close()
         out.close()
         conn.send(("done", index))
@@ -292,81 +289,14 @@ def _child(system, index, rank, nranks, cfg, rendezvous, conn, barrier, dump_loc
 
 # ---- parent side ------------------------------------------------------------------------------
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _descendants(pid):
-    """Pids of every process below pid (Linux /proc; empty elsewhere)."""
-    children = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for e in entries:
-        if not e.isdigit():
-            continue
-        try:
-            with open(f"/proc/{e}/stat", "rb") as f:
-                stat = f.read()
-            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(e))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), ()):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _running(pid):
-    """pid exists and is not a zombie (Linux /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] not in (b"Z", b"X")
-
-
 def _kill(procs, wait=KILL_WAIT_S):
-    """SIGKILL every process of the run and everything they started, then reap them.
-    Returns the pids still alive after `wait` seconds (stuck in the kernel or GPU driver)."""
-    victims = []
-    for p in procs:
-        if p.pid is not None and p.is_alive():
-            victims += _descendants(p.pid)
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    for p in procs:
-        if p.pid is not None and p.is_alive():
-            p.kill()
-    deadline = time.monotonic() + wait
-    for p in procs:
-        if p.pid is not None:
-            p.join(max(0.1, deadline - time.monotonic()))
-    left = [p.pid for p in procs if p.pid is not None and p.is_alive()]
-    for pid in victims:
-        while time.monotonic() < deadline and _running(pid):
-            time.sleep(0.1)  # an orphan is reaped by init; wait until it is gone
-        if _running(pid):
-            left.append(pid)
+    """spawn.kill_all, saying so when a process outlives its SIGKILL."""
+    left = SP.kill_all(procs, wait)
     if left:
         print(f"pyccl.bench: warning: process(es) {left} still alive {wait:.0f} s after SIGKILL "
               "(stuck in the GPU driver?); a next run may find the GPUs busy", file=sys.stderr,
               flush=True)
     return left
-
-
-def _exit_text(code):
-    return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
 
 def _pids(procs, which):
@@ -376,11 +306,9 @@ def _pids(procs, which):
 def _run(system, nranks, cfg, handle):
     """Spawn the processes of one system and feed their messages to handle() until all are done.
 
-    Each child writes to its own pipe: the parent sees every message a child sent before it died
-    (then end-of-file), so a crash is reported with its traceback at once."""
-    import torch.multiprocessing as tmp
-    from multiprocessing.connection import wait
-    ctx = tmp.get_context("spawn")
+    Each child writes to its own pipe (spawn.start): the parent sees every message a child sent
+    before it died (then end-of-file), so a crash is reported with its traceback at once."""
+    ctx = SP.context()
     cfg = dict(cfg, _parent_pid=os.getpid())
     if system in ONE_PROCESS:
         specs, barrier, rdv = [None], None, None
@@ -395,33 +323,25 @@ def _run(system, nranks, cfg, handle):
             except Exception as e:
                 raise BenchError(f"pyccl: unique_id() failed: {type(e).__name__}: {e}")
         else:
-            rdv = _free_port()
+            rdv = SP.free_port()
         specs = list(range(nranks))
     dump_lock = ctx.Lock() if len(specs) > 1 else None  # stack dumps take turns
-    pipes = [ctx.Pipe(duplex=False) for _ in specs]
-    procs = [ctx.Process(target=_child,
-                         args=(system, i, rank, nranks, cfg, rdv, w, barrier, dump_lock),
-                         daemon=True, name=f"pyccl.bench {system} {i}")
-             for i, (rank, (_, w)) in enumerate(zip(specs, pipes))]
-    readers = {r: i for i, (r, _) in enumerate(pipes)}
+    # _child's conn comes last: spawn.start appends each process's write end
+    argsets = [(system, i, rank, nranks, cfg, rdv, barrier, dump_lock)
+               for i, rank in enumerate(specs)]
+    procs, readers = SP.start(ctx, _child, argsets,
+                              [f"pyccl.bench {system} {i}" for i in range(len(specs))])
     done, started = set(), set()  # started: sent their first message
     last = t_spawn = time.monotonic()
     try:
-        for p, (_, w) in zip(procs, pipes):
-            p.start()
-            w.close()  # the child holds the write end now; its exit is our end-of-file
         while len(done) < len(procs):
-            for r in wait(list(readers), timeout=0.5):
-                i = readers[r]
-                try:
-                    msg = r.recv()
-                except EOFError:  # everything it sent has been read
-                    del readers[r]
+            for i, msg in SP.receive(readers, 0.5):
+                if msg is None:  # end-of-file: everything it sent has been read
                     if i not in done:
                         procs[i].join(5.0)
                         raise BenchError(
-                            f"{system}: process {_pids(procs, [i])} ended with "
-                            f"{_exit_text(procs[i].exitcode)} before reporting its results")
+                            f"{system}: process {_pids(procs, [i])} ended before reporting its "
+                            f"results ({SP.describe_exit(procs[i].exitcode)})")
                     continue
                 last = time.monotonic()
                 started.add(i)
@@ -451,9 +371,7 @@ def _run(system, nranks, cfg, handle):
         _kill(procs)
         raise
     finally:
-        for r, w in pipes:
-            r.close()
-            w.close()
+        SP.close(readers)
     deadline = time.monotonic() + EXIT_GRACE_S
     for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
@@ -528,3 +446,52 @@ def run_host_overhead(system, nranks, cfg):
     return R.HostResult(system, nranks, cfg["host_iters"],
                         R.aggregate_times([host[r] for r in ranks], 3) * 1e6,
                         R.aggregate_times([gpu[r] for r in ranks], 3) * 1e6)
+
+
+def _per_rank_loops(system, nranks, cfg, kind, on_progress=None, total=0):
+    """Run one of the per-rank modes; -> ({key: {rank: value}}, all_reduce_info of rank 0)."""
+    got, info = {}, {}
+
+    def handle(msg):
+        if msg[0] == "algo_info":
+            info[msg[1]] = msg[2]
+        elif msg[0] == kind:
+            key = msg[2]
+            got.setdefault(key, {})[msg[1]] = msg[3:] if kind == "breakdown" else msg[3]
+            if on_progress and len(got[key]) == nranks:
+                on_progress(system, len([k for k in got if len(got[k]) == nranks]), total, str(key))
+
+    _run(system, nranks, cfg, handle)
+    short = [k for k, v in got.items() if len(v) != nranks]
+    if short:
+        raise BenchError(f"{system}: {kind} results for {short[0]} came back from "
+                         f"{len(got[short[0]])} of {nranks} ranks")
+    return got, info.get(0)
+
+
+def run_algos(nranks, cfg, on_progress=None, system="pyccl"):
+    """--algos on pyccl's per-rank API: -> ([report.AlgoResult], all_reduce_info of rank 0).
+    Each figure is the median over loops of cfg['average'] over ranks (default the maximum)."""
+    own = [a for a in cfg["algos"] if a in A.OWN]
+    total = len(cfg["sizes"]) * 3 * (len(cfg["algos"]) + len(own) * len(cfg["variants"])) + 4
+    got, info = _per_rank_loops(system, nranks, cfg, "algo", on_progress, total)
+    out = []
+    for (size, algo, variant, timing), per in got.items():
+        iters = 5 if timing in ("per-tensor loop", "coalesced") else A.algo_iters(cfg, size)
+        loops = [per[r] for r in sorted(per)]
+        out.append(R.AlgoResult(system, nranks, size, algo, variant, timing, iters,
+                                R.aggregate_times(loops, cfg["average"])))
+    return out, info
+
+
+def run_breakdown(nranks, cfg, system="pyccl"):
+    """--host-breakdown: -> ([report.BreakdownResult], [all_reduce_info, no-PDL info] of rank 0).
+    Each rank's median over loops, then the maximum over ranks, in the order measured."""
+    import statistics
+    got, info = _per_rank_loops(system, nranks, cfg, "breakdown")
+    out = []
+    for case, per in got.items():  # dicts keep the order the cases were measured in
+        host = max(statistics.median(per[r][0]) for r in per)
+        gpu = max(statistics.median(per[r][1]) for r in per)
+        out.append(R.BreakdownResult(case, nranks, cfg["host_iters"], host, gpu))
+    return out, info
