@@ -9,13 +9,10 @@ Every rank is its own process (tests/_ranks.py), bounded in time.  The multi-GPU
 2 ranks on any machine with 2 or more GPUs: bitwise equality with NCCL of float sums (and of
 bfloat16 integers past 256) holds for 2 ranks, whose sum has one order.
 """
-import multiprocessing as mp
 import os
-import queue
-import time
 
 from conftest import needs_gpus
-from _ranks import _child, _kill_group, describe_exit, run_ranks
+from _ranks import run_ranks
 import _dist_scenarios as ds
 
 TIMEOUT = 5.0
@@ -43,37 +40,10 @@ def test_ddp_50_steps_bitwise_equal_to_nccl(tmp_path):
 
 @needs_gpus(2)
 def test_ddp_killed_peer_raises_within_timeout(tmp_path):
-    """The last rank SIGKILLs itself after 20 steps; every other rank must raise within TIMEOUT + SLACK.
-    (run_ranks cannot be used: a rank that dies without reporting fails it.)"""
+    """The last rank SIGKILLs itself after 20 steps; every other rank must raise within TIMEOUT + SLACK."""
     world = 2
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    extra = (str(tmp_path / "store"), TIMEOUT, 20)
-    procs = [ctx.Process(target=_child, args=(ds.ddp_killed_peer.__name__, ds.__name__, r, world, None, q, {}, extra))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    deadline = time.monotonic() + 180
-    try:
-        while len(results) < world - 1:
-            assert time.monotonic() < deadline, f"survivors did not report within 180 s: {results}"
-            try:
-                rank, status, out = q.get(timeout=0.5)
-            except queue.Empty:
-                early = [r for r, p in enumerate(procs[:-1]) if p.exitcode is not None and r not in results]
-                assert not early, f"ranks {early} died: {[describe_exit(procs[r].exitcode) for r in early]}"
-                continue
-            assert status == "ok", f"rank {rank}:\n{out}"
-            results[rank] = out
-        procs[-1].join(timeout=10)
-        assert procs[-1].exitcode == -9, f"the killed rank ended with {describe_exit(procs[-1].exitcode)}"
-    finally:
-        for p in procs:
-            if p.exitcode is None and p.pid is not None:
-                _kill_group(p.pid)
-        for p in procs:
-            p.join(timeout=10)
+    results = run_ranks(ds.ddp_killed_peer, world, str(tmp_path / "store"), TIMEOUT, 20,
+                        make_comm=False, timeout=180, killed=(world - 1,))
     for rank, (elapsed, kind, text, step) in results.items():
         assert elapsed <= TIMEOUT + SLACK, f"rank {rank} raised {elapsed:.2f} s after the kill: {kind}: {text}"
         assert "timed out" in text or "abort" in text, f"rank {rank}: {kind}: {text}"

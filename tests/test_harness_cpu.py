@@ -41,6 +41,12 @@ def _crash_at_exit_on_0(rank, world):
     return rank
 
 
+def _sigkill_on_1(rank, world):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank + 5
+
+
 def _gone(pid):
     try:
         os.kill(pid, 0)
@@ -72,6 +78,16 @@ def test_a_failing_rank_reports_its_traceback_at_once():
     assert time.monotonic() - t0 < 60
     text = str(e.value)
     assert text.startswith("rank 1:\nTraceback") and "ValueError: rank 1 fails on purpose" in text
+
+
+def test_a_rank_meant_to_be_killed_gives_the_others_results():
+    assert run_ranks(_sigkill_on_1, 2, make_comm=False, timeout=60, killed=(1,)) == {0: 5}
+    # a rank meant to be killed that reports and exits instead is a failure
+    with pytest.raises(AssertionError, match=r"rank 0 was to be killed but ended with exit code 0"):
+        run_ranks(_ok, 2, make_comm=False, timeout=60, killed=(0,))
+    # any other death is still one
+    with pytest.raises(AssertionError, match=r"rank 1 died without reporting: killed by signal SIGSEGV"):
+        run_ranks(_segv_on_1, 2, make_comm=False, timeout=60, killed=(0,))
 
 
 def test_a_crash_after_reporting_is_a_failure():

@@ -209,13 +209,14 @@ def _rank_child(fn_name, module, rank, world, uid, env, extra, parent_pid, conn)
         conn.send(("error", traceback.format_exc()))
 
 
-def run_ranks(fn, world, *extra, timeout=240, env=None, make_comm=True, exit_grace=60):
+def run_ranks(fn, world, *extra, timeout=240, env=None, make_comm=True, exit_grace=60, killed=()):
     """{rank: fn(comm, *extra)} (or fn(rank, world, *extra) with make_comm=False), each rank in
     a spawned process of its own session with env added to its environment. Raises
     AssertionError as soon as one rank reports an error or dies without reporting (naming the
     rank and its exit code or signal), when a rank exits non-zero or not at all within
     exit_grace seconds after reporting (a crash at interpreter exit), and at the deadline; in
-    every case every rank's process group is killed first."""
+    every case every rank's process group is killed first.  Ranks in `killed` are meant to
+    SIGKILL themselves: for them that, and only that, is the expected end (no result)."""
     import pyccl
 
     uid = pyccl.unique_id() if make_comm else None
@@ -225,9 +226,15 @@ def run_ranks(fn, world, *extra, timeout=240, env=None, make_comm=True, exit_gra
     results, errors = {}, []
     deadline = time.monotonic() + timeout
     try:
-        while len(results) < world and not errors:
+        want = world - len(set(killed))
+        while len(results) < want and not errors:
             for rank, msg in receive(readers, 0.2):
-                if msg is None:
+                if msg is None and rank in killed:
+                    procs[rank].join(5.0)
+                    if procs[rank].exitcode != -signal.SIGKILL:
+                        errors.append(f"rank {rank} was to be killed but ended with "
+                                      f"{describe_exit(procs[rank].exitcode)}")
+                elif msg is None:
                     if rank not in results:
                         procs[rank].join(5.0)
                         errors.append(f"rank {rank} died without reporting: "
@@ -236,15 +243,18 @@ def run_ranks(fn, world, *extra, timeout=240, env=None, make_comm=True, exit_gra
                     results[rank] = msg[1]
                 else:  # peers of a failed rank may wait forever: stop now
                     errors.append(f"rank {rank}:\n{msg[1]}")
-            if not errors and len(results) < world and time.monotonic() > deadline:
-                missing = [r for r in range(world) if r not in results]
+            if not errors and len(results) < want and time.monotonic() > deadline:
+                missing = [r for r in range(world) if r not in results and r not in killed]
                 errors.append(f"timed out after {timeout}s waiting for ranks {missing}")
         if not errors:
             # every rank reported: each must also exit cleanly (a crash in teardown counts)
             end = time.monotonic() + exit_grace
             for r, p in enumerate(procs):
                 p.join(timeout=max(0.1, end - time.monotonic()))
-                if p.exitcode is None:
+                if r in killed:
+                    if p.exitcode != -signal.SIGKILL:
+                        errors.append(f"rank {r} was to be killed but ended with {describe_exit(p.exitcode)}")
+                elif p.exitcode is None:
                     errors.append(f"rank {r} reported but did not exit within {exit_grace}s")
                 elif p.exitcode != 0:
                     errors.append(f"rank {r} reported but then ended with {describe_exit(p.exitcode)}")
