@@ -649,6 +649,7 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
         read_op(&x, a[2], &out, type, &redop, &made) < 0) {
         goto done;
     }
+    redop = pyccl_reduce_scatter_op(redop, x.c->size);
     size_t count = (size_t)out.numel;
     if (list == NULL) {
         pyccl_task tk;

@@ -236,6 +236,9 @@ read_op_and_root(nccl_call *x, PyObject *redop_obj, PyObject *root_obj)
         }
     }
     x->nranks = x->have_comms ? call_comm(x, 0)->size : (int)x->n;
+    if (x->d->coll == PYCCL_REDUCE_SCATTER) {
+        x->redop = pyccl_reduce_scatter_op(x->redop, x->nranks);
+    }
     x->has_root = root_obj != NULL;
     if (root_obj != NULL) {
         if (pyccl_read_int(op, "root", root_obj, &x->root) < 0) {

@@ -286,6 +286,23 @@ def test_single_rank_comm_destroy_and_nccl_error():
 
 
 @needs_gpus(1)
+@pytest.mark.parametrize("n", [7, (1 << 20) + 3, (1 << 20) + 4])
+def test_one_rank_reduce_scatter_avg_writes_every_element(n):
+    """NCCL 2.28.9 leaves the tail of a one-rank ReduceScatter with AVG from 2^20 elements on
+    unwritten (torch.cuda.nccl too); pyccl gives the average of one rank, itself, whole."""
+    torch.cuda.set_device(0)
+    x = ((torch.arange(n, device="cuda:0") * 7 + 5) % 101 + 2).float()
+    out = torch.full_like(x, -3.0)
+    nccl.reduce_scatter([x], [out], op=AVG)
+    assert torch.equal(out, x)
+    with pyccl.Communicator(1, pyccl.unique_id(), 0) as comm:
+        for form in ("tensor", "list"):
+            out = torch.full_like(x, -3.0)
+            comm.reduce_scatter(x if form == "tensor" else [x], out, op=pyccl.AVG)
+            assert torch.equal(out, x), form
+
+
+@needs_gpus(1)
 def test_zero_elements():
     """Zero elements move nothing (the memory around the empty view keeps its bits) and
     leave nothing half-done: a real call right after gives the exact sum."""
