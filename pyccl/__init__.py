@@ -4,6 +4,8 @@
   as methods (all_reduce, broadcast, reduce, all_gather, reduce_scatter, send,
   recv, all_to_all, all_to_all_single, gather, scatter, barrier, split).
 - `from pyccl import nccl`: a drop-in for `torch.cuda.nccl`.
+- `dist.init_process_group("pyccl")`: importing pyccl registers it as a
+  torch.distributed backend (pyccl/distributed.py).
 - Bootstrap: unique_id() + Communicator(...), init_from_env() (torchrun),
   init_from_mpi(), init_ranks() for several GPUs per process.
 
@@ -35,6 +37,19 @@ from ._C import (  # noqa: E402
 )
 from . import nccl  # noqa: E402
 from .launch import init_from_env, init_from_mpi, init_ranks  # noqa: E402
+
+
+def _has_torch_distributed():
+    try:
+        import torch.distributed
+    except ImportError:  # a torch without it (or the CPU tests' stand-in torch)
+        return False
+    return torch.distributed.is_available()
+
+
+if _has_torch_distributed():
+    # registers the torch.distributed backend "pyccl" (CUDA tensors)
+    from . import distributed  # noqa: E402,F401
 
 __version__ = "0.1.0"
 

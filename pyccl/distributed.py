@@ -1,0 +1,361 @@
+"""pyccl as a torch.distributed backend: `dist.init_process_group("pyccl")`.
+
+Importing pyccl registers the backend name "pyccl" for CUDA tensors.  The
+creator makes the NCCL unique id on rank 0, shares it through the store torch
+gives it, and returns a `ProcessGroup` subclass (torch uses such an object as
+the whole group; a Python subclass of the C++ `Backend` has no constructor on
+torch 2.11).  Each operation enqueues the pyccl collective on the current
+stream and returns a finished Work whose future is CUDA-aware: `wait()` makes
+the waiting stream wait for the collective's stream, as NCCL's Work does.
+
+What pyccl cannot do raises `RuntimeError("pyccl backend: <op> ... is not
+supported")`: there is no fallback to another backend.
+"""
+import collections
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, _create_work_from_future
+
+from . import _C
+
+BACKEND_NAME = "pyccl"
+
+_RedOp = ReduceOp.RedOpType
+# torch's reduce ops -> pyccl's, keyed by the enum's value: hashing the pybind enum itself
+# costs 0.5 us a call.  The bitwise ops have no NCCL reduction.
+_OPS = {
+    _RedOp.SUM.value: _C.SUM,
+    _RedOp.PRODUCT.value: _C.PROD,
+    _RedOp.MIN.value: _C.MIN,
+    _RedOp.MAX.value: _C.MAX,
+    _RedOp.AVG.value: _C.AVG,
+}
+_PREMUL_SUM = _RedOp.PREMUL_SUM.value
+_UNSUPPORTED_OPS = {_RedOp.BAND.value: "BAND", _RedOp.BOR.value: "BOR", _RedOp.BXOR.value: "BXOR"}
+
+
+def _unsupported(what):
+    return RuntimeError(f"pyccl backend: {what} is not supported")
+
+
+def reduce_op(opname, op):
+    """pyccl's op for torch's `op` (a ReduceOp or a ReduceOp.RedOpType) in operation `opname`."""
+    # (isinstance(RedOpType, ReduceOp) is True through torch's metaclass: test the enum first)
+    kind = (op if type(op) is _RedOp else op.op).value
+    mapped = _OPS.get(kind)
+    if mapped is not None:
+        return mapped
+    if kind == _PREMUL_SUM:
+        from . import premul_sum
+        # torch >= 2.12 exposes the factor (a float, or a tensor) as ReduceOp.factor
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise _unsupported(f"{opname} with ReduceOp.PREMUL_SUM on this torch "
+                               f"({torch.__version__}: the factor is not readable from Python)")
+        if isinstance(factor, torch.Tensor):
+            if factor.numel() != 1 or factor.device.type != "cpu":
+                raise _unsupported(f"{opname} with ReduceOp.PREMUL_SUM whose factor is a tensor of "
+                                   f"{factor.numel()} elements on {factor.device} (only a number or a "
+                                   "1-element CPU tensor)")
+            factor = factor.item()
+        return premul_sum(factor)
+    name = _UNSUPPORTED_OPS.get(kind, str(kind))
+    raise _unsupported(f"{opname} with ReduceOp.{name}")
+
+
+def _one(opname, tensors):
+    if len(tensors) != 1:
+        raise _unsupported(f"{opname} with {len(tensors)} tensors per process (one per process only)")
+    return tensors[0]
+
+
+def _no_root_tensor(opname, opts):
+    if opts.rootTensor != 0:
+        raise _unsupported(f"{opname} with rootTensor={opts.rootTensor} (one tensor per process only)")
+
+
+class ProcessGroupPyccl(dist.ProcessGroup):
+    """One rank of a torch.distributed group backed by a pyccl.Communicator.
+
+    Method names and argument shapes are torch's ProcessGroup's (lists of
+    tensors plus an options object), so torch.distributed, DDP (from C++,
+    through pybind's overrides) and DeviceMesh call them directly.  Where torch
+    renamed a method across versions both names are here.
+    """
+
+    def __init__(self, comm, rank, size, group_name=""):
+        super().__init__(rank, size)
+        self._comm = comm
+        self._group_name = group_name
+        device = getattr(comm, "device", None)
+        # A Future that knows the device records an event on its current stream at set_result
+        # and makes the waiter's current stream wait on it (NCCL's Work semantics).
+        # Without a device (the CPU tier's stand-in communicator) it is a plain finished Future.
+        self._devices = [] if device is None else [torch.device("cuda", device)]
+
+    # ---- plumbing ----
+    @property
+    def communicator(self):
+        """The pyccl.Communicator behind this group (for its own API: algo=, wait(), get_async_error())."""
+        return self._comm
+
+    def _work(self, value):
+        fut = torch._C.Future(self._devices)
+        fut.set_result(value)
+        return _create_work_from_future(fut)
+
+    def name(self):
+        return BACKEND_NAME
+
+    def getBackendName(self):  # noqa: N802 (torch's name)
+        return BACKEND_NAME
+
+    def _get_backend_name(self):
+        return BACKEND_NAME
+
+    @property
+    def group_name(self):
+        return self._group_name
+
+    def _set_group_name(self, name):
+        self._group_name = name
+
+    @property
+    def _device_types(self):
+        # Python code asks this for the device of object collectives and barrier tensors.
+        return [torch.device("cuda")]
+
+    # This group is its own backend: torch's Python code asks _get_backend(device) what it supports.
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+
+    def supports_tensor_alloc(self, device):
+        return False
+
+    def _get_backend(self, device):
+        return self
+
+    def shutdown(self):
+        """destroy_process_group() calls this: destroy the communicator (a failed one is gone already)."""
+        if not self._comm.destroyed:
+            self._comm.destroy()
+
+    def abort(self):
+        self._comm.abort()
+
+    def __repr__(self):
+        return f"ProcessGroupPyccl(rank={self.rank()}, size={self.size()}, group_name={self._group_name!r})"
+
+    # ---- collectives ----
+    def allreduce(self, tensors, opts=None):
+        # the hot path (dist.all_reduce, DDP's buckets): keep it to a few attribute reads
+        if type(tensors) is not list and isinstance(tensors, torch.Tensor):  # pg.allreduce(tensor, op)
+            tensors = [tensors]
+        if len(tensors) != 1:
+            _one("allreduce", tensors)
+        if opts is None:
+            self._comm.all_reduce(tensors[0])
+        else:
+            self._comm.all_reduce(tensors[0], reduce_op("allreduce", opts.reduceOp
+                                                        if type(opts) is AllreduceOptions else opts))
+        return self._work(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = _C.SUM if opts is None else reduce_op("allreduce_coalesced", opts.reduceOp)
+        self._comm.all_reduce_coalesced(tensors, op)
+        return self._work(tensors)
+
+    def broadcast(self, tensors, opts=None):
+        if isinstance(tensors, torch.Tensor):  # pg.broadcast(tensor, root) overload
+            root, tensors = opts, [tensors]
+        else:
+            root = 0 if opts is None else opts.rootRank
+            if opts is not None:
+                _no_root_tensor("broadcast", opts)
+        self._comm.broadcast(_one("broadcast", tensors), root)
+        return self._work(tensors)
+
+    def reduce(self, tensors, opts):
+        _no_root_tensor("reduce", opts)
+        self._comm.reduce(_one("reduce", tensors), opts.rootRank, reduce_op("reduce", opts.reduceOp))
+        return self._work(tensors)
+
+    def allgather(self, output_lists, input_tensors, opts=None):
+        self._comm.all_gather(_one("allgather", input_tensors), _one("allgather", output_lists))
+        return self._work(output_lists)
+
+    def _allgather_base(self, output, input, opts=None):
+        self._comm.all_gather(input, output)
+        return self._work([output])
+
+    all_gather_single = _allgather_base  # torch >= 2.12's name
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        if len(output_lists) != len(input_tensors):
+            raise ValueError(f"pyccl backend: allgather_coalesced: {len(output_lists)} output lists for "
+                             f"{len(input_tensors)} inputs")
+        from . import group
+        with group():
+            for out, inp in zip(output_lists, input_tensors):
+                self._comm.all_gather(inp, out)
+        return self._work(output_lists)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        if len(outputs) != len(inputs):
+            raise ValueError(f"pyccl backend: allgather_into_tensor_coalesced: {len(outputs)} outputs for "
+                             f"{len(inputs)} inputs")
+        from . import group
+        with group():
+            for out, inp in zip(outputs, inputs):
+                self._comm.all_gather(inp, out)
+        return self._work(outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None):
+        op = _C.SUM if opts is None else reduce_op("reduce_scatter", opts.reduceOp)
+        self._comm.reduce_scatter(_one("reduce_scatter", input_lists), _one("reduce_scatter", output_tensors), op)
+        return self._work(output_tensors)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        op = _C.SUM if opts is None else reduce_op("reduce_scatter_tensor", opts.reduceOp)
+        self._comm.reduce_scatter(input, output, op)
+        return self._work([output])
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        if len(outputs) != len(inputs):
+            raise ValueError(f"pyccl backend: reduce_scatter_tensor_coalesced: {len(outputs)} outputs for "
+                             f"{len(inputs)} inputs")
+        op = _C.SUM if opts is None else reduce_op("reduce_scatter_tensor_coalesced", opts.reduceOp)
+        from . import group
+        with group():
+            for out, inp in zip(outputs, inputs):
+                self._comm.reduce_scatter(inp, out, op)
+        return self._work(outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        # torch passes [] for "equal splits"
+        self._comm.all_to_all_single(input, output, input_split_sizes or None, output_split_sizes or None)
+        return self._work([output])
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        self._comm.all_to_all(input_tensors, output_tensors)
+        return self._work(output_tensors)
+
+    def send(self, tensors, dst, tag=0):
+        # NCCL has no tags (ProcessGroupNCCL ignores them too): messages match in call order.
+        self._comm.send(_one("send", tensors), dst)
+        return self._work(tensors)
+
+    def recv(self, tensors, src, tag=0):
+        self._comm.recv(_one("recv", tensors), src)
+        return self._work(tensors)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise _unsupported("recv_anysource")
+
+    def gather(self, output_lists, input_tensors, opts):
+        outputs = _one("gather", output_lists) if output_lists else None
+        self._comm.gather(_one("gather", input_tensors), outputs, opts.rootRank)
+        return self._work(output_lists)
+
+    def scatter(self, output_tensors, input_lists, opts):
+        inputs = _one("scatter", input_lists) if input_lists else None
+        self._comm.scatter(inputs, _one("scatter", output_tensors), opts.rootRank)
+        return self._work(output_tensors)
+
+    def barrier(self, opts=None):
+        self._comm.barrier()
+        return self._work([])
+
+    def monitored_barrier(self, *args, **kwargs):
+        raise _unsupported("monitored_barrier")
+
+    def split_group(self, *args, **kwargs):
+        raise _unsupported("split_group (use dist.new_group or dist.new_subgroups)")
+
+    def merge_remote_group(self, *args, **kwargs):
+        raise _unsupported("merge_remote_group")
+
+    def _start_coalescing(self, *args, **kwargs):
+        raise _unsupported("_start_coalescing (torch's NCCL-style coalescing manager)")
+
+    def _end_coalescing(self, *args, **kwargs):
+        raise _unsupported("_end_coalescing (torch's NCCL-style coalescing manager)")
+
+
+# ---- creation ----
+
+# creations per group name in this process: every member creates the groups of one name in
+# the same order, so (name, count) names the same creation on every rank, also when a store
+# outlives a destroy_process_group() (torchrun's agent store) and group names repeat.
+_generation: "collections.Counter[str]" = collections.Counter()
+
+
+def _unique_id():
+    return _C._nccl_unique_id()
+
+
+def exchange_unique_id(store, rank, size, group_name):
+    """The unique id of this creation of group `group_name`: made on rank 0, read from `store` elsewhere."""
+    gen = _generation[group_name]
+    _generation[group_name] += 1
+    key = f"pyccl/unique_id/{group_name}/{gen}"
+    if size == 1:
+        return _unique_id(), None
+    if rank == 0:
+        uid = _unique_id()
+        store.set(key, uid)
+        return uid, key
+    return bytes(store.get(key)), None
+
+
+def _new_communicator(size, uid, rank, timeout):
+    return _C.Communicator(size, uid, rank, torch.cuda.current_device(), timeout)
+
+
+def _seconds(timeout):
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def create_process_group(opts, pg_options=None):
+    """The creator torch calls (extended API): a ProcessGroupPyccl of this rank."""
+    if pg_options is not None:
+        raise _unsupported(f"init_process_group/new_group with pg_options={pg_options!r} "
+                           "(the group's timeout= is the communicator's timeout)")
+    rank, size, name = opts.group_rank, opts.group_size, opts.group_id
+    uid, key = exchange_unique_id(opts.store, rank, size, name)
+    comm = _new_communicator(size, uid, rank, _seconds(opts.timeout))
+    if key is not None:
+        # NCCL's init returned, so every rank has read the id: the key is not needed any more
+        try:
+            opts.store.delete_key(key)
+        except Exception:  # noqa: BLE001 (a store without delete_key: the key just stays)
+            pass
+    return ProcessGroupPyccl(comm, rank, size, name)
+
+
+def _register():
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return
+    # extended_api=True: the creator gets the group's name (group_id) with the store, rank, size
+    # and timeout, so the group has its name from the start and the store key is per group.
+    # devices as a list: a string would be iterated character by character (torch <= 2.13).
+    dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True, devices=["cuda"])
+
+
+if dist.is_available():
+    _register()
