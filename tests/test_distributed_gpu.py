@@ -55,6 +55,6 @@ def test_example_06_ddp_backend():
     from _ranks import run_bounded
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = run_bounded([sys.executable, os.path.join(root, "examples", "06_ddp_backend.py")], timeout=300,
-                    env=dict(os.environ, PYTHONPATH=root, STEPS="60"), cwd=root)
+                    env=dict(os.environ, PYTHONPATH=root, STEPS="150"), cwd=root)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.rstrip().endswith("OK"), r.stdout
