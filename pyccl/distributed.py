@@ -165,7 +165,13 @@ class ProcessGroupPyccl(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = _C.SUM if opts is None else reduce_op("allreduce_coalesced", opts.reduceOp)
-        self._comm.all_reduce_coalesced(tensors, op)
+        if len({t.dtype for t in tensors}) <= 1:
+            self._comm.all_reduce_coalesced(tensors, op)  # one pack, one all_reduce, one unpack
+        else:  # torch allows mixed dtypes here: one NCCL group of per-tensor all_reduces
+            from . import group
+            with group():
+                for t in tensors:
+                    self._comm.all_reduce(t, op)
         return self._work(tensors)
 
     def broadcast(self, tensors, opts=None):

@@ -336,6 +336,10 @@ def test_every_op_through_dist(world):
     assert pg.recv([out], 0, 0).is_completed() and log[-1] == ("recv", 0)
     w = pg.allreduce_coalesced([x, out], dist.AllreduceCoalescedOptions())
     assert log[-1] == ("all_reduce_coalesced", 2, pyccl.SUM) and w.is_completed()
+    # mixed dtypes (torch allows them): one group of per-tensor all_reduces
+    n = len(log)
+    w = pg.allreduce_coalesced([x, x.to(torch.int32)], dist.AllreduceCoalescedOptions())
+    assert log[n:] == [("all_reduce", pyccl.SUM)] * 2 and w.is_completed()
     n = len(log)
     pg.allgather_into_tensor_coalesced([fresh()], [x])
     assert torch.equal(out, x) and len(log) == n + 1
