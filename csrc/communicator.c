@@ -318,6 +318,15 @@ comm_dealloc(PyObject *self)
          * way once the process ends. */
         (void)destroy_comm(st, c, 0);
     }
+    if (c->name != NULL) {
+        PyObject *exc = PyErr_GetRaisedException();
+        if (st != NULL && st->comm_names != NULL &&
+            PyDict_DelItem(st->comm_names, c->name) < 0) {
+            PyErr_Clear();
+        }
+        PyErr_SetRaisedException(exc);
+        Py_CLEAR(c->name);
+    }
     PyMem_Free(c->streams);
     pthread_mutex_destroy(&c->mu);
     tp->tp_free(self);
@@ -582,10 +591,40 @@ static PyMethodDef comm_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* .name: made on first read and entered in the module's name -> weakref
+ * table, which dealloc empties again (so a name never outlives its
+ * communicator, and a later one never gets it: the serial only grows). */
+static PyObject *
+comm_get_name(PyObject *self, void *closure)
+{
+    pyccl_comm *c = (pyccl_comm *)self;
+    if (c->name == NULL) {
+        pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
+        if (st == NULL || st->comm_names == NULL) {
+            PyErr_SetString(PyExc_RuntimeError, "Communicator.name: pyccl._C is being torn down");
+            return NULL;
+        }
+        PyObject *name = PyUnicode_FromFormat("pyccl.Communicator.%llu", ++st->comm_serial);
+        PyObject *ref = name != NULL ? PyWeakref_NewRef(self, NULL) : NULL;
+        int rc = ref != NULL ? PyDict_SetItem(st->comm_names, name, ref) : -1;
+        Py_XDECREF(ref);
+        if (rc < 0) {
+            Py_XDECREF(name);
+            return NULL;
+        }
+        c->name = name;
+    }
+    return Py_NewRef(c->name);
+}
+
 static PyGetSetDef comm_getset[] = {
     {"rank", comm_get_rank, NULL, "This communicator's rank.", NULL},
     {"size", comm_get_size, NULL, "Number of ranks.", NULL},
     {"device", comm_get_device, NULL, "CUDA device index.", NULL},
+    {"name", comm_get_name, NULL,
+     "A name unique in this process ('pyccl.Communicator.<n>'), by which the "
+     "torch custom ops torch.ops.pyccl.* (pyccl.ops) find this communicator.",
+     NULL},
     {"destroyed", comm_get_destroyed, NULL,
      "True after destroy() or abort(), or once the watchdog aborted it.", NULL},
     {"timeout", comm_get_timeout, NULL,

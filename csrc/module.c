@@ -72,6 +72,28 @@ read_timeout(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 library_paths(PyObject *m, PyObject *Py_UNUSED(ignored));
 
+/* _communicator(name) -> the live Communicator whose .name is `name`, or
+ * None: how the torch custom ops (pyccl/ops.py) find theirs. */
+static PyObject *
+communicator_by_name(PyObject *m, PyObject *name)
+{
+    pyccl_state *st = PyModule_GetState(m);
+    if (!PyUnicode_Check(name)) {
+        PyErr_Format(PyExc_TypeError, "_communicator: name must be a str, got %s",
+                     Py_TYPE(name)->tp_name);
+        return NULL;
+    }
+    PyObject *ref = PyDict_GetItemWithError(st->comm_names, name); /* borrowed */
+    if (ref == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    /* dealloc removes the entry before the object goes: the referent lives */
+    return Py_NewRef(PyWeakref_GetObject(ref));
+}
+
 static PyMethodDef module_methods[] = {
     {"_set_library_candidates",
      (PyCFunction)(void (*)(void))set_library_candidates, METH_FASTCALL, NULL},
@@ -79,6 +101,8 @@ static PyMethodDef module_methods[] = {
     {"_read_timeout", (PyCFunction)(void (*)(void))read_timeout, METH_FASTCALL,
      "_read_timeout(op, timeout) -> float or None (TypeError/ValueError "
      "naming op)."},
+    {"_communicator", communicator_by_name, METH_O,
+     "_communicator(name) -> the live Communicator with that .name, or None."},
     {"_library_paths", library_paths, METH_NOARGS,
      "(nccl_path, cudart_path) of the loaded libraries."},
     {NULL, NULL, 0, NULL},
@@ -157,9 +181,11 @@ module_exec(PyObject *m)
     }
     st->cliques = PyDict_New();
     st->pending_splits = PyList_New(0);
+    st->comm_names = PyDict_New();
     st->nccl_candidates = PyList_New(0);
     st->cudart_candidates = PyList_New(0);
-    if (st->cliques == NULL || st->pending_splits == NULL || st->nccl_candidates == NULL ||
+    if (st->cliques == NULL || st->pending_splits == NULL || st->comm_names == NULL ||
+        st->nccl_candidates == NULL ||
         st->cudart_candidates == NULL) {
         return -1;
     }
@@ -232,6 +258,7 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->CommunicatorType);
     Py_VISIT(st->cliques);
     Py_VISIT(st->pending_splits);
+    Py_VISIT(st->comm_names);
     Py_VISIT(st->Tensor);
     Py_VISIT(st->Stream);
     return 0;
@@ -251,6 +278,7 @@ module_clear(PyObject *m)
     st->last_clique = NULL;
     Py_CLEAR(st->cliques);
     Py_CLEAR(st->pending_splits);
+    Py_CLEAR(st->comm_names);
     Py_CLEAR(st->NcclError);
     Py_CLEAR(st->CudaError);
     Py_CLEAR(st->NcclTimeoutError);

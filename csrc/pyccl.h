@@ -147,6 +147,11 @@ typedef struct {
     /* [(Communicator, thread ident)] split inside a group that has not ended:
      * kept alive until then, because NCCL writes their handle at the end */
     PyObject *pending_splits;
+    /* Communicator.name -> weakref of it, for the torch custom ops
+     * (pyccl/ops.py): filled when a communicator's name is first read,
+     * emptied by its dealloc */
+    PyObject *comm_names;
+    unsigned long long comm_serial;
     /* communicators created with timeout= (watchdog.c) */
     PyObject *NcclTimeoutError;  /* subclass of NcclError and TimeoutError */
     struct pyccl_watchdog *watchdog; /* the watchdog thread, started on first use */
@@ -243,6 +248,7 @@ typedef struct {
     int inflight;        /* calls using comm with the GIL released; destroy() refuses meanwhile */
     int pending;         /* split inside pyccl.group(): NCCL writes `comm` at the group's end */
     PyObject *weakreflist;
+    PyObject *name;      /* str, made on first read of .name; NULL before */
     /* Created with timeout= (or failed/aborted): the watchdog's record of it,
      * owning the NCCL handle from then on (watchdog.c).  NULL otherwise, and
      * then nothing below costs anything per call. */

@@ -6,6 +6,8 @@
 - `from pyccl import nccl`: a drop-in for `torch.cuda.nccl`.
 - `dist.init_process_group("pyccl")`: importing pyccl registers it as a
   torch.distributed backend (pyccl/distributed.py).
+- `pyccl.ops`: the collectives as torch custom ops (`torch.ops.pyccl.*`), so
+  torch.compile traces them with fullgraph=True and CUDA graphs capture them.
 - Bootstrap: unique_id() + Communicator(...), init_from_env() (torchrun),
   init_from_mpi(), init_ranks() for several GPUs per process.
 
@@ -50,6 +52,10 @@ def _has_torch_distributed():
 if _has_torch_distributed():
     # registers the torch.distributed backend "pyccl" (CUDA tensors)
     from . import distributed  # noqa: E402,F401
+
+if hasattr(getattr(torch, "library", None), "custom_op"):
+    # registers torch.ops.pyccl.* (torch custom ops, for torch.compile)
+    from . import ops  # noqa: E402,F401
 
 __version__ = "0.1.0"
 

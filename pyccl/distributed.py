@@ -13,6 +13,7 @@ supported")`: there is no fallback to another backend.
 """
 import collections
 import datetime
+import sys
 
 import torch
 import torch.distributed as dist
@@ -139,8 +140,13 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         return self
 
     def shutdown(self):
-        """destroy_process_group() calls this: destroy the communicator (a failed one is gone already)."""
+        """destroy_process_group() calls this: destroy the communicator (a failed one is gone already).
+
+        NCCL's destroy waits until every CUDA graph that captured work of the communicator
+        is freed; torch.compile(mode="reduce-overhead") keeps its graphs until told, so they
+        are freed first (they are recorded again on their next call)."""
         if not self._comm.destroyed:
+            free_compiled_cuda_graphs()
             self._comm.destroy()
 
     def abort(self):
@@ -297,6 +303,13 @@ class ProcessGroupPyccl(dist.ProcessGroup):
 
     def _end_coalescing(self, *args, **kwargs):
         raise _unsupported("_end_coalescing (torch's NCCL-style coalescing manager)")
+
+
+def free_compiled_cuda_graphs():
+    """Free the CUDA graphs torch.compile(mode="reduce-overhead") recorded in this process, if any."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is not None:
+        trees.reset_cudagraph_trees()
 
 
 # ---- creation ----

@@ -840,6 +840,47 @@ def lifecycle():
     return "ok"
 
 
+def names():
+    """Communicator.name (what the torch custom ops pass): made on first read, unique, stable,
+    found by _C._communicator while the object lives, gone from the table with it, never reused."""
+    import gc
+    import re
+    a, b = new(timeout=None), new(timeout=5.0)
+    na, nb = a.name, b.name
+    assert re.fullmatch(r"pyccl\.Communicator\.[1-9][0-9]*", na), na
+    assert na != nb and a.name is na, (na, nb)  # one str per communicator, kept
+    assert pyccl._C._communicator(na) is a and pyccl._C._communicator(nb) is b
+    unnamed = new(timeout=None)  # never asked: not in the table
+    a.destroy()
+    assert pyccl._C._communicator(na) is a  # destroyed but alive: found (its methods then say so)
+    try:
+        a.all_reduce(Array([1.0]))
+        raise AssertionError("a destroyed communicator ran all_reduce")
+    except RuntimeError as e:
+        assert str(e) == "all_reduce: the communicator (rank 0 of 2) has been destroyed", str(e)
+    del a
+    gc.collect()
+    assert pyccl._C._communicator(na) is None
+    c = new(timeout=None)
+    nc = c.name
+    assert nc not in (na, nb) and int(nc.rsplit(".", 1)[1]) > int(nb.rsplit(".", 1)[1]), (na, nb, nc)
+    # many short-lived named communicators leave no entries behind
+    short = []
+    for _ in range(20):
+        d = new(timeout=None)
+        short.append(d.name)
+        assert pyccl._C._communicator(d.name) is d
+        d.destroy()
+        del d
+    gc.collect()
+    live = [n for n in [na, nb, nc] + short if pyccl._C._communicator(n) is not None]
+    assert live == [nb, nc], live
+    for x in (b, c, unnamed):
+        x.destroy()
+    clean()
+    return "ok"
+
+
 if __name__ == "__main__":
     result = globals()[SCENARIO]()
     print("RESULT " + json.dumps(result), flush=True)

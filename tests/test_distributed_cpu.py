@@ -52,7 +52,7 @@ class StubComm:
         self._rec("reduce_scatter", op)
         out.copy_(inp[0] if isinstance(inp, list) else inp)
 
-    def all_to_all_single(self, inp, out, in_splits, out_splits):
+    def all_to_all_single(self, inp, out, in_splits=None, out_splits=None):
         self._rec("all_to_all_single", in_splits, out_splits)
         out.copy_(inp)
 
@@ -384,3 +384,16 @@ def test_shutdown_of_a_failed_communicator_is_quiet(world):
     pg.abort()
     dist.destroy_process_group()
     assert ("destroy",) not in log and ("abort",) in log
+
+
+def test_shutdown_frees_compiled_cuda_graphs_before_destroy(world, monkeypatch):
+    """NCCL's destroy waits for the CUDA graphs that captured the communicator's work (seen on an
+    H100: destroy_process_group hung after torch.compile(mode="reduce-overhead")): the backend
+    frees torch.compile's graphs first."""
+    import sys
+    import types
+    log, _ = world
+    trees = types.SimpleNamespace(reset_cudagraph_trees=lambda: log.append(("reset_cudagraph_trees",)))
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", trees)
+    dist.destroy_process_group()
+    assert log[-2:] == [("reset_cudagraph_trees",), ("destroy",)], log[-2:]

@@ -154,6 +154,7 @@ def run_fake(lib, scenario, timeout=60):
     "second_device_only",      # the watchdog makes no CUDA context on a device the rank does not use
     "launch_queue_full",       # a launch blocked behind the stuck kernel: aborted after timeout + 1 s
     "lifecycle",               # destroyed on GC and by `with`; 50 create/use/destroy leave nothing
+    "names",                   # Communicator.name: unique, found while alive, gone with the object
 ])
 def test_fake_gpu(fakegpu, scenario):
     run_fake(fakegpu, scenario)

@@ -1,0 +1,317 @@
+"""CPU tier of pyccl's torch custom ops (pyccl/ops.py, torch.ops.pyccl.*): their schemas,
+torch's own checks of them (torch.library.opcheck: schema, fake implementation against the
+real one, autograd registration, AOT dispatch), what each op computes, torch.compile with
+fullgraph=True (no graph break) equal to eager, torch's functional collectives and dist.*
+compiled on a "pyccl" group, and every refused argument with its message.
+
+The communicator behind the group is a stand-in on host tensors that plays rank 0 of
+`size` ranks which all hold the same input, so each collective has a known answer that
+differs from its input (all_gather repeats it, reduce_scatter scales a part of it, ...).
+"""
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pyccl
+import pyccl.distributed as pd
+import pyccl.ops as ops
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+
+RANK = 0
+
+
+class SameInputComm:
+    """Rank 0 of `size` ranks that all hold the same tensor: each method writes what the collective
+    gives there, and logs its call."""
+
+    device = None
+
+    def __init__(self, size, log):
+        self.size, self.log, self.destroyed = size, log, False
+
+    def all_reduce(self, t, op=pyccl.SUM, out=None):
+        self.log.append(("all_reduce", op))
+        r = {pyccl.SUM: t * self.size, pyccl.PROD: t ** self.size, pyccl.MIN: t, pyccl.MAX: t,
+             pyccl.AVG: t * self.size / self.size}[op]
+        (t if out is None else out).copy_(r)
+
+    def all_gather(self, inp, out):
+        self.log.append(("all_gather",))
+        out.copy_(torch.cat([inp] * self.size))
+
+    def reduce_scatter(self, inp, out, op):
+        self.log.append(("reduce_scatter", op))
+        full = torch.empty_like(inp)
+        self.all_reduce(inp, op, out=full)
+        self.log.pop()
+        out.copy_(full.chunk(self.size)[RANK])
+
+    def broadcast(self, t, root, out=None):
+        self.log.append(("broadcast", root))
+        if out is not None:
+            out.copy_(t)
+
+    def all_to_all_single(self, inp, out, in_splits=None, out_splits=None):
+        self.log.append(("all_to_all_single", in_splits, out_splits))
+        out.copy_(torch.cat([inp.chunk(self.size)[RANK]] * self.size))
+
+    def destroy(self):
+        self.destroyed = True
+
+
+@pytest.fixture(params=[1, 2], ids=["size1", "size2"])
+def group(request, monkeypatch):
+    """(group, stand-in communicator): a "pyccl" ProcessGroup of `size` ranks, this process rank 0.
+
+    Size 1 comes from dist.init_process_group("pyccl"); size 2 is the group object built as the
+    backend builds it and entered in torch's name registry, as init_process_group would."""
+    log = []
+    comm = SameInputComm(request.param, log)
+    if request.param == 1:
+        monkeypatch.setattr(pd, "_new_communicator", lambda *a: comm)
+        monkeypatch.setattr(pd, "_unique_id", lambda: bytes(range(128)))
+        dist.init_process_group("pyccl", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=30))
+        yield dist.group.WORLD, comm
+        dist.destroy_process_group()
+    else:
+        from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+        pg = pd.ProcessGroupPyccl(comm, RANK, 2, "pyccl-ops-test")
+        _register_process_group(pg.group_name, pg)
+        yield pg, comm
+        _unregister_process_group(pg.group_name)
+
+
+def _x(dtype, rows=6, cols=3):
+    """Integer values 2..102, not a multiple of anything in particular."""
+    return ((torch.arange(rows * cols, dtype=torch.int64) * 7 + 5) % 101 + 2).to(dtype).reshape(rows, cols)
+
+
+def _want(comm, name, x, op="sum", root=0):
+    s = comm.size
+    red = {"sum": x * s, "prod": x ** s, "min": x, "max": x, "avg": x * s / s}
+    return {
+        "all_reduce": lambda: red[op],
+        "all_gather": lambda: torch.cat([x] * s),
+        "reduce_scatter": lambda: red[op].chunk(s)[RANK],
+        "broadcast": lambda: x,
+        "all_to_all_single": lambda: torch.cat([x.chunk(s)[RANK]] * s),
+    }[name]()
+
+
+def test_schemas():
+    want = {
+        "all_reduce": 'pyccl::all_reduce(Tensor input, str group, str op="sum") -> Tensor',
+        "all_reduce_": 'pyccl::all_reduce_(Tensor(a0!) tensor, str group, str op="sum") -> ()',
+        "all_gather": "pyccl::all_gather(Tensor input, str group, SymInt group_size) -> Tensor",
+        "reduce_scatter": 'pyccl::reduce_scatter(Tensor input, str group, SymInt group_size, str op="sum") '
+                          "-> Tensor",
+        "broadcast": "pyccl::broadcast(Tensor input, str group, SymInt root) -> Tensor",
+        "broadcast_": "pyccl::broadcast_(Tensor(a0!) tensor, str group, SymInt root) -> ()",
+        "all_to_all_single": "pyccl::all_to_all_single(Tensor input, str group, SymInt group_size) -> Tensor",
+    }
+    got = {name: str(getattr(torch.ops.pyccl, name).default._schema) for name in want}
+    assert got == want
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
+def test_each_op_computes_its_collective(group, dtype):
+    pg, comm = group
+    x = _x(dtype)
+    for handle in (pg, pg.group_name):
+        for op in ("sum", "prod", "min", "max") + (("avg",) if dtype.is_floating_point else ()):
+            assert torch.equal(ops.all_reduce(x, handle, op), _want(comm, "all_reduce", x, op)), op
+            assert comm.log[-1] == ("all_reduce", ops.REDUCE_OPS[op])
+            y = x.clone()
+            assert ops.all_reduce_(y, handle, op) is y and torch.equal(y, _want(comm, "all_reduce", x, op))
+            r = ops.reduce_scatter(x, handle, op)
+            assert torch.equal(r, _want(comm, "reduce_scatter", x, op)), op
+        assert torch.equal(ops.all_gather(x, handle), _want(comm, "all_gather", x))
+        assert torch.equal(ops.broadcast(x, handle, 0), x) and comm.log[-1] == ("broadcast", 0)
+        y = x.clone()
+        assert ops.broadcast_(y, handle, 0) is y and torch.equal(y, x)
+        assert torch.equal(ops.all_to_all_single(x, handle), _want(comm, "all_to_all_single", x))
+    # a non-contiguous input is read as its values; the output is a new contiguous tensor
+    xt = _x(dtype, 6, 6).t()
+    got = ops.all_reduce(xt, pg)
+    assert got.is_contiguous() and torch.equal(got, _want(comm, "all_reduce", xt.contiguous()))
+    assert torch.equal(xt, _x(dtype, 6, 6).t())  # the input is left alone
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_opcheck_every_op(group):
+    """torch's own test of a custom op: schema (what it mutates), the fake implementation's
+    output against the real one's (shape, dtype, strides), autograd registration, AOT dispatch."""
+    pg, _ = group
+    name, n = pg.group_name, group[1].size
+    x = _x(torch.float32)
+    cases = {
+        "all_reduce": (x, name, "max"), "all_reduce_": (x.clone(), name, "sum"),
+        "all_gather": (x, name, n), "reduce_scatter": (x, name, n, "sum"), "broadcast": (x, name, 0),
+        "broadcast_": (x.clone(), name, 0), "all_to_all_single": (x, name, n),
+    }
+    for op, args in cases.items():
+        res = torch.library.opcheck(getattr(torch.ops.pyccl, op).default, args)
+        assert set(res.values()) == {"SUCCESS"}, (op, res)
+
+
+def _every_op(pg):
+    def f(x):
+        a = ops.all_reduce(x + 1, pg, "max")
+        g = ops.all_gather(a, pg)
+        r = ops.reduce_scatter(g * 3, pg)
+        b = ops.broadcast(r, pg, 0)
+        t = ops.all_to_all_single(b - 2, pg)
+        v = x * 5
+        ops.all_reduce_(v, pg)
+        return t, v
+    return f
+
+
+def test_compiled_fullgraph_equals_eager(group):
+    pg, comm = group
+    torch._dynamo.reset()
+    f = _every_op(pg)
+    x = _x(torch.float32)
+    comm.log.clear()
+    want = f(x)
+    eager_calls = sorted(map(repr, comm.log))
+    comm.log.clear()
+    got = torch.compile(f, fullgraph=True)(x)  # fullgraph: a graph break raises
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    # the compiled code ran each collective once, as eager did (none dropped, none repeated)
+    assert sorted(map(repr, comm.log)) == eager_calls
+
+
+def test_communicator_is_a_compile_time_constant_per_group(group, monkeypatch):
+    """Two groups into one compiled function: each call uses its own group (no stale name)."""
+    pg, comm = group
+    torch._dynamo.reset()
+    other = SameInputComm(comm.size, [])
+    other.all_gather = lambda inp, out: out.copy_(torch.cat([inp + 1000] * other.size))
+    monkeypatch.setattr(ops, "_C", _Registry(ops._C, {"other": other}))
+    f = torch.compile(lambda x, g: ops.all_gather(x, g), fullgraph=True)
+    x = _x(torch.int64)
+    assert torch.equal(f(x, pg), torch.cat([x] * comm.size))
+    assert torch.equal(f(x, "other"), torch.cat([x + 1000] * comm.size))
+    assert torch.equal(f(x, pg), torch.cat([x] * comm.size))
+
+
+class _Registry:
+    """pyccl._C with extra names in _communicator() (a Communicator needs a GPU)."""
+
+    def __init__(self, c, extra):
+        self._c, self._extra = c, extra
+
+    def _communicator(self, name):
+        return self._extra.get(name) or self._c._communicator(name)
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+
+@pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")
+def test_torch_functional_collectives_compile_on_a_pyccl_group(group):
+    """dist.all_reduce and torch's functional collectives on a "pyccl" group, compiled with
+    fullgraph=True, reach the group (through torch's C++ ops) and equal eager."""
+    import torch.distributed._functional_collectives as funcol
+    pg, comm = group
+    torch._dynamo.reset()
+
+    def f(x):
+        y = x + 1
+        dist.all_reduce(y, group=pg)
+        a = funcol.all_reduce(x * 2, "sum", pg)
+        g = funcol.all_gather_tensor(x, 0, pg)
+        r = funcol.reduce_scatter_tensor(g, "sum", 0, pg)
+        return y, a, g, r
+    x = _x(torch.float32)
+    comm.log.clear()
+    want = f(x)
+    eager_calls = sorted(map(repr, comm.log))
+    assert len(eager_calls) == 4
+    comm.log.clear()
+    got = torch.compile(f, fullgraph=True)(x)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert sorted(map(repr, comm.log)) == eager_calls
+
+
+@pytest.mark.parametrize("call,exc,text", [
+    (lambda x, g: ops.all_reduce(x, g, "xor"), ValueError,
+     "pyccl.ops.all_reduce: op must be one of 'sum', 'prod', 'min', 'max', 'avg', got 'xor'"),
+    (lambda x, g: ops.reduce_scatter(x, g, op="SUM"), ValueError,
+     "pyccl.ops.reduce_scatter: op must be one of 'sum', 'prod', 'min', 'max', 'avg', got 'SUM'"),
+    (lambda x, g: ops.all_reduce_(x, "no-such-group"), ValueError,
+     "pyccl.ops.all_reduce_: group 'no-such-group' names no live pyccl Communicator and no "
+     "torch.distributed process group"),
+    (lambda x, g: ops.broadcast(x, 5, 0), TypeError,
+     "pyccl.ops.broadcast: group must be a pyccl.Communicator, a torch.distributed ProcessGroup on backend "
+     "\"pyccl\" or the name of one (str), got int"),
+    (lambda x, g: ops.group_name(None), TypeError,
+     "pyccl.ops.group_name: group must be a pyccl.Communicator, a torch.distributed ProcessGroup on backend "
+     "\"pyccl\" or the name of one (str), got NoneType"),
+    (lambda x, g: ops.all_gather(x.sum(), g), ValueError,
+     "pyccl.ops.all_gather: input must have at least one dimension (the ranks' parts are along dim 0), "
+     "got a 0-dim tensor"),
+    (lambda x, g: ops.communicator("all_reduce", 3), TypeError,
+     "pyccl.ops.all_reduce: group must be a str (a Communicator's name or a torch.distributed group name), "
+     "got int"),
+])
+def test_refused_arguments(group, call, exc, text):
+    pg, comm = group
+    x = _x(torch.float32)
+    n = len(comm.log)
+    with pytest.raises(exc) as e:
+        call(x, pg)
+    assert str(e.value) == text
+    assert len(comm.log) == n  # nothing reached the communicator
+    assert torch.equal(ops.all_reduce(x, pg), x * comm.size)  # and the group is usable
+
+
+@pytest.fixture
+def group2(monkeypatch):
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+    comm = SameInputComm(2, [])
+    pg = pd.ProcessGroupPyccl(comm, RANK, 2, "pyccl-ops-test-2")
+    _register_process_group(pg.group_name, pg)
+    yield pg, comm
+    _unregister_process_group(pg.group_name)
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_to_all_single"])
+def test_first_dimension_not_a_multiple_of_the_ranks(group2, op):
+    pg, comm = group2
+    x = _x(torch.float32, rows=7)
+    with pytest.raises(ValueError) as e:
+        getattr(ops, op)(x, pg)
+    assert str(e.value) == (f"pyccl.ops.{op}: input's first dimension (7) is not a multiple of the "
+                            "number of ranks (2)")
+    # the same check in the fake implementation: torch.compile refuses it while tracing
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as e:
+        torch.compile(lambda t: getattr(ops, op)(t, pg), fullgraph=True)(x)
+    assert "input's first dimension (7) is not a multiple of the number of ranks (2)" in str(e.value)
+
+
+def test_group_of_another_backend_refused():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        gloo = dist.group.WORLD
+        with pytest.raises(ValueError) as e:
+            ops.all_reduce(_x(torch.float32), gloo)
+        assert str(e.value) == (f"pyccl.ops.all_reduce: group {gloo.group_name!r} is a torch.distributed "
+                                "group on backend 'gloo', not \"pyccl\"")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_communicator_registry_argument_checked():
+    with pytest.raises(TypeError) as e:
+        pyccl._C._communicator(5)
+    assert str(e.value) == "_communicator: name must be a str, got int"
+    assert pyccl._C._communicator("pyccl.Communicator.0") is None  # serials start at 1
