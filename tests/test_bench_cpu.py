@@ -757,7 +757,8 @@ def test_progress_names_every_system_in_a_log():
 
 def _fake_sweep(wrong_system=None, fail_system=None):
     """Stands in for runner.run_sweep: deterministic timings per system, through the callbacks."""
-    speed = {"pyccl": 1.0, "torch.distributed": 2.0, "torch.cuda.nccl": 1.25, "pyccl.nccl": 1.0}
+    speed = {"pyccl": 1.0, "torch.distributed": 2.0, "torch.distributed:pyccl": 1.5, "torch.cuda.nccl": 1.25,
+             "pyccl.nccl": 1.0}
 
     def run_sweep(system, n, cfg, on_info, on_row, on_progress):
         if system == fail_system:
@@ -785,19 +786,20 @@ def test_main_prints_nccl_tests_tables_comparison_and_files(monkeypatch, capsys,
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("# nThread 1 nGpus 1 minBytes 1024 maxBytes 4096 step: 2(factor) warmup "
-                     "iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0") == 2  # per-rank
+                     "iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0") == 3  # per-rank
     assert "# nThread 1 nGpus 2 minBytes 1024" in out  # torch.cuda.nccl: one process, 2 GPUs
-    assert out.count("# Collective: all_reduce") == 3 and out.count("# Avg bus bandwidth") == 3
+    assert out.count("# Collective: all_reduce") == 4 and out.count("# Avg bus bandwidth") == 4
+    assert "# pyccl.bench: torch.distributed:pyccl (pyccl backend, one process per GPU), 2 ranks" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("        1024")]
-    assert [r[5] for r in rows] == ["10.00", "20.00", "12.50"]  # pyccl, dist, torch.cuda.nccl
+    assert [r[5] for r in rows] == ["10.00", "20.00", "15.00", "12.50"]  # pyccl, dist, dist:pyccl, t.c.nccl
     comparison = out[out.index("# Comparison"):].splitlines()
     first = comparison[3].replace("|", " ").split()
     assert first[:5] == ["all_reduce", "1024", "float", "sum", "no"]
-    assert first[5:10] == ["10.00", "20.00", "12.50", "0.500", "0.800"]
+    assert first[5:12] == ["10.00", "20.00", "15.00", "12.50", "0.500", "0.667", "0.800"]
     config, results, host = R.read_json(tmp_path / "r.json")
     assert config["sizes"] == [1024, 2048, 4096] and config["ngpus"] == 2 and host == []
-    assert config["systems"] == ["pyccl", "torch.distributed", "torch.cuda.nccl"]
-    assert len(results) == 3 * 3 * 2 and R.read_csv(tmp_path / "r.csv") == results
+    assert config["systems"] == ["pyccl", "torch.distributed", "torch.distributed:pyccl", "torch.cuda.nccl"]
+    assert len(results) == 4 * 3 * 2 and R.read_csv(tmp_path / "r.csv") == results
 
 
 def test_main_exit_status_on_wrong_results_and_failed_peer(monkeypatch, capsys):
@@ -832,7 +834,7 @@ def test_main_exits_1_and_names_a_peer_that_hangs(monkeypatch, capfd):
     assert f"pyccl.bench: error: {runner.CPU_LISTS_SYSTEM}: no progress for 6 s" in err
     assert f"[pyccl.bench] {runner.CPU_LISTS_SYSTEM} process 0 (pid " in err
     assert err.rstrip().splitlines()[-1] == (
-        "pyccl.bench: FAILED: 1 of 3 systems did not complete: torch.cuda.nccl (errors above); "
+        "pyccl.bench: FAILED: 1 of 4 systems did not complete: torch.cuda.nccl (errors above); "
         "exit status 1")
     assert "# Comparison" in out
     assert not multiprocessing.active_children()
@@ -853,11 +855,11 @@ def test_main_host_overhead_exits_1_when_a_system_fails(monkeypatch, capsys):
     assert "pyccl.bench: error: pyccl.nccl: no progress for 300 s" in captured.err
     assert "pyccl.bench: error: torch.cuda.nccl: unexpected error in the parent:" in captured.err
     assert "OSError: cannot spawn" in captured.err
-    assert "FAILED: 2 of 4 systems did not complete: pyccl.nccl, torch.cuda.nccl" in captured.err
+    assert "FAILED: 2 of 5 systems did not complete: pyccl.nccl, torch.cuda.nccl" in captured.err
     assert "torch.distributed" in captured.out  # what ran is still reported
 
 
-def test_main_host_overhead_runs_four_systems(monkeypatch, capsys, tmp_path):
+def test_main_host_overhead_runs_five_systems(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
     seen = []
 
@@ -867,9 +869,10 @@ def test_main_host_overhead_runs_four_systems(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(runner, "run_host_overhead", fake_host)
     assert cli.main(["--host-overhead", "--host-iters", "300", "--no-progress",
                      "--csv", str(tmp_path / "h.csv")]) == 0
-    assert seen == ["pyccl", "pyccl.nccl", "torch.distributed", "torch.cuda.nccl"]
+    assert seen == ["pyccl", "pyccl.nccl", "torch.distributed", "torch.distributed:pyccl", "torch.cuda.nccl"]
     out = capsys.readouterr().out
-    assert "300 calls per loop" in out and "torch.cuda.nccl       2            14.00" in out
+    assert "300 calls per loop" in out and "torch.cuda.nccl       2            15.00" in out
+    assert "torch.distributed:pyccl       2            14.00" in out
     assert [h.system for h in R.read_csv(tmp_path / "h.csv", R.HostResult)] == seen
 
 

@@ -20,10 +20,11 @@ from . import report as R
 from . import runner
 from . import sizes as S
 
-PEERS = ["torch.distributed", "torch.cuda.nccl"]
+PEERS = ["torch.distributed", runner.DIST_PYCCL, "torch.cuda.nccl"]
 _DESCRIBE = {"pyccl": "per-rank API, one process per GPU",
              "pyccl.nccl": "torch.cuda.nccl drop-in, one process driving every GPU",
              "torch.distributed": "nccl backend, one process per GPU",
+             runner.DIST_PYCCL: "pyccl backend, one process per GPU",
              "torch.cuda.nccl": "one process driving every GPU"}
 
 _EPILOG = """\
@@ -92,7 +93,8 @@ def build_parser():
       help="pyccl all_reduce algorithm (per-rank API): auto = pyccl's own kernels where they "
            "win, else NCCL (default auto)")
     a("--compare", action="store_true",
-      help="also run torch.distributed and torch.cuda.nccl and print pyccl/peer ratios")
+      help="also run torch.distributed (on nccl and on pyccl) and torch.cuda.nccl and print "
+           "pyccl/peer ratios")
     a("--host-overhead", action="store_true",
       help="instead of the sweep: CPU and GPU us per 1-element all_reduce call, four systems")
     a("--host-iters", type=int, default=None,

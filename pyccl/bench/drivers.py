@@ -12,7 +12,8 @@ import time
 
 from . import sizes as S
 
-PER_RANK = ("pyccl", "torch.distributed")
+DIST_PYCCL = "torch.distributed:pyccl"  # torch.distributed on pyccl's backend
+PER_RANK = ("pyccl", "torch.distributed", DIST_PYCCL)
 SINGLE = ("pyccl.nccl", "torch.cuda.nccl")
 SYSTEMS = PER_RANK + SINGLE
 # Not offered on the command line: torch.distributed's gloo backend on CPU tensors, timed by the
@@ -30,6 +31,8 @@ def make_driver(system, rank, nranks, rendezvous, barrier, timeout):
         return _PycclComm(rank, nranks, rendezvous, barrier, timeout)
     if system == "torch.distributed":
         return _TorchDist(rank, nranks, rendezvous, barrier, timeout)
+    if system == DIST_PYCCL:
+        return _TorchDistPyccl(rank, nranks, rendezvous, barrier, timeout)
     if system == CPU_SYSTEM:
         return _GlooCPU(rank, nranks, rendezvous, barrier, timeout)
     if system in SINGLE:
@@ -185,6 +188,16 @@ class _TorchDist(_Driver):
 
     def close(self):
         self.dist.destroy_process_group()
+
+
+class _TorchDistPyccl(_TorchDist):
+    """torch.distributed with pyccl's backend: what a DDP/FSDP user of pyccl gets per dist.* call."""
+
+    backend = "pyccl"
+
+    def __init__(self, rank, nranks, port, barrier, timeout):
+        import pyccl  # noqa: F401  (registers the backend)
+        super().__init__(rank, nranks, port, barrier, timeout)
 
 
 class _WallEvent:

@@ -152,9 +152,9 @@ def format_summary(results):
 def format_host(results, calls, repeats):
     lines = [f"# Host overhead: all_reduce (sum) of one float element; {calls} calls per loop, "
              f"median of {repeats} loops, maximum over ranks",
-             "# %18s  %6s  %15s  %15s" % ("system", "ranks", "host (us/call)", "gpu (us/call)")]
+             "# %23s  %6s  %15s  %15s" % ("system", "ranks", "host (us/call)", "gpu (us/call)")]
     for h in results:
-        lines.append("  %18s  %6d  %15.2f  %15.2f" % (h.system, h.nranks, h.host_us, h.gpu_us))
+        lines.append("  %23s  %6d  %15.2f  %15.2f" % (h.system, h.nranks, h.host_us, h.gpu_us))
     return "\n".join(lines)
 
 
@@ -218,6 +218,7 @@ def format_breakdown(results, nranks, calls, repeats, info, command, torch_versi
 # ---- comparison -------------------------------------------------------------------------------
 
 SHORT = {"pyccl": "pyccl", "pyccl.nccl": "pyccl.nccl", "torch.distributed": "dist",
+         "torch.distributed:pyccl": "dist:pyccl",
          "torch.cuda.nccl": "t.c.nccl"}
 
 

@@ -28,7 +28,7 @@ from . import report as R
 from . import sizes as S
 from . import spawn as SP
 from .drivers import (  # noqa: F401
-    CPU_LISTS_SYSTEM, CPU_SYSTEM, ONE_PROCESS, PER_RANK, SINGLE, SYSTEMS, make_driver)
+    CPU_LISTS_SYSTEM, CPU_SYSTEM, DIST_PYCCL, ONE_PROCESS, PER_RANK, SINGLE, SYSTEMS, make_driver)
 
 EXIT_GRACE_S = 30.0
 KILL_WAIT_S = 20.0  # after SIGKILL: a process tearing down GPU contexts can take a few seconds
