@@ -6,6 +6,34 @@
 #include "args.h"
 #include "comm_ops.h"
 
+/* The split of a communicator with a timeout: the watchdog makes the child's
+ * handle within the parent's timeout, the child gets the same timeout. */
+static PyObject *
+split_watched(call_ctx *x, int color, int key)
+{
+    ncclComm_t nc;
+    int rank, size;
+    if (pyccl_watch_split(x->st, x->c, color, key, &nc, &rank, &size) < 0) {
+        return NULL;
+    }
+    if (nc == NULL) {
+        Py_RETURN_NONE;
+    }
+    PyObject *child = pyccl_comm_new(x->st, nc, rank, size, x->c->device);
+    if (child == NULL) {
+        const pyccl_api *a = &x->st->api;
+        Py_BEGIN_ALLOW_THREADS
+        a->ncclCommAbort(nc);
+        Py_END_ALLOW_THREADS
+        return NULL;
+    }
+    if (pyccl_watch_attach(x->st, "split", (pyccl_comm *)child, pyccl_comm_timeout(x->c)) < 0) {
+        Py_DECREF(child);
+        return NULL;
+    }
+    return child;
+}
+
 /* split(color, key=None) -> Communicator or None (color < 0: not a member). */
 PyObject *
 pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
@@ -41,7 +69,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     if (x.c->watch != NULL) {
-        return pyccl_watch_split(x.st, x.c, color, key); /* the child too */
+        return split_watched(&x, color, key); /* the child gets a watch too */
     }
     if (pyccl_group_depth() > 0) {
         /* NCCL writes the child's handle when the group ends, so it goes

@@ -14,47 +14,10 @@
 
 #include <string.h>
 
-/* The module state of the Communicator type (or a method's type), with torch
- * looked up; NULL with RuntimeError once the interpreter tears it down. */
-pyccl_state *
-pyccl_state_of_type(PyTypeObject *tp)
-{
-    pyccl_state *st = PyType_GetModuleState(tp);
-    if (st != NULL && st->cliques == NULL) { /* torn down at interpreter exit */
-        PyErr_SetString(PyExc_RuntimeError, "pyccl: the interpreter is shutting down");
-        return NULL;
-    }
-    if (st != NULL && pyccl_torch_init(st) < 0) {
-        return NULL;
-    }
-    return st;
-}
-
 int
 pyccl_is_comm(pyccl_state *st, PyObject *obj)
 {
     return PyObject_TypeCheck(obj, (PyTypeObject *)st->CommunicatorType);
-}
-
-int
-pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
-{
-    if (c->watch != NULL && pyccl_watch_check(st, op, c) < 0) {
-        return -1; /* timed out or aborted */
-    }
-    if (c->pending) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "%s: the communicator is not ready: it was created inside "
-                     "pyccl.group(), which has not ended yet", op);
-        return -1;
-    }
-    if (c->comm == NULL) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "%s: the communicator (rank %d of %d) has been destroyed",
-                     op, c->rank, c->size);
-        return -1;
-    }
-    return 0;
 }
 
 int
@@ -84,17 +47,6 @@ pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c)
     c->rank = rank;
     c->size = size;
     return 0;
-}
-
-void
-pyccl_comm_lock(pyccl_comm *c)
-{
-    if (pthread_mutex_trylock(&c->mu) == 0) {
-        return;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&c->mu);
-    Py_END_ALLOW_THREADS
 }
 
 PyObject *
@@ -478,6 +430,15 @@ comm_ar_epoch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return pyccl_fastar_epoch(st, (pyccl_comm *)self, nargs ? args[0] : NULL);
 }
 
+/* abort(): pyccl's own kernels waiting for peers return first, then the
+ * watchdog's abort (watchdog.c). */
+static PyObject *
+comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
+{
+    pyccl_fastar_stop((pyccl_comm *)self);
+    return pyccl_comm_abort(self, NULL);
+}
+
 static PyMethodDef comm_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))pyccl_comm_all_reduce,
      METH_FASTCALL | METH_KEYWORDS,
@@ -559,7 +520,7 @@ static PyMethodDef comm_methods[] = {
      "Collective (every rank calls it) once all_reduce set up pyccl's own "
      "kernels (its first call of a supported dtype and op, any size): their "
      "peer memory is freed after a barrier."},
-    {"abort", pyccl_comm_abort, METH_NOARGS,
+    {"abort", comm_abort, METH_NOARGS,
      "abort($self, /)\n--\n\nAbort the NCCL communicator now (ncclCommAbort): its "
      "kernels stop waiting for peers and return, results unfinished; every "
      "later call raises RuntimeError. Idempotent; for the emergency (another "

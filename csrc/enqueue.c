@@ -181,3 +181,15 @@ pyccl_group_call(pyccl_state *st, int start, char *last, size_t last_size,
     }
     return r;
 }
+
+/* c->mu with the GIL held: released while waiting for the lock. */
+void
+pyccl_comm_lock(pyccl_comm *c)
+{
+    if (pthread_mutex_trylock(&c->mu) == 0) {
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&c->mu);
+    Py_END_ALLOW_THREADS
+}

@@ -153,3 +153,15 @@ pyccl_failure_exception(pyccl_state *st, const char *op, int kind, int code,
         return exc;
     }
 }
+
+/* "5.0", "0.25": seconds as a person would write them (as Python prints a
+ * float), the same in every timeout message. */
+void
+pyccl_fmt_seconds(char *buf, size_t n, double s)
+{
+    snprintf(buf, n, "%.1f", s);
+    /* else the shortest digits that give s back, as Python's repr */
+    for (int digits = 1; digits <= 17 && strtod(buf, NULL) != s; digits++) {
+        snprintf(buf, n, "%.*g", digits, s);
+    }
+}

@@ -805,6 +805,7 @@ timed_out(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const
              "was aborted",
              op, f->rank, f->nranks, t, where);
     f->state = FA_OFF;
+    pyccl_fastar_stop(c);
     pyccl_comm_mark_failed(c, msg);
     if (pyccl_comm_alive(st, op, c) == 0) {
         PyErr_SetString(PyExc_RuntimeError, msg);

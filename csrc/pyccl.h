@@ -165,6 +165,8 @@ int pyccl_load(pyccl_state *st, const char *op);
 int pyccl_nccl_version(pyccl_state *st, const char *op);
 
 /* ---- errors.c ---- */
+/* Seconds for messages: "5.0", "0.25" (as Python prints a float). */
+void pyccl_fmt_seconds(char *buf, size_t n, double s);
 /* Room for ncclGetLastError's text, as the bindings keep it. */
 #define PYCCL_LAST_ERROR_SIZE 512
 /* An NCCL call returned r: when it failed, copy ncclGetLastError(comm)
@@ -181,6 +183,11 @@ void pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
                       cudaError_t err);
 
 /* ---- tensor.c ---- */
+/* st with torch looked up; NULL with RuntimeError once the interpreter tears
+ * the module down. */
+pyccl_state *pyccl_state_ready(pyccl_state *st);
+/* The same for the module behind the Communicator type (or a method's type). */
+pyccl_state *pyccl_state_of_type(PyTypeObject *tp);
 int pyccl_torch_init(pyccl_state *st);
 /* One array as read and checked by the reader (tensor.c), the only code that
  * reads a tensor's attributes: numel >= 0, numel * itemsize fits in int64,
@@ -270,9 +277,6 @@ typedef struct {
 } pyccl_comm;
 extern PyType_Spec pyccl_comm_spec;
 int pyccl_is_comm(pyccl_state *st, PyObject *obj);
-/* The module state behind the Communicator type, torch looked up; NULL with
- * an exception at interpreter exit. */
-pyccl_state *pyccl_state_of_type(PyTypeObject *tp);
 /* Borrowed tuple of n communicators over `devices`, created once. */
 PyObject *pyccl_clique(pyccl_state *st, const char *op, const int *devices,
                        Py_ssize_t n);
@@ -285,18 +289,12 @@ PyObject *pyccl_init_ranks(pyccl_state *st, PyObject *nranks, PyObject *uid,
 /* Fill in rank and size of a communicator created inside a group (NCCL
  * knows them only once the group ended). */
 int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
-/* -1 with RuntimeError when c was destroyed. */
-int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
-/* c->mu with the GIL held: released while waiting for the lock. */
-void pyccl_comm_lock(pyccl_comm *c);
 /* Keep a communicator split inside a group alive until the group ends. */
 int pyccl_add_pending_split(pyccl_state *st, PyObject *comm);
 /* The outermost group of this thread ended: its splits are ready. */
 void pyccl_resolve_pending_splits(pyccl_state *st);
 
 /* ---- fastar.c: pyccl's own all-reduce kernels ---- */
-/* Seconds for messages: "5.0", "0.25" (as Python prints a float). */
-void pyccl_fmt_seconds(char *buf, size_t n, double s);
 
 typedef enum { PYCCL_ALGO_AUTO, PYCCL_ALGO_NCCL, PYCCL_ALGO_ONESHOT, PYCCL_ALGO_TWOSHOT } pyccl_algo;
 /* all_reduce's algo= argument (None: auto). */
@@ -370,6 +368,8 @@ ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks,
  * unlock the same list while still holding them. */
 void pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n);
 void pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n);
+/* c->mu with the GIL held: released while waiting for the lock. */
+void pyccl_comm_lock(pyccl_comm *c);
 /* Depth of pyccl.group() on the calling thread (NCCL groups are per thread). */
 int pyccl_group_depth(void);
 /* ncclGroupStart (start) or ncclGroupEnd with the GIL released; NCCL's
@@ -414,14 +414,7 @@ int pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
 /* A communicator without timeout was used on stream s (for wait()): a
  * compare when s is its last stream again.  -1 with MemoryError. */
 int pyccl_comm_add_stream(pyccl_comm *c, cudaStream_t s);
-static inline int
-pyccl_comm_note_stream(pyccl_comm *c, cudaStream_t s)
-{
-    if (c->nstreams > 0 && s == c->last_stream) {
-        return 0;
-    }
-    return pyccl_comm_add_stream(c, s);
-}
+int pyccl_comm_note_stream(pyccl_comm *c, cudaStream_t s);
 
 /* None -> 0; an int or float > 0 -> seconds; else TypeError/ValueError
  * naming op and "timeout". */
@@ -431,6 +424,8 @@ int pyccl_read_timeout(const char *op, PyObject *obj, double *out);
 int pyccl_comm_failed(const pyccl_comm *c);
 /* -1 raising c's failure when it failed (then c->comm is cleared), else 0. */
 int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
+/* -1 with RuntimeError when c was destroyed (or is pending, or failed). */
+int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
 /* ncclCommInitRankConfig (non-blocking) on `device`, polled until done;
  * aborted and NcclTimeoutError after `timeout` s, KeyboardInterrupt on ^C. */
 int pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out,
@@ -449,9 +444,11 @@ int pyccl_enqueue_timed(pyccl_state *st, const char *op,
  * poll and track the watched communicators used inside it.  -1 with an
  * exception. */
 int pyccl_watch_group_end(pyccl_state *st, ncclResult_t r);
-/* split() of a communicator with a watch (outside any group). */
-PyObject *pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color,
-                            int key);
+/* split() of a communicator with a watch (outside any group): the child's
+ * non-blocking handle (NULL when not a member), rank and size; the caller
+ * makes the Communicator and gives it a watch.  -1 with an exception. */
+int pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
+                      ncclComm_t *child, int *child_rank, int *child_size);
 /* barrier()'s wait: until c's work so far finished (GIL released). */
 int pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
                      double timeout);

@@ -12,15 +12,7 @@
 static pyccl_state *
 get_state(PyObject *module)
 {
-    pyccl_state *st = PyModule_GetState(module);
-    if (st != NULL && st->cliques == NULL) { /* torn down at interpreter exit */
-        PyErr_SetString(PyExc_RuntimeError, "pyccl: the interpreter is shutting down");
-        return NULL;
-    }
-    if (st != NULL && pyccl_torch_init(st) < 0) {
-        return NULL;
-    }
-    return st;
+    return pyccl_state_ready(PyModule_GetState(module));
 }
 
 /* A collection of tensors (any iterable but a tensor), as a private tuple:

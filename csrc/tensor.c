@@ -803,3 +803,24 @@ pyccl_read_array(pyccl_state *st, const char *op, const char *what,
     Py_DECREF(dtype);
     return rc;
 }
+
+/* st once the module can do GPU work: torch looked up; NULL with
+ * RuntimeError once the interpreter tears the module down. */
+pyccl_state *
+pyccl_state_ready(pyccl_state *st)
+{
+    if (st != NULL && st->cliques == NULL) { /* torn down at interpreter exit */
+        PyErr_SetString(PyExc_RuntimeError, "pyccl: the interpreter is shutting down");
+        return NULL;
+    }
+    if (st != NULL && pyccl_torch_init(st) < 0) {
+        return NULL;
+    }
+    return st;
+}
+
+pyccl_state *
+pyccl_state_of_type(PyTypeObject *tp)
+{
+    return pyccl_state_ready(PyType_GetModuleState(tp));
+}

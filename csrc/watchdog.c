@@ -120,18 +120,6 @@ now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* "5.0", "0.25": seconds as a person would write them (as Python prints a
- * float), the same in every timeout message. */
-void
-pyccl_fmt_seconds(char *buf, size_t n, double s)
-{
-    snprintf(buf, n, "%.1f", s);
-    /* else the shortest digits that give s back, as Python's repr */
-    for (int digits = 1; digits <= 17 && strtod(buf, NULL) != s; digits++) {
-        snprintf(buf, n, "%.*g", digits, s);
-    }
-}
-
 /* Make `dev` current for a moment; returns the device to go back to. */
 static int
 dev_enter(const pyccl_api *a, int dev)
@@ -725,6 +713,27 @@ pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c)
     }
     c->comm = NULL; /* aborted: nothing may use the handle any more */
     return raise_failure(st, op, w);
+}
+
+int
+pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
+{
+    if (c->watch != NULL && pyccl_watch_check(st, op, c) < 0) {
+        return -1; /* timed out or aborted */
+    }
+    if (c->pending) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: the communicator is not ready: it was created inside "
+                     "pyccl.group(), which has not ended yet", op);
+        return -1;
+    }
+    if (c->comm == NULL) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: the communicator (rank %d of %d) has been destroyed",
+                     op, c->rank, c->size);
+        return -1;
+    }
+    return 0;
 }
 
 /* Lock w, the GIL released while waiting for it. */
@@ -1448,6 +1457,15 @@ pyccl_comm_add_stream(pyccl_comm *c, cudaStream_t s)
     return 0;
 }
 
+int
+pyccl_comm_note_stream(pyccl_comm *c, cudaStream_t s)
+{
+    if (c->nstreams > 0 && s == c->last_stream) {
+        return 0;
+    }
+    return pyccl_comm_add_stream(c, s);
+}
+
 /* wait() of a communicator without timeout: an event recorded now on each
  * stream it was used on covers its work there (and whatever came before
  * it).  `limit` 0: no limit. */
@@ -1613,23 +1631,26 @@ pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
 
 /* ---------------- split, destroy, abort, errors ---------------- */
 
-PyObject *
-pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key)
+int
+pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
+                  ncclComm_t *child, int *child_rank, int *child_size)
 {
     const pyccl_api *a = &st->api;
     struct pyccl_watch *w = c->watch;
+    *child = NULL;
     if (pyccl_group_depth() > 0) {
         PyErr_SetString(PyExc_RuntimeError,
                         "split: a communicator with a timeout cannot be split "
                         "inside pyccl.group(); split it outside the group");
-        return NULL;
+        return -1;
     }
     /* A non-blocking split writes the child's handle when it completes,
      * possibly after a timeout gave up on it: the slot must outlive this
      * call then (it is leaked). */
     ncclComm_t *slot = PyMem_RawCalloc(1, sizeof *slot);
     if (slot == NULL) {
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
     ncclResult_t r, res = ncclSuccess;
     char last[512] = "";
@@ -1710,36 +1731,25 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key)
         if (got == 0) {
             c->comm = NULL;
         }
-        return NULL; /* leaks the slot: NCCL may still write it */
+        return -1; /* leaks the slot: NCCL may still write it */
     }
     if (got > 0 || polled > 0 || failed_kind(w)) {
         if (got > 0 || polled == 0) {
             PyMem_RawFree(slot); /* else NCCL may still write it: leaked */
         }
         pyccl_watch_check(st, "split", c);
-        return NULL;
+        return -1;
     }
     ncclComm_t nc = *slot;
     PyMem_RawFree(slot);
     if (res != ncclSuccess) {
         pyccl_raise_nccl(st, "split", res, last);
-        return NULL;
+        return -1;
     }
-    if (nc == NULL) {
-        Py_RETURN_NONE;
-    }
-    PyObject *child = pyccl_comm_new(st, nc, rank, size, c->device);
-    if (child == NULL) {
-        Py_BEGIN_ALLOW_THREADS
-        a->ncclCommAbort(nc);
-        Py_END_ALLOW_THREADS
-        return NULL;
-    }
-    if (pyccl_watch_attach(st, "split", (pyccl_comm *)child, w->timeout) < 0) {
-        Py_DECREF(child);
-        return NULL;
-    }
-    return child;
+    *child = nc;
+    *child_rank = rank;
+    *child_size = size;
+    return 0;
 }
 
 int
@@ -1870,7 +1880,6 @@ pyccl_comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
                         "inside pyccl.group(), which has not ended yet");
         return NULL;
     }
-    pyccl_fastar_stop(c); /* pyccl's own kernels waiting for peers return too */
     struct pyccl_watch *w = c->watch;
     if (w == NULL) {
         if (c->comm == NULL) {
@@ -2029,7 +2038,6 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
 void
 pyccl_comm_mark_failed(pyccl_comm *c, const char *reason)
 {
-    pyccl_fastar_stop(c);
     pyccl_state *st = PyType_GetModuleState(Py_TYPE(c));
     if (st == NULL) {
         return;
