@@ -307,7 +307,16 @@ def _run(system, nranks, cfg, handle):
     """Spawn the processes of one system and feed their messages to handle() until all are done.
 
     Each child writes to its own pipe (spawn.start): the parent sees every message a child sent
-    before it died (then end-of-file), so a crash is reported with its traceback at once."""
+    before it died (then end-of-file), so a crash is reported with its traceback at once.
+    torch.distributed's rendezvous port stays reserved for the whole run (a port probed free and
+    let go could be taken before rank 0's store binds it: seen as EADDRINUSE in the CPU tests)."""
+    if system in ONE_PROCESS or system == "pyccl":
+        return _run_on(system, nranks, cfg, handle, None)
+    with SP.reserved_port() as port:
+        return _run_on(system, nranks, cfg, handle, port)
+
+
+def _run_on(system, nranks, cfg, handle, port):
     ctx = SP.context()
     cfg = dict(cfg, _parent_pid=os.getpid())
     if system in ONE_PROCESS:
@@ -323,7 +332,7 @@ def _run(system, nranks, cfg, handle):
             except Exception as e:
                 raise BenchError(f"pyccl: unique_id() failed: {type(e).__name__}: {e}")
         else:
-            rdv = SP.free_port()
+            rdv = port
         specs = list(range(nranks))
     dump_lock = ctx.Lock() if len(specs) > 1 else None  # stack dumps take turns
     # _child's conn comes last: spawn.start appends each process's write end

@@ -291,13 +291,6 @@ def run_bounded(cmd, timeout, **kw):
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
-def free_port():
-    """A loopback port free a moment ago (the rendezvous of a spawned run binds it at once)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def reserved_port(addr="127.0.0.1"):
     """A port that stays ours while the block runs.
@@ -318,4 +311,4 @@ def reserved_port(addr="127.0.0.1"):
 
 __all__ = ["context", "describe_exit", "start", "receive", "close", "die_with_parent",
            "descendants", "running", "kill_group", "kill_all", "run_ranks", "run_bounded",
-           "free_port", "reserved_port"]
+           "reserved_port"]
