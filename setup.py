@@ -132,7 +132,7 @@ class BuildExt(build_ext):
 ext = Extension(
     "pyccl._C",
     sources=sorted(glob.glob("csrc/*.c")),
-    depends=["csrc/pyccl.h", "csrc/args.h", "csrc/comm_ops.h"] + KERNEL_DEPS,
+    depends=["csrc/pyccl.h", "csrc/args.h", "csrc/comm_ops.h", "csrc/watch.h"] + KERNEL_DEPS,
     include_dirs=["csrc", nccl_inc, cuda_inc],
     extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
                         "-Wno-missing-field-initializers", "-Wno-cast-function-type"],

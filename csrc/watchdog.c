@@ -41,7 +41,7 @@
  * for the timeout plus PYCCL_STUCK_GRACE, the watchdog claims it and aborts
  * the handle without the lock (the abort is what lets the call return),
  * and the caller, once released, only marks the communicator failed. */
-#include "pyccl.h"
+#include "watch.h"
 
 #include <pthread.h>
 #include <sched.h>
@@ -53,57 +53,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PYCCL_MAX_PENDING 64
-#define PYCCL_WATCH_PERIOD_NS 10000000L /* the watchdog's look every 10 ms */
-#define PYCCL_SIGNAL_PERIOD 0.02        /* s between signal checks in waits */
-#define PYCCL_STUCK_GRACE 1.0           /* s past the timeout for a call stuck in NCCL */
-
-typedef struct {
-    cudaEvent_t ev;
-    double t;        /* when it was recorded (monotonic s) */
-    const char *op;  /* the call it follows (a string literal) */
-    uint64_t seq;
-} pending_event;
-
-struct pyccl_watch {
-    pthread_mutex_t mu;
-    struct pyccl_watch *next; /* in the watchdog's list, under its mutex */
-    const pyccl_api *api;
-    ncclComm_t comm;          /* NULL once aborted or destroyed */
-    int device, rank, size;
-    double timeout;           /* 0: a record of a failed communicator only */
-    int registered;
-    int busy;                 /* a thread polls an NCCL call in progress */
-    int in_group;             /* threads with it in an open pyccl.group() */
-    int closing;              /* destroy() is finalizing it */
-    /* A thread is inside an NCCL/CUDA call on it (under mu) since this
-     * (monotonic ns); 0: none; -1: the watchdog gave up on that call and
-     * aborted the handle (see force_abort). */
-    int64_t call_since;
-    pending_event *q;         /* unfinished events, oldest first */
-    int nq, capq;
-    cudaEvent_t *pool;        /* finished events, for reuse */
-    int npool, cappool;
-    uint64_t seq;             /* seq of the last event recorded */
-    /* The failure: reason and code are written once, under mu, before
-     * `failed` is published (release); readers load it with acquire. */
-    int failed;
-    int code;
-    char reason[512];
-};
-
-struct pyccl_watchdog {
-    pthread_mutex_t mu;
-    pthread_cond_t cond;
-    pthread_t thread;
-    pid_t pid;          /* a forked child has no such thread (and maybe a
-                         * copy of a held lock): it must not touch this */
-    int started;
-    int stop;
-    const pyccl_api *api;
-    struct pyccl_watch *head;
-};
-
 static int64_t
 now_ns(void)
 {
@@ -112,7 +61,7 @@ now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static double
+double
 now_s(void)
 {
     struct timespec ts;
@@ -121,7 +70,7 @@ now_s(void)
 }
 
 /* Make `dev` current for a moment; returns the device to go back to. */
-static int
+int
 dev_enter(const pyccl_api *a, int dev)
 {
     int prev = -1;
@@ -135,7 +84,7 @@ dev_enter(const pyccl_api *a, int dev)
     return prev;
 }
 
-static void
+void
 dev_leave(const pyccl_api *a, int dev, int prev)
 {
     if (prev >= 0 && prev != dev) {
@@ -143,7 +92,7 @@ dev_leave(const pyccl_api *a, int dev, int prev)
     }
 }
 
-static int
+int
 failed_kind(const struct pyccl_watch *w)
 {
     return __atomic_load_n(&w->failed, __ATOMIC_ACQUIRE);
@@ -171,7 +120,7 @@ pool_put(struct pyccl_watch *w, cudaEvent_t ev)
  * the head only (the cheap in-order case of the enqueue path).  Returns
  * cudaSuccess or the first real error of cudaEventQuery, with *bad_op the
  * call that event followed.  The comm's device must be current. */
-static cudaError_t
+cudaError_t
 retire(struct pyccl_watch *w, int all, const char **bad_op)
 {
     const pyccl_api *a = w->api;
@@ -234,7 +183,7 @@ drop_events(struct pyccl_watch *w)
 
 /* Record an event on s after the work just enqueued there.  Not while s is
  * being captured into a CUDA graph: the event would become a graph node. */
-static cudaError_t
+cudaError_t
 record(struct pyccl_watch *w, cudaStream_t s, const char *op)
 {
     const pyccl_api *a = w->api;
@@ -293,7 +242,7 @@ out:
 /* Mark w failed first (so threads waiting on it raise at once), then abort
  * the NCCL communicator: its abort flag ends the kernels that wait for
  * peers.  Idempotent: the first failure wins. */
-static void
+void
 fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...)
 {
     if (w->failed) {
@@ -316,13 +265,13 @@ fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...)
 /* Around an NCCL/CUDA call that may block (a launch, an event record),
  * under w->mu.  call_end: 0, or 1 when the watchdog gave up on the call
  * meanwhile and aborted the handle (then w is failed, its handle gone). */
-static void
+void
 call_begin(struct pyccl_watch *w)
 {
     __atomic_store_n(&w->call_since, now_ns(), __ATOMIC_RELEASE);
 }
 
-static int
+int
 call_end(struct pyccl_watch *w, const char *op)
 {
     int64_t mine = __atomic_load_n(&w->call_since, __ATOMIC_ACQUIRE);
@@ -364,7 +313,7 @@ force_abort(struct pyccl_watch *w, int64_t now)
     }
 }
 
-static void
+void
 fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for)
 {
     char t[32];
@@ -375,7 +324,7 @@ fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for)
          op, w->rank, w->size, t, waiting_for);
 }
 
-static void
+void
 fail_nccl(struct pyccl_watch *w, const char *op, ncclResult_t e)
 {
     fail(w, PYCCL_FAIL_NCCL, (int)e,
@@ -384,7 +333,7 @@ fail_nccl(struct pyccl_watch *w, const char *op, ncclResult_t e)
          op, w->rank, w->size, (int)e, w->api->ncclGetErrorString(e));
 }
 
-static void
+void
 fail_cuda(struct pyccl_watch *w, const char *op, cudaError_t e)
 {
     fail(w, PYCCL_FAIL_CUDA, (int)e,
@@ -393,7 +342,7 @@ fail_cuda(struct pyccl_watch *w, const char *op, cudaError_t e)
          op, w->rank, w->size, (int)e, w->api->cudaGetErrorString(e));
 }
 
-static void
+void
 fail_interrupted(struct pyccl_watch *w, const char *op)
 {
     fail(w, PYCCL_FAIL_ABORTED, 0,
@@ -537,7 +486,7 @@ register_watch(pyccl_state *st, const char *op, struct pyccl_watch *w)
 }
 
 /* Take w off the watchdog's list: the watchdog never sees it again. */
-static void
+void
 unregister_watch(pyccl_state *st, struct pyccl_watch *w)
 {
     struct pyccl_watchdog *wd = live_watchdog(st);
@@ -557,7 +506,7 @@ unregister_watch(pyccl_state *st, struct pyccl_watch *w)
     w->registered = 0;
 }
 
-static struct pyccl_watch *
+struct pyccl_watch *
 new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout)
 {
     struct pyccl_watch *w = PyMem_RawCalloc(1, sizeof *w);
@@ -575,7 +524,7 @@ new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout)
     return w;
 }
 
-static void
+void
 free_watch(struct pyccl_watch *w)
 {
     drop_events(w);
@@ -587,14 +536,8 @@ free_watch(struct pyccl_watch *w)
 
 /* ---------------- waiting with the GIL released ---------------- */
 
-typedef struct {
-    PyThreadState *ts;
-    double next_signals;
-    unsigned spins;
-    int interruptible;
-} waiter;
 
-static void
+void
 waiter_start(waiter *wt, int interruptible)
 {
     wt->spins = 0;
@@ -603,7 +546,7 @@ waiter_start(waiter *wt, int interruptible)
     wt->ts = PyEval_SaveThread();
 }
 
-static void
+void
 waiter_finish(waiter *wt)
 {
     PyEval_RestoreThread(wt->ts);
@@ -613,7 +556,7 @@ waiter_finish(waiter *wt)
  * microseconds); every 20 ms take the GIL for PyErr_CheckSignals.  -1 when
  * a signal handler raised (the exception stays set for waiter_finish).
  * Never called with a watch's lock held. */
-static int
+int
 waiter_pause(waiter *wt)
 {
     unsigned k = wt->spins++;
@@ -642,13 +585,13 @@ waiter_pause(waiter *wt)
 
 /* ---------------- Python-facing helpers ---------------- */
 
-static pyccl_state *
+pyccl_state *
 state_of(PyObject *self)
 {
     return pyccl_state_of_type(Py_TYPE(self));
 }
 
-static int
+int
 raise_failure(pyccl_state *st, const char *op, struct pyccl_watch *w)
 {
     PyObject *exc = pyccl_failure_exception(st, op, failed_kind(w), w->code,
@@ -737,7 +680,7 @@ pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
 }
 
 /* Lock w, the GIL released while waiting for it. */
-static void
+void
 lock_watch(struct pyccl_watch *w)
 {
     if (pthread_mutex_trylock(&w->mu) == 0) {
@@ -782,7 +725,7 @@ pyccl_comm_leave(pyccl_comm *c)
 
 /* Poll comm (GIL released, in a waiter) until NCCL's call on it is done.
  * 0: done, *res is its result; 1: deadline passed; -1: interrupted. */
-static int
+int
 poll_comm(waiter *wt, const pyccl_api *a, ncclComm_t comm, double deadline,
           ncclResult_t *res)
 {
@@ -902,1161 +845,6 @@ pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
     a->ncclCommAbort(comm);
     Py_END_ALLOW_THREADS
     return -1;
-}
-
-/* ---------------- enqueue ---------------- */
-
-/* This thread's pyccl.group(): the watched communicators enqueued on inside
- * it, with their streams, polled and tracked when the outermost group ends
- * (NCCL launches the work then).  Each entry holds a reference to its
- * Communicator, which keeps the watch alive. */
-typedef struct {
-    PyObject *comm;
-    struct pyccl_watch *w;
-    cudaStream_t stream;
-    const char *op;
-} group_entry;
-
-static _Thread_local group_entry *tl_group;
-static _Thread_local int tl_group_n, tl_group_cap;
-
-static int
-group_has(struct pyccl_watch *w)
-{
-    for (int i = 0; i < tl_group_n; i++) {
-        if (tl_group[i].w == w) {
-            return 1;
-        }
-    }
-    return 0;
-}
-
-static int
-group_add(PyObject *comm, struct pyccl_watch *w, cudaStream_t s,
-          const char *op)
-{
-    for (int i = 0; i < tl_group_n; i++) {
-        if (tl_group[i].w == w && tl_group[i].stream == s) {
-            return 0;
-        }
-    }
-    if (tl_group_n == tl_group_cap) {
-        int cap = tl_group_cap ? 2 * tl_group_cap : 8;
-        group_entry *g = PyMem_RawRealloc(tl_group, (size_t)cap * sizeof *g);
-        if (g == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        tl_group = g;
-        tl_group_cap = cap;
-    }
-    tl_group[tl_group_n].comm = Py_NewRef(comm);
-    tl_group[tl_group_n].w = w;
-    tl_group[tl_group_n].stream = s;
-    tl_group[tl_group_n].op = op;
-    tl_group_n++;
-    return 0;
-}
-
-/* Lock all of ws (sorted, distinct) once none is busy and, with need_room,
- * each has room for another event.  0: all locked.  1: ws[*which] failed
- * (nothing locked).  -1: interrupted (nothing locked). */
-static int
-acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room,
-            int *which)
-{
-    for (;;) {
-        int i, wait = 0;
-        for (i = 0; i < n; i++) {
-            struct pyccl_watch *w = ws[i];
-            pthread_mutex_lock(&w->mu);
-            if (w->failed) {
-                *which = i;
-                break;
-            }
-            if (w->busy) {
-                wait = 1;
-                break;
-            }
-            if (need_room && w->nq >= 8) {
-                /* keep the queue short: the finished head, in stream order */
-                const char *bad_op = NULL;
-                int prev = dev_enter(w->api, w->device);
-                cudaError_t e = retire(w, w->nq >= PYCCL_MAX_PENDING, &bad_op);
-                dev_leave(w->api, w->device, prev);
-                if (e != cudaSuccess) {
-                    fail_cuda(w, bad_op, e);
-                    *which = i;
-                    break;
-                }
-                if (w->nq >= PYCCL_MAX_PENDING) {
-                    wait = 1;
-                    break;
-                }
-            }
-        }
-        if (i == n) {
-            return 0;
-        }
-        for (int j = 0; j <= i; j++) {
-            pthread_mutex_unlock(&ws[j]->mu);
-        }
-        if (!wait) {
-            return 1;
-        }
-        if (waiter_pause(wt) < 0) {
-            return -1;
-        }
-    }
-}
-
-static int
-cmp_ptr(const void *x, const void *y)
-{
-    uintptr_t a = (uintptr_t)*(void *const *)x, b = (uintptr_t)*(void *const *)y;
-    return a < b ? -1 : a > b;
-}
-
-int
-pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
-                    Py_ssize_t n, int redop, pyccl_comm *const *comms,
-                    Py_ssize_t ncomms)
-{
-    const pyccl_api *a = &st->api;
-    struct pyccl_watch *ws_small[8], **ws = ws_small;
-    pyccl_comm *owners_small[8], **owners = owners_small;
-    int nw = 0, rc = -1, in_group = pyccl_group_depth() > 0;
-    int *fresh = NULL, fresh_small[8];
-    if (ncomms > 8) {
-        ws = PyMem_Calloc((size_t)ncomms, sizeof *ws);
-        owners = PyMem_Calloc((size_t)ncomms, sizeof *owners);
-        fresh = PyMem_Calloc((size_t)ncomms, sizeof *fresh);
-        if (ws == NULL || owners == NULL || fresh == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-    }
-    else {
-        fresh = fresh_small;
-    }
-    for (Py_ssize_t i = 0; i < ncomms; i++) {
-        struct pyccl_watch *w = comms[i]->watch;
-        int seen = 0;
-        for (int j = 0; j < nw; j++) {
-            seen |= ws[j] == w;
-        }
-        if (w == NULL || seen) {
-            continue;
-        }
-        if (pyccl_watch_check(st, op, comms[i]) < 0) {
-            goto done;
-        }
-        ws[nw++] = w;
-    }
-    /* one lock order for every thread */
-    qsort(ws, (size_t)nw, sizeof *ws, cmp_ptr);
-    for (int j = 0; j < nw; j++) {
-        for (Py_ssize_t i = 0; i < ncomms; i++) {
-            if (comms[i]->watch == ws[j]) {
-                owners[j] = comms[i];
-                break;
-            }
-        }
-        fresh[j] = in_group && !group_has(ws[j]);
-    }
-    ncclResult_t r = ncclSuccess;
-    char last[512] = "";
-    int which = 0, got;
-    int polled = 0; /* 1: deadline passed on ws[which]; -1: interrupted */
-    cudaError_t rec_err = cudaSuccess;
-    waiter wt;
-    waiter_start(&wt, 1);
-    got = acquire_all(&wt, ws, nw, !in_group, &which);
-    if (got == 0) {
-        for (int j = 0; j < nw; j++) {
-            call_begin(ws[j]);
-        }
-        /* communicators without a watch in the same call (NCCL refuses
-         * the group, but only at its end) */
-        pyccl_comms_lock(comms, ncomms);
-        r = pyccl_enqueue_calls(a, tasks, n, redop, last, sizeof last);
-        pyccl_comms_unlock(comms, ncomms);
-        for (int j = 0; j < nw; j++) {
-            call_end(ws[j], op);
-        }
-        if (in_group) {
-            /* NCCL launches nothing before the group's end */
-            r = r == ncclInProgress ? ncclSuccess : r;
-            for (int j = 0; j < nw; j++) {
-                ws[j]->in_group += r == ncclSuccess && fresh[j] && !ws[j]->failed;
-                pthread_mutex_unlock(&ws[j]->mu);
-            }
-        }
-        else {
-            if (r == ncclInProgress) {
-                /* NCCL finishes the call in its own thread (the first call
-                 * to a peer connects to it): poll until done.  Busy keeps
-                 * other threads and the watchdog off meanwhile. */
-                for (int j = 0; j < nw; j++) {
-                    ws[j]->busy++;
-                    pthread_mutex_unlock(&ws[j]->mu);
-                }
-                double t0 = now_s();
-                for (int j = 0; j < nw && polled == 0; j++) {
-                    struct pyccl_watch *w = ws[j];
-                    for (;;) {
-                        ncclResult_t e = ncclSuccess;
-                        pthread_mutex_lock(&w->mu);
-                        if (w->comm == NULL) { /* abort()ed from a handler */
-                            pthread_mutex_unlock(&w->mu);
-                            break;
-                        }
-                        a->ncclCommGetAsyncError(w->comm, &e);
-                        pthread_mutex_unlock(&w->mu);
-                        if (e != ncclInProgress) {
-                            if (e != ncclSuccess && r == ncclInProgress) {
-                                r = e;
-                                which = j;
-                            }
-                            break;
-                        }
-                        if (now_s() > t0 + w->timeout) {
-                            polled = 1;
-                            which = j;
-                            break;
-                        }
-                        if (waiter_pause(&wt) < 0) {
-                            polled = -1;
-                            break;
-                        }
-                    }
-                }
-                for (int j = 0; j < nw; j++) {
-                    pthread_mutex_lock(&ws[j]->mu);
-                    ws[j]->busy--;
-                }
-                if (r == ncclInProgress) {
-                    r = ncclSuccess;
-                }
-            }
-            for (int j = 0; j < nw; j++) {
-                struct pyccl_watch *w = ws[j];
-                if (polled > 0) {
-                    /* one NCCL group: the others cannot finish alone */
-                    fail_timeout(w, op, "its peers");
-                }
-                else if (polled < 0) {
-                    fail_interrupted(w, op);
-                }
-                else if (r != ncclSuccess && w->comm != NULL) {
-                    /* In non-blocking mode a failed call may leave the
-                     * communicator in error: then it is unusable. */
-                    ncclResult_t e = ncclSuccess;
-                    a->ncclCommGetAsyncError(w->comm, &e);
-                    if (e != ncclSuccess && e != ncclInProgress) {
-                        which = j;
-                        fail(w, PYCCL_FAIL_NCCL, (int)e,
-                             "%s: rank %d of %d: NCCL error %d (%s)%s%s; the "
-                             "communicator was aborted",
-                             op, w->rank, w->size, (int)e,
-                             a->ncclGetErrorString(e), last[0] ? ": " : "",
-                             last);
-                    }
-                }
-                else if (r == ncclSuccess && w->comm != NULL) {
-                    for (Py_ssize_t i = 0; i < n && rec_err == cudaSuccess; i++) {
-                        int dup = 0;
-                        if (tasks[i].comm != w->comm) {
-                            continue;
-                        }
-                        for (Py_ssize_t k = 0; k < i; k++) {
-                            dup |= tasks[k].comm == w->comm &&
-                                   tasks[k].stream == tasks[i].stream;
-                        }
-                        if (!dup) {
-                            call_begin(w);
-                            rec_err = record(w, tasks[i].stream, op);
-                            if (call_end(w, op)) {
-                                rec_err = cudaSuccess;
-                                break;
-                            }
-                        }
-                    }
-                }
-                pthread_mutex_unlock(&w->mu);
-            }
-        }
-    }
-    waiter_finish(&wt);
-    if (got == 1) {
-        raise_failure(st, op, ws[which]);
-        owners[which]->comm = NULL;
-        goto done;
-    }
-    if (got < 0 || polled < 0) {
-        for (int j = 0; got == 0 && j < nw; j++) {
-            owners[j]->comm = NULL; /* aborted: interrupted mid-call */
-        }
-        goto done; /* the signal handler's exception */
-    }
-    int raised = 0;
-    for (int k = 0; k < nw; k++) {
-        int j = (k + which) % nw; /* the one that failed first, first */
-        if (failed_kind(ws[j])) {
-            owners[j]->comm = NULL;
-            if (!raised) {
-                raised = 1;
-                raise_failure(st, op, ws[j]);
-            }
-        }
-    }
-    if (raised) {
-        goto done;
-    }
-    if (r != ncclSuccess) {
-        pyccl_raise_nccl(st, op, r, last);
-        goto done;
-    }
-    if (rec_err != cudaSuccess) {
-        pyccl_raise_cuda(st, op, "cudaEventRecord", rec_err);
-        goto done;
-    }
-    rc = 0;
-    for (int j = 0; in_group && j < nw; j++) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (tasks[i].comm == owners[j]->comm &&
-                group_add((PyObject *)owners[j], ws[j], tasks[i].stream, op) < 0) {
-                rc = -1;
-            }
-        }
-        if (fresh[j] && !group_has(ws[j])) {
-            /* out of memory before the entry went in: undo the count */
-            Py_BEGIN_ALLOW_THREADS
-            pthread_mutex_lock(&ws[j]->mu);
-            ws[j]->in_group--;
-            pthread_mutex_unlock(&ws[j]->mu);
-            Py_END_ALLOW_THREADS
-        }
-    }
-done:
-    if (ws != ws_small) {
-        PyMem_Free(ws);
-        PyMem_Free(owners);
-        PyMem_Free(fresh);
-    }
-    return rc;
-}
-
-int
-pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
-{
-    if (tl_group_n == 0) {
-        return 0;
-    }
-    const pyccl_api *a = &st->api;
-    int n = tl_group_n, interrupted = 0;
-    group_entry *g = tl_group;
-    cudaError_t rec_err = cudaSuccess;
-    tl_group = NULL;
-    tl_group_n = tl_group_cap = 0;
-    for (int i = 0; i < n; i++) {
-        ((pyccl_comm *)g[i].comm)->inflight++; /* destroy() waits */
-    }
-    waiter wt;
-    waiter_start(&wt, 1);
-    double t0 = now_s();
-    for (int i = 0; i < n; i++) {
-        struct pyccl_watch *w = g[i].w;
-        int first = 1;
-        for (int k = 0; k < i; k++) {
-            first &= g[k].w != w;
-        }
-        if (!first) {
-            continue;
-        }
-        pthread_mutex_lock(&w->mu);
-        if (w->comm != NULL && r == ncclInProgress) {
-            /* NCCL launches the group in its own thread: poll until done,
-             * busy keeping the watchdog and other threads off meanwhile */
-            w->busy++;
-            while (w->comm != NULL && !interrupted) {
-                ncclResult_t e = ncclSuccess;
-                a->ncclCommGetAsyncError(w->comm, &e);
-                if (e != ncclInProgress) {
-                    if (e != ncclSuccess) {
-                        fail_nccl(w, g[i].op, e);
-                    }
-                    break;
-                }
-                if (now_s() > t0 + w->timeout) {
-                    fail_timeout(w, g[i].op, "its peers");
-                    break;
-                }
-                pthread_mutex_unlock(&w->mu);
-                interrupted = waiter_pause(&wt) < 0;
-                pthread_mutex_lock(&w->mu);
-            }
-            w->busy--;
-            if (interrupted) {
-                fail_interrupted(w, g[i].op);
-            }
-        }
-        else if (w->comm != NULL && r != ncclSuccess) {
-            /* the group failed: in non-blocking mode that may leave the
-             * communicator in error, and then it is unusable */
-            ncclResult_t e = ncclSuccess;
-            a->ncclCommGetAsyncError(w->comm, &e);
-            if (e != ncclSuccess && e != ncclInProgress) {
-                fail_nccl(w, g[i].op, e);
-            }
-        }
-        for (int k = i; k < n && rec_err == cudaSuccess; k++) {
-            if (g[k].w == w && w->comm != NULL &&
-                (r == ncclSuccess || r == ncclInProgress)) {
-                call_begin(w);
-                rec_err = record(w, g[k].stream, g[k].op);
-                if (call_end(w, g[k].op)) {
-                    rec_err = cudaSuccess;
-                }
-            }
-        }
-        w->in_group--;
-        pthread_mutex_unlock(&w->mu);
-    }
-    waiter_finish(&wt);
-    int rc = interrupted ? -1 : 0; /* KeyboardInterrupt is set */
-    for (int i = 0; i < n; i++) {
-        if (failed_kind(g[i].w)) {
-            ((pyccl_comm *)g[i].comm)->comm = NULL;
-            if (rc == 0) {
-                rc = raise_failure(st, g[i].op, g[i].w);
-            }
-        }
-    }
-    if (rc == 0 && rec_err != cudaSuccess) {
-        pyccl_raise_cuda(st, "group end", "cudaEventRecord", rec_err);
-        rc = -1;
-    }
-    for (int i = 0; i < n; i++) {
-        ((pyccl_comm *)g[i].comm)->inflight--;
-        Py_DECREF(g[i].comm);
-    }
-    PyMem_RawFree(g);
-    return rc;
-}
-
-/* ---------------- waiting for the work ---------------- */
-
-/* Until the work enqueued on w so far finished, or `limit` seconds (the
- * communicator's own deadline still applies inside).  0; 1 when w failed
- * (nothing raised: the caller raises it); -1 with an exception. */
-static int
-wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
-          int interruptible)
-{
-    int status = 0; /* 1 failed, 2 limit passed, -1 interrupted */
-    const char *head_op = op;
-    double start = now_s();
-    waiter wt;
-    waiter_start(&wt, interruptible);
-    pthread_mutex_lock(&w->mu);
-    uint64_t target = w->seq;
-    for (;;) {
-        if (w->failed) {
-            status = 1;
-            break;
-        }
-        if (w->nq > 0) {
-            const char *bad_op = NULL;
-            int prev = dev_enter(w->api, w->device);
-            cudaError_t e = retire(w, 1, &bad_op);
-            dev_leave(w->api, w->device, prev);
-            if (e != cudaSuccess) {
-                fail_cuda(w, bad_op, e);
-                status = 1;
-                break;
-            }
-        }
-        if (w->nq == 0 || w->q[0].seq > target) {
-            break;
-        }
-        double now = now_s();
-        if (now - w->q[0].t > w->timeout && !w->busy && !w->in_group) {
-            /* its own deadline: what the watchdog is about to do */
-            fail_timeout(w, w->q[0].op, "its peers");
-            status = 1;
-            break;
-        }
-        if (now - start > limit) {
-            head_op = w->q[0].op;
-            status = 2;
-            break;
-        }
-        pthread_mutex_unlock(&w->mu);
-        int sig = waiter_pause(&wt);
-        pthread_mutex_lock(&w->mu);
-        if (sig < 0) {
-            status = -1;
-            break;
-        }
-    }
-    pthread_mutex_unlock(&w->mu);
-    waiter_finish(&wt);
-    if (status == 2) {
-        char t[32], own[32];
-        pyccl_fmt_seconds(t, sizeof t, limit);
-        pyccl_fmt_seconds(own, sizeof own, w->timeout);
-        char reason[400];
-        snprintf(reason, sizeof reason,
-                 "rank %d of %d: the work enqueued on the communicator (the "
-                 "oldest unfinished: %s) did not finish within %s s; the "
-                 "communicator's own timeout of %s s has not passed, so it was "
-                 "not aborted",
-                 w->rank, w->size, head_op, t, own);
-        PyObject *exc = pyccl_failure_exception(st, op, PYCCL_FAIL_TIMEOUT, 0,
-                                                reason, limit);
-        if (exc != NULL) {
-            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-            Py_DECREF(exc);
-        }
-        return -1;
-    }
-    return status;
-}
-
-int
-pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
-                 double timeout)
-{
-    c->inflight++; /* destroy() waits for this */
-    int rc = wait_work(st, op, c->watch, timeout, 1);
-    c->inflight--;
-    if (rc > 0) {
-        return pyccl_watch_check(st, op, c);
-    }
-    return rc;
-}
-
-int
-pyccl_comm_add_stream(pyccl_comm *c, cudaStream_t s)
-{
-    c->last_stream = s;
-    for (int i = 0; i < c->nstreams; i++) {
-        if (c->streams[i] == s) {
-            return 0;
-        }
-    }
-    cudaStream_t *v = PyMem_Realloc(c->streams,
-                                    (size_t)(c->nstreams + 1) * sizeof *v);
-    if (v == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    v[c->nstreams++] = s;
-    c->streams = v;
-    return 0;
-}
-
-int
-pyccl_comm_note_stream(pyccl_comm *c, cudaStream_t s)
-{
-    if (c->nstreams > 0 && s == c->last_stream) {
-        return 0;
-    }
-    return pyccl_comm_add_stream(c, s);
-}
-
-/* wait() of a communicator without timeout: an event recorded now on each
- * stream it was used on covers its work there (and whatever came before
- * it).  `limit` 0: no limit. */
-static int
-wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
-{
-    const pyccl_api *a = &st->api;
-    int n = c->nstreams, status = 0; /* 1 limit passed, -1 interrupted */
-    cudaError_t e = cudaSuccess;
-    const char *call = "cudaEventRecord";
-    if (n == 0) {
-        return 0;
-    }
-    /* a snapshot: another thread may add streams meanwhile */
-    cudaStream_t *streams = PyMem_RawMalloc((size_t)n * sizeof *streams);
-    cudaEvent_t *evs = PyMem_RawCalloc((size_t)n, sizeof *evs);
-    if (streams == NULL || evs == NULL) {
-        PyMem_RawFree(streams);
-        PyMem_RawFree(evs);
-        PyErr_NoMemory();
-        return -1;
-    }
-    memcpy(streams, c->streams, (size_t)n * sizeof *streams);
-    int device = c->device;
-    double start = now_s();
-    waiter wt;
-    /* no c->inflight: the handle is not used, and abort() from another
-     * thread is how a wait on a communicator without timeout ends early */
-    waiter_start(&wt, 1);
-    int prev = dev_enter(a, device);
-    for (int i = 0; i < n && e == cudaSuccess; i++) {
-        enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-        if (a->cudaStreamIsCapturing(streams[i], &cs) != cudaSuccess ||
-            cs != cudaStreamCaptureStatusNone) {
-            a->cudaGetLastError();
-            continue; /* captured work runs when the graph does */
-        }
-        e = a->cudaEventCreateWithFlags(&evs[i], cudaEventDisableTiming);
-        if (e == cudaSuccess) {
-            e = a->cudaEventRecord(evs[i], streams[i]);
-        }
-    }
-    dev_leave(a, device, prev);
-    while (e == cudaSuccess) {
-        int left = 0;
-        enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-        a->cudaThreadExchangeStreamCaptureMode(&mode);
-        for (int i = 0; i < n && e == cudaSuccess; i++) {
-            if (evs[i] == NULL) {
-                continue;
-            }
-            cudaError_t q = a->cudaEventQuery(evs[i]);
-            if (q == cudaErrorNotReady) {
-                a->cudaGetLastError();
-                left = 1;
-            }
-            else if (q != cudaSuccess) {
-                e = q;
-                call = "cudaEventQuery";
-            }
-        }
-        a->cudaThreadExchangeStreamCaptureMode(&mode);
-        if (!left || e != cudaSuccess) {
-            break;
-        }
-        if (limit > 0 && now_s() - start > limit) {
-            status = 1;
-            break;
-        }
-        if (waiter_pause(&wt) < 0) {
-            status = -1;
-            break;
-        }
-    }
-    prev = dev_enter(a, device);
-    for (int i = 0; i < n; i++) {
-        if (evs[i] != NULL) {
-            a->cudaEventDestroy(evs[i]);
-        }
-    }
-    dev_leave(a, device, prev);
-    waiter_finish(&wt);
-    PyMem_RawFree(streams);
-    PyMem_RawFree(evs);
-    if (status < 0) {
-        return -1;
-    }
-    if (e != cudaSuccess) {
-        pyccl_raise_cuda(st, op, call, e);
-        return -1;
-    }
-    if (status > 0) {
-        char t[32];
-        pyccl_fmt_seconds(t, sizeof t, limit);
-        char reason[300];
-        snprintf(reason, sizeof reason,
-                 "rank %d of %d: the work enqueued on the communicator did not "
-                 "finish within %s s; it has no timeout of its own, so it was "
-                 "not aborted",
-                 c->rank, c->size, t);
-        PyObject *exc = pyccl_failure_exception(st, op, PYCCL_FAIL_TIMEOUT, 0,
-                                                reason, limit);
-        if (exc != NULL) {
-            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-            Py_DECREF(exc);
-        }
-        return -1;
-    }
-    return 0;
-}
-
-int
-pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
-                 cudaStream_t s)
-{
-    struct pyccl_watch *w = c->watch;
-    if (w == NULL) {
-        return pyccl_comm_note_stream(c, s);
-    }
-    if (pyccl_watch_check(st, op, c) < 0) {
-        return -1;
-    }
-    if (pyccl_group_depth() > 0) {
-        int fresh = !group_has(w);
-        if (group_add((PyObject *)c, w, s, op) < 0) {
-            return -1;
-        }
-        if (fresh) { /* the group's end counts it down once */
-            c->inflight++;
-            lock_watch(w);
-            w->in_group++;
-            pthread_mutex_unlock(&w->mu);
-            c->inflight--;
-        }
-        return 0;
-    }
-    int which = 0;
-    cudaError_t e = cudaSuccess;
-    waiter wt;
-    c->inflight++;
-    waiter_start(&wt, 1);
-    int got = acquire_all(&wt, &w, 1, 1, &which);
-    if (got == 0) {
-        call_begin(w);
-        e = record(w, s, op);
-        got = call_end(w, op); /* 1: failed meanwhile */
-        pthread_mutex_unlock(&w->mu);
-    }
-    waiter_finish(&wt);
-    c->inflight--;
-    if (got < 0) {
-        return -1;
-    }
-    if (got > 0) {
-        return pyccl_watch_check(st, op, c);
-    }
-    if (e != cudaSuccess) {
-        pyccl_raise_cuda(st, op, "cudaEventRecord", e);
-        return -1;
-    }
-    return 0;
-}
-
-/* ---------------- split, destroy, abort, errors ---------------- */
-
-int
-pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
-                  ncclComm_t *child, int *child_rank, int *child_size)
-{
-    const pyccl_api *a = &st->api;
-    struct pyccl_watch *w = c->watch;
-    *child = NULL;
-    if (pyccl_group_depth() > 0) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "split: a communicator with a timeout cannot be split "
-                        "inside pyccl.group(); split it outside the group");
-        return -1;
-    }
-    /* A non-blocking split writes the child's handle when it completes,
-     * possibly after a timeout gave up on it: the slot must outlive this
-     * call then (it is leaked). */
-    ncclComm_t *slot = PyMem_RawCalloc(1, sizeof *slot);
-    if (slot == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    ncclResult_t r, res = ncclSuccess;
-    char last[512] = "";
-    int which = 0, got, polled = 0, rank = -1, size = 0;
-    waiter wt;
-    c->inflight++; /* destroy() waits for this */
-    waiter_start(&wt, 1);
-    got = acquire_all(&wt, &w, 1, 0, &which);
-    if (got == 0) {
-        double deadline = now_s() + w->timeout;
-        /* NULL config: the child is non-blocking like its parent */
-        r = a->ncclCommSplit(w->comm, color, key, slot, NULL);
-        if (r == ncclSuccess || r == ncclInProgress) {
-            w->busy++;
-            for (;;) {
-                ncclResult_t e = ncclSuccess;
-                a->ncclCommGetAsyncError(w->comm, &e);
-                if (e != ncclInProgress) {
-                    res = e;
-                    break;
-                }
-                if (now_s() > deadline) {
-                    polled = 1;
-                    break;
-                }
-                pthread_mutex_unlock(&w->mu);
-                int sig = waiter_pause(&wt);
-                pthread_mutex_lock(&w->mu);
-                if (sig < 0 || w->comm == NULL) {
-                    polled = sig < 0 ? -1 : 2;
-                    break;
-                }
-            }
-            w->busy--;
-        }
-        else {
-            res = r;
-        }
-        if (polled == 0 && res == ncclSuccess && *slot != NULL) {
-            /* ready once the parent's job is: no GIL needed (w is locked) */
-            ncclResult_t e = ncclSuccess;
-            wt.interruptible = 0;
-            polled = poll_comm(&wt, a, *slot, deadline, &e);
-            wt.interruptible = 1;
-            res = e;
-            if (res == ncclSuccess && polled == 0) {
-                res = a->ncclCommUserRank(*slot, &rank);
-            }
-            if (res == ncclSuccess && polled == 0) {
-                res = a->ncclCommCount(*slot, &size);
-            }
-        }
-        if (res != ncclSuccess && a->ncclGetLastError) {
-            strncpy(last, a->ncclGetLastError(w->comm), sizeof last - 1);
-        }
-        if (polled == 1) {
-            fail_timeout(w, "split", "its peers");
-        }
-        else if (polled < 0) {
-            fail_interrupted(w, "split");
-        }
-        else if (res != ncclSuccess && w->comm != NULL) {
-            ncclResult_t e = ncclSuccess;
-            a->ncclCommGetAsyncError(w->comm, &e);
-            if (e != ncclSuccess && e != ncclInProgress) {
-                fail_nccl(w, "split", e);
-            }
-        }
-        pthread_mutex_unlock(&w->mu);
-        if (res != ncclSuccess && polled == 0 && *slot != NULL) {
-            a->ncclCommAbort(*slot); /* the child is no use alone */
-            *slot = NULL;
-        }
-    }
-    waiter_finish(&wt);
-    c->inflight--;
-    if (got < 0 || polled < 0) {
-        if (got == 0) {
-            c->comm = NULL;
-        }
-        return -1; /* leaks the slot: NCCL may still write it */
-    }
-    if (got > 0 || polled > 0 || failed_kind(w)) {
-        if (got > 0 || polled == 0) {
-            PyMem_RawFree(slot); /* else NCCL may still write it: leaked */
-        }
-        pyccl_watch_check(st, "split", c);
-        return -1;
-    }
-    ncclComm_t nc = *slot;
-    PyMem_RawFree(slot);
-    if (res != ncclSuccess) {
-        pyccl_raise_nccl(st, "split", res, last);
-        return -1;
-    }
-    *child = nc;
-    *child_rank = rank;
-    *child_size = size;
-    return 0;
-}
-
-int
-pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
-                    int may_raise)
-{
-    struct pyccl_watch *w = c->watch;
-    const pyccl_api *a = &st->api;
-    lock_watch(w);
-    if (w->in_group > 0 || w->busy > 0) {
-        pthread_mutex_unlock(&w->mu);
-        if (may_raise) {
-            PyErr_Format(PyExc_RuntimeError,
-                         "%s: the communicator (rank %d of %d) is in use: "
-                         "enqueued on inside a pyccl.group() that has not "
-                         "ended, or by another thread; destroy it afterwards",
-                         op, c->rank, c->size);
-            return -1;
-        }
-        /* not reached from garbage collection: an open group and a busy
-         * call both hold a reference */
-        return 0;
-    }
-    w->closing = 1;
-    pthread_mutex_unlock(&w->mu);
-    /* From here on the Communicator looks destroyed to other threads (which
-     * then never reach w), while this one finishes w off. */
-    c->comm = NULL;
-    c->watch = NULL;
-    unregister_watch(st, w);
-    int rc = 0;
-    if (!failed_kind(w) && w->comm != NULL) {
-        /* First the tracked work, then NCCL's finalize, each bounded by the
-         * timeout: peers that are gone must not hang destroy(). */
-        rc = wait_work(st, op, w, w->timeout, may_raise);
-        if (rc == 0 && w->comm != NULL) {
-            int polled = 0;
-            ncclResult_t res = ncclSuccess;
-            waiter wt;
-            waiter_start(&wt, 0); /* a half-finalized comm cannot be left */
-            pthread_mutex_lock(&w->mu);
-            if (a->ncclCommFinalize != NULL) {
-                ncclResult_t r = a->ncclCommFinalize(w->comm);
-                if (r == ncclSuccess || r == ncclInProgress) {
-                    polled = poll_comm(&wt, a, w->comm, now_s() + w->timeout,
-                                       &res);
-                }
-                else {
-                    res = r;
-                }
-            }
-            if (polled > 0) {
-                fail_timeout(w, op, "its outstanding work");
-            }
-            else {
-                ncclComm_t comm = w->comm;
-                w->comm = NULL;
-                ncclResult_t r = a->ncclCommDestroy(comm);
-                res = res != ncclSuccess ? res : r;
-            }
-            pthread_mutex_unlock(&w->mu);
-            waiter_finish(&wt);
-            if (polled > 0) {
-                rc = 1;
-            }
-            else if (res != ncclSuccess) {
-                pyccl_raise_nccl(st, op, res, NULL);
-                rc = -1;
-            }
-        }
-        else if (rc < 0 && !failed_kind(w)) {
-            /* ^C while waiting for the work: NCCL cannot be finalized
-             * without it, so it is aborted */
-            Py_BEGIN_ALLOW_THREADS
-            pthread_mutex_lock(&w->mu);
-            fail_interrupted(w, op);
-            pthread_mutex_unlock(&w->mu);
-            Py_END_ALLOW_THREADS
-        }
-    }
-    if (rc > 0) {
-        rc = raise_failure(st, op, w);
-    }
-    if (!may_raise) {
-        PyErr_Clear();
-    }
-    free_watch(w);
-    return rc;
-}
-
-/* A record of a communicator without timeout that was aborted. */
-static int
-mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
-{
-    const pyccl_api *a = &st->api;
-    struct pyccl_watch *w = new_watch(st, c, NULL, 0.0);
-    if (w == NULL) {
-        return -1;
-    }
-    snprintf(w->reason, sizeof w->reason, "%s", reason);
-    w->failed = kind;
-    /* Under c's lock: no other thread is inside NCCL on the handle (an
-     * own-kernel set-up waits between its calls), and none uses it after. */
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&c->mu);
-    ncclComm_t comm = c->comm;
-    c->comm = NULL;
-    if (comm != NULL && a->loaded) {
-        a->ncclCommAbort(comm);
-    }
-    c->watch = w;
-    pthread_mutex_unlock(&c->mu);
-    Py_END_ALLOW_THREADS
-    return 0;
-}
-
-PyObject *
-pyccl_comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
-{
-    pyccl_comm *c = (pyccl_comm *)self;
-    pyccl_state *st = state_of(self);
-    if (st == NULL) {
-        return NULL;
-    }
-    if (c->pending) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "abort: the communicator is not ready: it was created "
-                        "inside pyccl.group(), which has not ended yet");
-        return NULL;
-    }
-    struct pyccl_watch *w = c->watch;
-    if (w == NULL) {
-        if (c->comm == NULL) {
-            Py_RETURN_NONE; /* destroyed: nothing to abort */
-        }
-        if (c->inflight > 0) {
-            PyErr_Format(PyExc_RuntimeError,
-                         "abort: the communicator (rank %d of %d) is in use by "
-                         "another thread; abort it once that call returned",
-                         c->rank, c->size);
-            return NULL;
-        }
-        char reason[128];
-        snprintf(reason, sizeof reason,
-                 "the communicator (rank %d of %d) has been aborted", c->rank,
-                 c->size);
-        if (mark_untimed(st, c, PYCCL_FAIL_ABORTED, reason) < 0) {
-            return NULL;
-        }
-        Py_RETURN_NONE;
-    }
-    c->inflight++; /* destroy() waits for this */
-    lock_watch(w);
-    if (w->in_group > 0) {
-        pthread_mutex_unlock(&w->mu);
-        c->inflight--;
-        PyErr_Format(PyExc_RuntimeError,
-                     "abort: the communicator (rank %d of %d) was used inside "
-                     "a pyccl.group() that has not ended; end the group first",
-                     c->rank, c->size);
-        return NULL;
-    }
-    /* A thread polling it (busy) sees the abort and raises. */
-    Py_BEGIN_ALLOW_THREADS
-    fail(w, PYCCL_FAIL_ABORTED, 0,
-         "the communicator (rank %d of %d) has been aborted", c->rank, c->size);
-    Py_END_ALLOW_THREADS
-    pthread_mutex_unlock(&w->mu);
-    c->inflight--;
-    c->comm = NULL;
-    Py_RETURN_NONE;
-}
-
-PyObject *
-pyccl_comm_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
-                PyObject *kwnames)
-{
-    pyccl_comm *c = (pyccl_comm *)self;
-    PyObject *tobj = nargs > 0 ? args[0] : NULL;
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    if (nargs + nkw > 1) {
-        PyErr_Format(PyExc_TypeError,
-                     "wait() takes at most 1 argument (%zd given)", nargs + nkw);
-        return NULL;
-    }
-    if (nkw == 1) {
-        if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0),
-                                             "timeout") != 0) {
-            PyErr_Format(PyExc_TypeError,
-                         "wait() got an unexpected keyword argument '%U'",
-                         PyTuple_GET_ITEM(kwnames, 0));
-            return NULL;
-        }
-        tobj = args[0];
-    }
-    double limit;
-    if (pyccl_read_timeout("wait", tobj, &limit) < 0) {
-        return NULL;
-    }
-    pyccl_state *st = state_of(self);
-    if (st == NULL || pyccl_comm_alive(st, "wait", c) < 0) {
-        return NULL;
-    }
-    if (c->watch == NULL) {
-        /* no timeout of its own: without a limit, as long as it takes */
-        if (wait_streams(st, "wait", c, limit) < 0) {
-            return NULL;
-        }
-        Py_RETURN_NONE;
-    }
-    if (limit == 0.0) {
-        limit = c->watch->timeout;
-    }
-    if (pyccl_watch_wait(st, "wait", c, limit) < 0) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-PyObject *
-pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
-{
-    pyccl_comm *c = (pyccl_comm *)self;
-    pyccl_state *st = state_of(self);
-    if (st == NULL) {
-        return NULL;
-    }
-    struct pyccl_watch *w = c->watch;
-    if (w != NULL && failed_kind(w) && failed_kind(w) != PYCCL_FAIL_ABORTED) {
-        c->comm = NULL;
-        return pyccl_failure_exception(st, "get_async_error", failed_kind(w),
-                                       w->code, w->reason, w->timeout);
-    }
-    if (pyccl_comm_alive(st, "get_async_error", c) < 0) {
-        return NULL;
-    }
-    const pyccl_api *a = &st->api;
-    if (a->ncclCommGetAsyncError == NULL) {
-        Py_RETURN_NONE;
-    }
-    ncclResult_t e = ncclSuccess, r = ncclSuccess;
-    if (w == NULL) {
-        r = a->ncclCommGetAsyncError(c->comm, &e);
-    }
-    else {
-        c->inflight++;
-        lock_watch(w);
-        if (w->comm != NULL && !w->busy && !w->in_group) {
-            r = a->ncclCommGetAsyncError(w->comm, &e);
-            if (r == ncclSuccess && e != ncclSuccess && e != ncclInProgress) {
-                /* what the watchdog would do within 10 ms */
-                Py_BEGIN_ALLOW_THREADS
-                fail_nccl(w, "get_async_error", e);
-                Py_END_ALLOW_THREADS
-            }
-        }
-        pthread_mutex_unlock(&w->mu);
-        c->inflight--;
-        if (failed_kind(w)) {
-            c->comm = NULL;
-            return pyccl_failure_exception(st, "get_async_error",
-                                           failed_kind(w), w->code, w->reason,
-                                           w->timeout);
-        }
-    }
-    if (r != ncclSuccess) {
-        pyccl_raise_nccl(st, "get_async_error", r, NULL);
-        return NULL;
-    }
-    if (e == ncclSuccess || e == ncclInProgress) {
-        Py_RETURN_NONE;
-    }
-    PyObject *msg = PyUnicode_FromFormat(
-        "rank %d of %d: NCCL reports error %d (%s)", c->rank, c->size, (int)e,
-        a->ncclGetErrorString(e));
-    if (msg == NULL) {
-        return NULL;
-    }
-    PyObject *exc = pyccl_failure_exception(st, "get_async_error",
-                                            PYCCL_FAIL_NCCL, (int)e,
-                                            PyUnicode_AsUTF8(msg), 0.0);
-    Py_DECREF(msg);
-    return exc;
-}
-
-void
-pyccl_comm_mark_failed(pyccl_comm *c, const char *reason)
-{
-    pyccl_state *st = PyType_GetModuleState(Py_TYPE(c));
-    if (st == NULL) {
-        return;
-    }
-    struct pyccl_watch *w = c->watch;
-    if (w == NULL) {
-        if (mark_untimed(st, c, PYCCL_FAIL_TIMEOUT, reason) < 0) {
-            PyErr_Clear();
-        }
-        return;
-    }
-    c->inflight++;
-    lock_watch(w);
-    Py_BEGIN_ALLOW_THREADS
-    fail(w, PYCCL_FAIL_TIMEOUT, 0, "%s", reason);
-    Py_END_ALLOW_THREADS
-    pthread_mutex_unlock(&w->mu);
-    c->inflight--;
-    c->comm = NULL;
 }
 
 /* ---------------- interpreter exit ---------------- */

@@ -1,0 +1,103 @@
+/* What the files of the timeout machinery share (watchdog.c, watch_calls.c,
+ * watch_life.c), and no other file includes: the watch of a communicator,
+ * the watchdog, waits with the GIL released, failing.  Hidden from other
+ * shared objects: these names are this extension's own. */
+#ifndef PYCCL_WATCH_H
+#define PYCCL_WATCH_H
+
+#include "pyccl.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#pragma GCC visibility push(hidden)
+
+#define PYCCL_MAX_PENDING 64
+#define PYCCL_WATCH_PERIOD_NS 10000000L /* the watchdog's look every 10 ms */
+#define PYCCL_SIGNAL_PERIOD 0.02        /* s between signal checks in waits */
+#define PYCCL_STUCK_GRACE 1.0           /* s past the timeout for a call stuck in NCCL */
+
+typedef struct {
+    cudaEvent_t ev;
+    double t;        /* when it was recorded (monotonic s) */
+    const char *op;  /* the call it follows (a string literal) */
+    uint64_t seq;
+} pending_event;
+
+struct pyccl_watch {
+    pthread_mutex_t mu;
+    struct pyccl_watch *next; /* in the watchdog's list, under its mutex */
+    const pyccl_api *api;
+    ncclComm_t comm;          /* NULL once aborted or destroyed */
+    int device, rank, size;
+    double timeout;           /* 0: a record of a failed communicator only */
+    int registered;
+    int busy;                 /* a thread polls an NCCL call in progress */
+    int in_group;             /* threads with it in an open pyccl.group() */
+    int closing;              /* destroy() is finalizing it */
+    /* A thread is inside an NCCL/CUDA call on it (under mu) since this
+     * (monotonic ns); 0: none; -1: the watchdog gave up on that call and
+     * aborted the handle (see force_abort). */
+    int64_t call_since;
+    pending_event *q;         /* unfinished events, oldest first */
+    int nq, capq;
+    cudaEvent_t *pool;        /* finished events, for reuse */
+    int npool, cappool;
+    uint64_t seq;             /* seq of the last event recorded */
+    /* The failure: reason and code are written once, under mu, before
+     * `failed` is published (release); readers load it with acquire. */
+    int failed;
+    int code;
+    char reason[512];
+};
+
+struct pyccl_watchdog {
+    pthread_mutex_t mu;
+    pthread_cond_t cond;
+    pthread_t thread;
+    pid_t pid;          /* a forked child has no such thread (and maybe a
+                         * copy of a held lock): it must not touch this */
+    int started;
+    int stop;
+    const pyccl_api *api;
+    struct pyccl_watch *head;
+};
+
+typedef struct {
+    PyThreadState *ts;
+    double next_signals;
+    unsigned spins;
+    int interruptible;
+} waiter;
+
+void call_begin(struct pyccl_watch *w);
+int call_end(struct pyccl_watch *w, const char *op);
+int dev_enter(const pyccl_api *a, int dev);
+void dev_leave(const pyccl_api *a, int dev, int prev);
+void fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...);
+void fail_cuda(struct pyccl_watch *w, const char *op, cudaError_t e);
+void fail_interrupted(struct pyccl_watch *w, const char *op);
+void fail_nccl(struct pyccl_watch *w, const char *op, ncclResult_t e);
+void fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for);
+int failed_kind(const struct pyccl_watch *w);
+void free_watch(struct pyccl_watch *w);
+void lock_watch(struct pyccl_watch *w);
+struct pyccl_watch * new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout);
+double now_s(void);
+int poll_comm(waiter *wt, const pyccl_api *a, ncclComm_t comm, double deadline, ncclResult_t *res);
+int raise_failure(pyccl_state *st, const char *op, struct pyccl_watch *w);
+cudaError_t record(struct pyccl_watch *w, cudaStream_t s, const char *op);
+cudaError_t retire(struct pyccl_watch *w, int all, const char **bad_op);
+pyccl_state * state_of(PyObject *self);
+void unregister_watch(pyccl_state *st, struct pyccl_watch *w);
+void waiter_finish(waiter *wt);
+int waiter_pause(waiter *wt);
+void waiter_start(waiter *wt, int interruptible);
+int acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room, int *which);
+int wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit);
+int wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit, int interruptible);
+
+#pragma GCC visibility pop
+
+#endif

@@ -1,0 +1,742 @@
+/* The calls of a communicator with timeout= (see watchdog.c): enqueue under
+ * the watch (an event after each call, back-pressure), the end of a
+ * pyccl.group() with watched communicators, waiting for a communicator's work
+ * (comm.wait(), barrier()), and for one without a timeout the streams it was
+ * used on. */
+#include "watch.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---------------- enqueue ---------------- */
+
+/* This thread's pyccl.group(): the watched communicators enqueued on inside
+ * it, with their streams, polled and tracked when the outermost group ends
+ * (NCCL launches the work then).  Each entry holds a reference to its
+ * Communicator, which keeps the watch alive. */
+typedef struct {
+    PyObject *comm;
+    struct pyccl_watch *w;
+    cudaStream_t stream;
+    const char *op;
+} group_entry;
+
+static _Thread_local group_entry *tl_group;
+static _Thread_local int tl_group_n, tl_group_cap;
+
+static int
+group_has(struct pyccl_watch *w)
+{
+    for (int i = 0; i < tl_group_n; i++) {
+        if (tl_group[i].w == w) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int
+group_add(PyObject *comm, struct pyccl_watch *w, cudaStream_t s,
+          const char *op)
+{
+    for (int i = 0; i < tl_group_n; i++) {
+        if (tl_group[i].w == w && tl_group[i].stream == s) {
+            return 0;
+        }
+    }
+    if (tl_group_n == tl_group_cap) {
+        int cap = tl_group_cap ? 2 * tl_group_cap : 8;
+        group_entry *g = PyMem_RawRealloc(tl_group, (size_t)cap * sizeof *g);
+        if (g == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        tl_group = g;
+        tl_group_cap = cap;
+    }
+    tl_group[tl_group_n].comm = Py_NewRef(comm);
+    tl_group[tl_group_n].w = w;
+    tl_group[tl_group_n].stream = s;
+    tl_group[tl_group_n].op = op;
+    tl_group_n++;
+    return 0;
+}
+
+/* Lock all of ws (sorted, distinct) once none is busy and, with need_room,
+ * each has room for another event.  0: all locked.  1: ws[*which] failed
+ * (nothing locked).  -1: interrupted (nothing locked). */
+int
+acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room,
+            int *which)
+{
+    for (;;) {
+        int i, wait = 0;
+        for (i = 0; i < n; i++) {
+            struct pyccl_watch *w = ws[i];
+            pthread_mutex_lock(&w->mu);
+            if (w->failed) {
+                *which = i;
+                break;
+            }
+            if (w->busy) {
+                wait = 1;
+                break;
+            }
+            if (need_room && w->nq >= 8) {
+                /* keep the queue short: the finished head, in stream order */
+                const char *bad_op = NULL;
+                int prev = dev_enter(w->api, w->device);
+                cudaError_t e = retire(w, w->nq >= PYCCL_MAX_PENDING, &bad_op);
+                dev_leave(w->api, w->device, prev);
+                if (e != cudaSuccess) {
+                    fail_cuda(w, bad_op, e);
+                    *which = i;
+                    break;
+                }
+                if (w->nq >= PYCCL_MAX_PENDING) {
+                    wait = 1;
+                    break;
+                }
+            }
+        }
+        if (i == n) {
+            return 0;
+        }
+        for (int j = 0; j <= i; j++) {
+            pthread_mutex_unlock(&ws[j]->mu);
+        }
+        if (!wait) {
+            return 1;
+        }
+        if (waiter_pause(wt) < 0) {
+            return -1;
+        }
+    }
+}
+
+static int
+cmp_ptr(const void *x, const void *y)
+{
+    uintptr_t a = (uintptr_t)*(void *const *)x, b = (uintptr_t)*(void *const *)y;
+    return a < b ? -1 : a > b;
+}
+
+int
+pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
+                    Py_ssize_t n, int redop, pyccl_comm *const *comms,
+                    Py_ssize_t ncomms)
+{
+    const pyccl_api *a = &st->api;
+    struct pyccl_watch *ws_small[8], **ws = ws_small;
+    pyccl_comm *owners_small[8], **owners = owners_small;
+    int nw = 0, rc = -1, in_group = pyccl_group_depth() > 0;
+    int *fresh = NULL, fresh_small[8];
+    if (ncomms > 8) {
+        ws = PyMem_Calloc((size_t)ncomms, sizeof *ws);
+        owners = PyMem_Calloc((size_t)ncomms, sizeof *owners);
+        fresh = PyMem_Calloc((size_t)ncomms, sizeof *fresh);
+        if (ws == NULL || owners == NULL || fresh == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    else {
+        fresh = fresh_small;
+    }
+    for (Py_ssize_t i = 0; i < ncomms; i++) {
+        struct pyccl_watch *w = comms[i]->watch;
+        int seen = 0;
+        for (int j = 0; j < nw; j++) {
+            seen |= ws[j] == w;
+        }
+        if (w == NULL || seen) {
+            continue;
+        }
+        if (pyccl_watch_check(st, op, comms[i]) < 0) {
+            goto done;
+        }
+        ws[nw++] = w;
+    }
+    /* one lock order for every thread */
+    qsort(ws, (size_t)nw, sizeof *ws, cmp_ptr);
+    for (int j = 0; j < nw; j++) {
+        for (Py_ssize_t i = 0; i < ncomms; i++) {
+            if (comms[i]->watch == ws[j]) {
+                owners[j] = comms[i];
+                break;
+            }
+        }
+        fresh[j] = in_group && !group_has(ws[j]);
+    }
+    ncclResult_t r = ncclSuccess;
+    char last[512] = "";
+    int which = 0, got;
+    int polled = 0; /* 1: deadline passed on ws[which]; -1: interrupted */
+    cudaError_t rec_err = cudaSuccess;
+    waiter wt;
+    waiter_start(&wt, 1);
+    got = acquire_all(&wt, ws, nw, !in_group, &which);
+    if (got == 0) {
+        for (int j = 0; j < nw; j++) {
+            call_begin(ws[j]);
+        }
+        /* communicators without a watch in the same call (NCCL refuses
+         * the group, but only at its end) */
+        pyccl_comms_lock(comms, ncomms);
+        r = pyccl_enqueue_calls(a, tasks, n, redop, last, sizeof last);
+        pyccl_comms_unlock(comms, ncomms);
+        for (int j = 0; j < nw; j++) {
+            call_end(ws[j], op);
+        }
+        if (in_group) {
+            /* NCCL launches nothing before the group's end */
+            r = r == ncclInProgress ? ncclSuccess : r;
+            for (int j = 0; j < nw; j++) {
+                ws[j]->in_group += r == ncclSuccess && fresh[j] && !ws[j]->failed;
+                pthread_mutex_unlock(&ws[j]->mu);
+            }
+        }
+        else {
+            if (r == ncclInProgress) {
+                /* NCCL finishes the call in its own thread (the first call
+                 * to a peer connects to it): poll until done.  Busy keeps
+                 * other threads and the watchdog off meanwhile. */
+                for (int j = 0; j < nw; j++) {
+                    ws[j]->busy++;
+                    pthread_mutex_unlock(&ws[j]->mu);
+                }
+                double t0 = now_s();
+                for (int j = 0; j < nw && polled == 0; j++) {
+                    struct pyccl_watch *w = ws[j];
+                    for (;;) {
+                        ncclResult_t e = ncclSuccess;
+                        pthread_mutex_lock(&w->mu);
+                        if (w->comm == NULL) { /* abort()ed from a handler */
+                            pthread_mutex_unlock(&w->mu);
+                            break;
+                        }
+                        a->ncclCommGetAsyncError(w->comm, &e);
+                        pthread_mutex_unlock(&w->mu);
+                        if (e != ncclInProgress) {
+                            if (e != ncclSuccess && r == ncclInProgress) {
+                                r = e;
+                                which = j;
+                            }
+                            break;
+                        }
+                        if (now_s() > t0 + w->timeout) {
+                            polled = 1;
+                            which = j;
+                            break;
+                        }
+                        if (waiter_pause(&wt) < 0) {
+                            polled = -1;
+                            break;
+                        }
+                    }
+                }
+                for (int j = 0; j < nw; j++) {
+                    pthread_mutex_lock(&ws[j]->mu);
+                    ws[j]->busy--;
+                }
+                if (r == ncclInProgress) {
+                    r = ncclSuccess;
+                }
+            }
+            for (int j = 0; j < nw; j++) {
+                struct pyccl_watch *w = ws[j];
+                if (polled > 0) {
+                    /* one NCCL group: the others cannot finish alone */
+                    fail_timeout(w, op, "its peers");
+                }
+                else if (polled < 0) {
+                    fail_interrupted(w, op);
+                }
+                else if (r != ncclSuccess && w->comm != NULL) {
+                    /* In non-blocking mode a failed call may leave the
+                     * communicator in error: then it is unusable. */
+                    ncclResult_t e = ncclSuccess;
+                    a->ncclCommGetAsyncError(w->comm, &e);
+                    if (e != ncclSuccess && e != ncclInProgress) {
+                        which = j;
+                        fail(w, PYCCL_FAIL_NCCL, (int)e,
+                             "%s: rank %d of %d: NCCL error %d (%s)%s%s; the "
+                             "communicator was aborted",
+                             op, w->rank, w->size, (int)e,
+                             a->ncclGetErrorString(e), last[0] ? ": " : "",
+                             last);
+                    }
+                }
+                else if (r == ncclSuccess && w->comm != NULL) {
+                    for (Py_ssize_t i = 0; i < n && rec_err == cudaSuccess; i++) {
+                        int dup = 0;
+                        if (tasks[i].comm != w->comm) {
+                            continue;
+                        }
+                        for (Py_ssize_t k = 0; k < i; k++) {
+                            dup |= tasks[k].comm == w->comm &&
+                                   tasks[k].stream == tasks[i].stream;
+                        }
+                        if (!dup) {
+                            call_begin(w);
+                            rec_err = record(w, tasks[i].stream, op);
+                            if (call_end(w, op)) {
+                                rec_err = cudaSuccess;
+                                break;
+                            }
+                        }
+                    }
+                }
+                pthread_mutex_unlock(&w->mu);
+            }
+        }
+    }
+    waiter_finish(&wt);
+    if (got == 1) {
+        raise_failure(st, op, ws[which]);
+        owners[which]->comm = NULL;
+        goto done;
+    }
+    if (got < 0 || polled < 0) {
+        for (int j = 0; got == 0 && j < nw; j++) {
+            owners[j]->comm = NULL; /* aborted: interrupted mid-call */
+        }
+        goto done; /* the signal handler's exception */
+    }
+    int raised = 0;
+    for (int k = 0; k < nw; k++) {
+        int j = (k + which) % nw; /* the one that failed first, first */
+        if (failed_kind(ws[j])) {
+            owners[j]->comm = NULL;
+            if (!raised) {
+                raised = 1;
+                raise_failure(st, op, ws[j]);
+            }
+        }
+    }
+    if (raised) {
+        goto done;
+    }
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, r, last);
+        goto done;
+    }
+    if (rec_err != cudaSuccess) {
+        pyccl_raise_cuda(st, op, "cudaEventRecord", rec_err);
+        goto done;
+    }
+    rc = 0;
+    for (int j = 0; in_group && j < nw; j++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (tasks[i].comm == owners[j]->comm &&
+                group_add((PyObject *)owners[j], ws[j], tasks[i].stream, op) < 0) {
+                rc = -1;
+            }
+        }
+        if (fresh[j] && !group_has(ws[j])) {
+            /* out of memory before the entry went in: undo the count */
+            Py_BEGIN_ALLOW_THREADS
+            pthread_mutex_lock(&ws[j]->mu);
+            ws[j]->in_group--;
+            pthread_mutex_unlock(&ws[j]->mu);
+            Py_END_ALLOW_THREADS
+        }
+    }
+done:
+    if (ws != ws_small) {
+        PyMem_Free(ws);
+        PyMem_Free(owners);
+        PyMem_Free(fresh);
+    }
+    return rc;
+}
+
+int
+pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
+{
+    if (tl_group_n == 0) {
+        return 0;
+    }
+    const pyccl_api *a = &st->api;
+    int n = tl_group_n, interrupted = 0;
+    group_entry *g = tl_group;
+    cudaError_t rec_err = cudaSuccess;
+    tl_group = NULL;
+    tl_group_n = tl_group_cap = 0;
+    for (int i = 0; i < n; i++) {
+        ((pyccl_comm *)g[i].comm)->inflight++; /* destroy() waits */
+    }
+    waiter wt;
+    waiter_start(&wt, 1);
+    double t0 = now_s();
+    for (int i = 0; i < n; i++) {
+        struct pyccl_watch *w = g[i].w;
+        int first = 1;
+        for (int k = 0; k < i; k++) {
+            first &= g[k].w != w;
+        }
+        if (!first) {
+            continue;
+        }
+        pthread_mutex_lock(&w->mu);
+        if (w->comm != NULL && r == ncclInProgress) {
+            /* NCCL launches the group in its own thread: poll until done,
+             * busy keeping the watchdog and other threads off meanwhile */
+            w->busy++;
+            while (w->comm != NULL && !interrupted) {
+                ncclResult_t e = ncclSuccess;
+                a->ncclCommGetAsyncError(w->comm, &e);
+                if (e != ncclInProgress) {
+                    if (e != ncclSuccess) {
+                        fail_nccl(w, g[i].op, e);
+                    }
+                    break;
+                }
+                if (now_s() > t0 + w->timeout) {
+                    fail_timeout(w, g[i].op, "its peers");
+                    break;
+                }
+                pthread_mutex_unlock(&w->mu);
+                interrupted = waiter_pause(&wt) < 0;
+                pthread_mutex_lock(&w->mu);
+            }
+            w->busy--;
+            if (interrupted) {
+                fail_interrupted(w, g[i].op);
+            }
+        }
+        else if (w->comm != NULL && r != ncclSuccess) {
+            /* the group failed: in non-blocking mode that may leave the
+             * communicator in error, and then it is unusable */
+            ncclResult_t e = ncclSuccess;
+            a->ncclCommGetAsyncError(w->comm, &e);
+            if (e != ncclSuccess && e != ncclInProgress) {
+                fail_nccl(w, g[i].op, e);
+            }
+        }
+        for (int k = i; k < n && rec_err == cudaSuccess; k++) {
+            if (g[k].w == w && w->comm != NULL &&
+                (r == ncclSuccess || r == ncclInProgress)) {
+                call_begin(w);
+                rec_err = record(w, g[k].stream, g[k].op);
+                if (call_end(w, g[k].op)) {
+                    rec_err = cudaSuccess;
+                }
+            }
+        }
+        w->in_group--;
+        pthread_mutex_unlock(&w->mu);
+    }
+    waiter_finish(&wt);
+    int rc = interrupted ? -1 : 0; /* KeyboardInterrupt is set */
+    for (int i = 0; i < n; i++) {
+        if (failed_kind(g[i].w)) {
+            ((pyccl_comm *)g[i].comm)->comm = NULL;
+            if (rc == 0) {
+                rc = raise_failure(st, g[i].op, g[i].w);
+            }
+        }
+    }
+    if (rc == 0 && rec_err != cudaSuccess) {
+        pyccl_raise_cuda(st, "group end", "cudaEventRecord", rec_err);
+        rc = -1;
+    }
+    for (int i = 0; i < n; i++) {
+        ((pyccl_comm *)g[i].comm)->inflight--;
+        Py_DECREF(g[i].comm);
+    }
+    PyMem_RawFree(g);
+    return rc;
+}
+
+/* ---------------- waiting for the work ---------------- */
+
+/* Until the work enqueued on w so far finished, or `limit` seconds (the
+ * communicator's own deadline still applies inside).  0; 1 when w failed
+ * (nothing raised: the caller raises it); -1 with an exception. */
+int
+wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
+          int interruptible)
+{
+    int status = 0; /* 1 failed, 2 limit passed, -1 interrupted */
+    const char *head_op = op;
+    double start = now_s();
+    waiter wt;
+    waiter_start(&wt, interruptible);
+    pthread_mutex_lock(&w->mu);
+    uint64_t target = w->seq;
+    for (;;) {
+        if (w->failed) {
+            status = 1;
+            break;
+        }
+        if (w->nq > 0) {
+            const char *bad_op = NULL;
+            int prev = dev_enter(w->api, w->device);
+            cudaError_t e = retire(w, 1, &bad_op);
+            dev_leave(w->api, w->device, prev);
+            if (e != cudaSuccess) {
+                fail_cuda(w, bad_op, e);
+                status = 1;
+                break;
+            }
+        }
+        if (w->nq == 0 || w->q[0].seq > target) {
+            break;
+        }
+        double now = now_s();
+        if (now - w->q[0].t > w->timeout && !w->busy && !w->in_group) {
+            /* its own deadline: what the watchdog is about to do */
+            fail_timeout(w, w->q[0].op, "its peers");
+            status = 1;
+            break;
+        }
+        if (now - start > limit) {
+            head_op = w->q[0].op;
+            status = 2;
+            break;
+        }
+        pthread_mutex_unlock(&w->mu);
+        int sig = waiter_pause(&wt);
+        pthread_mutex_lock(&w->mu);
+        if (sig < 0) {
+            status = -1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&w->mu);
+    waiter_finish(&wt);
+    if (status == 2) {
+        char t[32], own[32];
+        pyccl_fmt_seconds(t, sizeof t, limit);
+        pyccl_fmt_seconds(own, sizeof own, w->timeout);
+        char reason[400];
+        snprintf(reason, sizeof reason,
+                 "rank %d of %d: the work enqueued on the communicator (the "
+                 "oldest unfinished: %s) did not finish within %s s; the "
+                 "communicator's own timeout of %s s has not passed, so it was "
+                 "not aborted",
+                 w->rank, w->size, head_op, t, own);
+        PyObject *exc = pyccl_failure_exception(st, op, PYCCL_FAIL_TIMEOUT, 0,
+                                                reason, limit);
+        if (exc != NULL) {
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+            Py_DECREF(exc);
+        }
+        return -1;
+    }
+    return status;
+}
+
+int
+pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
+                 double timeout)
+{
+    c->inflight++; /* destroy() waits for this */
+    int rc = wait_work(st, op, c->watch, timeout, 1);
+    c->inflight--;
+    if (rc > 0) {
+        return pyccl_watch_check(st, op, c);
+    }
+    return rc;
+}
+
+int
+pyccl_comm_add_stream(pyccl_comm *c, cudaStream_t s)
+{
+    c->last_stream = s;
+    for (int i = 0; i < c->nstreams; i++) {
+        if (c->streams[i] == s) {
+            return 0;
+        }
+    }
+    cudaStream_t *v = PyMem_Realloc(c->streams,
+                                    (size_t)(c->nstreams + 1) * sizeof *v);
+    if (v == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    v[c->nstreams++] = s;
+    c->streams = v;
+    return 0;
+}
+
+int
+pyccl_comm_note_stream(pyccl_comm *c, cudaStream_t s)
+{
+    if (c->nstreams > 0 && s == c->last_stream) {
+        return 0;
+    }
+    return pyccl_comm_add_stream(c, s);
+}
+
+/* wait() of a communicator without timeout: an event recorded now on each
+ * stream it was used on covers its work there (and whatever came before
+ * it).  `limit` 0: no limit. */
+int
+wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
+{
+    const pyccl_api *a = &st->api;
+    int n = c->nstreams, status = 0; /* 1 limit passed, -1 interrupted */
+    cudaError_t e = cudaSuccess;
+    const char *call = "cudaEventRecord";
+    if (n == 0) {
+        return 0;
+    }
+    /* a snapshot: another thread may add streams meanwhile */
+    cudaStream_t *streams = PyMem_RawMalloc((size_t)n * sizeof *streams);
+    cudaEvent_t *evs = PyMem_RawCalloc((size_t)n, sizeof *evs);
+    if (streams == NULL || evs == NULL) {
+        PyMem_RawFree(streams);
+        PyMem_RawFree(evs);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(streams, c->streams, (size_t)n * sizeof *streams);
+    int device = c->device;
+    double start = now_s();
+    waiter wt;
+    /* no c->inflight: the handle is not used, and abort() from another
+     * thread is how a wait on a communicator without timeout ends early */
+    waiter_start(&wt, 1);
+    int prev = dev_enter(a, device);
+    for (int i = 0; i < n && e == cudaSuccess; i++) {
+        enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        if (a->cudaStreamIsCapturing(streams[i], &cs) != cudaSuccess ||
+            cs != cudaStreamCaptureStatusNone) {
+            a->cudaGetLastError();
+            continue; /* captured work runs when the graph does */
+        }
+        e = a->cudaEventCreateWithFlags(&evs[i], cudaEventDisableTiming);
+        if (e == cudaSuccess) {
+            e = a->cudaEventRecord(evs[i], streams[i]);
+        }
+    }
+    dev_leave(a, device, prev);
+    while (e == cudaSuccess) {
+        int left = 0;
+        enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+        a->cudaThreadExchangeStreamCaptureMode(&mode);
+        for (int i = 0; i < n && e == cudaSuccess; i++) {
+            if (evs[i] == NULL) {
+                continue;
+            }
+            cudaError_t q = a->cudaEventQuery(evs[i]);
+            if (q == cudaErrorNotReady) {
+                a->cudaGetLastError();
+                left = 1;
+            }
+            else if (q != cudaSuccess) {
+                e = q;
+                call = "cudaEventQuery";
+            }
+        }
+        a->cudaThreadExchangeStreamCaptureMode(&mode);
+        if (!left || e != cudaSuccess) {
+            break;
+        }
+        if (limit > 0 && now_s() - start > limit) {
+            status = 1;
+            break;
+        }
+        if (waiter_pause(&wt) < 0) {
+            status = -1;
+            break;
+        }
+    }
+    prev = dev_enter(a, device);
+    for (int i = 0; i < n; i++) {
+        if (evs[i] != NULL) {
+            a->cudaEventDestroy(evs[i]);
+        }
+    }
+    dev_leave(a, device, prev);
+    waiter_finish(&wt);
+    PyMem_RawFree(streams);
+    PyMem_RawFree(evs);
+    if (status < 0) {
+        return -1;
+    }
+    if (e != cudaSuccess) {
+        pyccl_raise_cuda(st, op, call, e);
+        return -1;
+    }
+    if (status > 0) {
+        char t[32];
+        pyccl_fmt_seconds(t, sizeof t, limit);
+        char reason[300];
+        snprintf(reason, sizeof reason,
+                 "rank %d of %d: the work enqueued on the communicator did not "
+                 "finish within %s s; it has no timeout of its own, so it was "
+                 "not aborted",
+                 c->rank, c->size, t);
+        PyObject *exc = pyccl_failure_exception(st, op, PYCCL_FAIL_TIMEOUT, 0,
+                                                reason, limit);
+        if (exc != NULL) {
+            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+            Py_DECREF(exc);
+        }
+        return -1;
+    }
+    return 0;
+}
+
+int
+pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
+                 cudaStream_t s)
+{
+    struct pyccl_watch *w = c->watch;
+    if (w == NULL) {
+        return pyccl_comm_note_stream(c, s);
+    }
+    if (pyccl_watch_check(st, op, c) < 0) {
+        return -1;
+    }
+    if (pyccl_group_depth() > 0) {
+        int fresh = !group_has(w);
+        if (group_add((PyObject *)c, w, s, op) < 0) {
+            return -1;
+        }
+        if (fresh) { /* the group's end counts it down once */
+            c->inflight++;
+            lock_watch(w);
+            w->in_group++;
+            pthread_mutex_unlock(&w->mu);
+            c->inflight--;
+        }
+        return 0;
+    }
+    int which = 0;
+    cudaError_t e = cudaSuccess;
+    waiter wt;
+    c->inflight++;
+    waiter_start(&wt, 1);
+    int got = acquire_all(&wt, &w, 1, 1, &which);
+    if (got == 0) {
+        call_begin(w);
+        e = record(w, s, op);
+        got = call_end(w, op); /* 1: failed meanwhile */
+        pthread_mutex_unlock(&w->mu);
+    }
+    waiter_finish(&wt);
+    c->inflight--;
+    if (got < 0) {
+        return -1;
+    }
+    if (got > 0) {
+        return pyccl_watch_check(st, op, c);
+    }
+    if (e != cudaSuccess) {
+        pyccl_raise_cuda(st, op, "cudaEventRecord", e);
+        return -1;
+    }
+    return 0;
+}
+

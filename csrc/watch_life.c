@@ -1,0 +1,445 @@
+/* A watched communicator's life past its calls (see watchdog.c): split,
+ * destroy (finalize within the timeout, else abort), abort(), wait(),
+ * get_async_error(), and failing it from outside (the own kernels). */
+#include "watch.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---------------- split, destroy, abort, errors ---------------- */
+
+int
+pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
+                  ncclComm_t *child, int *child_rank, int *child_size)
+{
+    const pyccl_api *a = &st->api;
+    struct pyccl_watch *w = c->watch;
+    *child = NULL;
+    if (pyccl_group_depth() > 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "split: a communicator with a timeout cannot be split "
+                        "inside pyccl.group(); split it outside the group");
+        return -1;
+    }
+    /* A non-blocking split writes the child's handle when it completes,
+     * possibly after a timeout gave up on it: the slot must outlive this
+     * call then (it is leaked). */
+    ncclComm_t *slot = PyMem_RawCalloc(1, sizeof *slot);
+    if (slot == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ncclResult_t r, res = ncclSuccess;
+    char last[512] = "";
+    int which = 0, got, polled = 0, rank = -1, size = 0;
+    waiter wt;
+    c->inflight++; /* destroy() waits for this */
+    waiter_start(&wt, 1);
+    got = acquire_all(&wt, &w, 1, 0, &which);
+    if (got == 0) {
+        double deadline = now_s() + w->timeout;
+        /* NULL config: the child is non-blocking like its parent */
+        r = a->ncclCommSplit(w->comm, color, key, slot, NULL);
+        if (r == ncclSuccess || r == ncclInProgress) {
+            w->busy++;
+            for (;;) {
+                ncclResult_t e = ncclSuccess;
+                a->ncclCommGetAsyncError(w->comm, &e);
+                if (e != ncclInProgress) {
+                    res = e;
+                    break;
+                }
+                if (now_s() > deadline) {
+                    polled = 1;
+                    break;
+                }
+                pthread_mutex_unlock(&w->mu);
+                int sig = waiter_pause(&wt);
+                pthread_mutex_lock(&w->mu);
+                if (sig < 0 || w->comm == NULL) {
+                    polled = sig < 0 ? -1 : 2;
+                    break;
+                }
+            }
+            w->busy--;
+        }
+        else {
+            res = r;
+        }
+        if (polled == 0 && res == ncclSuccess && *slot != NULL) {
+            /* ready once the parent's job is: no GIL needed (w is locked) */
+            ncclResult_t e = ncclSuccess;
+            wt.interruptible = 0;
+            polled = poll_comm(&wt, a, *slot, deadline, &e);
+            wt.interruptible = 1;
+            res = e;
+            if (res == ncclSuccess && polled == 0) {
+                res = a->ncclCommUserRank(*slot, &rank);
+            }
+            if (res == ncclSuccess && polled == 0) {
+                res = a->ncclCommCount(*slot, &size);
+            }
+        }
+        if (res != ncclSuccess && a->ncclGetLastError) {
+            strncpy(last, a->ncclGetLastError(w->comm), sizeof last - 1);
+        }
+        if (polled == 1) {
+            fail_timeout(w, "split", "its peers");
+        }
+        else if (polled < 0) {
+            fail_interrupted(w, "split");
+        }
+        else if (res != ncclSuccess && w->comm != NULL) {
+            ncclResult_t e = ncclSuccess;
+            a->ncclCommGetAsyncError(w->comm, &e);
+            if (e != ncclSuccess && e != ncclInProgress) {
+                fail_nccl(w, "split", e);
+            }
+        }
+        pthread_mutex_unlock(&w->mu);
+        if (res != ncclSuccess && polled == 0 && *slot != NULL) {
+            a->ncclCommAbort(*slot); /* the child is no use alone */
+            *slot = NULL;
+        }
+    }
+    waiter_finish(&wt);
+    c->inflight--;
+    if (got < 0 || polled < 0) {
+        if (got == 0) {
+            c->comm = NULL;
+        }
+        return -1; /* leaks the slot: NCCL may still write it */
+    }
+    if (got > 0 || polled > 0 || failed_kind(w)) {
+        if (got > 0 || polled == 0) {
+            PyMem_RawFree(slot); /* else NCCL may still write it: leaked */
+        }
+        pyccl_watch_check(st, "split", c);
+        return -1;
+    }
+    ncclComm_t nc = *slot;
+    PyMem_RawFree(slot);
+    if (res != ncclSuccess) {
+        pyccl_raise_nccl(st, "split", res, last);
+        return -1;
+    }
+    *child = nc;
+    *child_rank = rank;
+    *child_size = size;
+    return 0;
+}
+
+int
+pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
+                    int may_raise)
+{
+    struct pyccl_watch *w = c->watch;
+    const pyccl_api *a = &st->api;
+    lock_watch(w);
+    if (w->in_group > 0 || w->busy > 0) {
+        pthread_mutex_unlock(&w->mu);
+        if (may_raise) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "%s: the communicator (rank %d of %d) is in use: "
+                         "enqueued on inside a pyccl.group() that has not "
+                         "ended, or by another thread; destroy it afterwards",
+                         op, c->rank, c->size);
+            return -1;
+        }
+        /* not reached from garbage collection: an open group and a busy
+         * call both hold a reference */
+        return 0;
+    }
+    w->closing = 1;
+    pthread_mutex_unlock(&w->mu);
+    /* From here on the Communicator looks destroyed to other threads (which
+     * then never reach w), while this one finishes w off. */
+    c->comm = NULL;
+    c->watch = NULL;
+    unregister_watch(st, w);
+    int rc = 0;
+    if (!failed_kind(w) && w->comm != NULL) {
+        /* First the tracked work, then NCCL's finalize, each bounded by the
+         * timeout: peers that are gone must not hang destroy(). */
+        rc = wait_work(st, op, w, w->timeout, may_raise);
+        if (rc == 0 && w->comm != NULL) {
+            int polled = 0;
+            ncclResult_t res = ncclSuccess;
+            waiter wt;
+            waiter_start(&wt, 0); /* a half-finalized comm cannot be left */
+            pthread_mutex_lock(&w->mu);
+            if (a->ncclCommFinalize != NULL) {
+                ncclResult_t r = a->ncclCommFinalize(w->comm);
+                if (r == ncclSuccess || r == ncclInProgress) {
+                    polled = poll_comm(&wt, a, w->comm, now_s() + w->timeout,
+                                       &res);
+                }
+                else {
+                    res = r;
+                }
+            }
+            if (polled > 0) {
+                fail_timeout(w, op, "its outstanding work");
+            }
+            else {
+                ncclComm_t comm = w->comm;
+                w->comm = NULL;
+                ncclResult_t r = a->ncclCommDestroy(comm);
+                res = res != ncclSuccess ? res : r;
+            }
+            pthread_mutex_unlock(&w->mu);
+            waiter_finish(&wt);
+            if (polled > 0) {
+                rc = 1;
+            }
+            else if (res != ncclSuccess) {
+                pyccl_raise_nccl(st, op, res, NULL);
+                rc = -1;
+            }
+        }
+        else if (rc < 0 && !failed_kind(w)) {
+            /* ^C while waiting for the work: NCCL cannot be finalized
+             * without it, so it is aborted */
+            Py_BEGIN_ALLOW_THREADS
+            pthread_mutex_lock(&w->mu);
+            fail_interrupted(w, op);
+            pthread_mutex_unlock(&w->mu);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    if (rc > 0) {
+        rc = raise_failure(st, op, w);
+    }
+    if (!may_raise) {
+        PyErr_Clear();
+    }
+    free_watch(w);
+    return rc;
+}
+
+/* A record of a communicator without timeout that was aborted. */
+static int
+mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
+{
+    const pyccl_api *a = &st->api;
+    struct pyccl_watch *w = new_watch(st, c, NULL, 0.0);
+    if (w == NULL) {
+        return -1;
+    }
+    snprintf(w->reason, sizeof w->reason, "%s", reason);
+    w->failed = kind;
+    /* Under c's lock: no other thread is inside NCCL on the handle (an
+     * own-kernel set-up waits between its calls), and none uses it after. */
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&c->mu);
+    ncclComm_t comm = c->comm;
+    c->comm = NULL;
+    if (comm != NULL && a->loaded) {
+        a->ncclCommAbort(comm);
+    }
+    c->watch = w;
+    pthread_mutex_unlock(&c->mu);
+    Py_END_ALLOW_THREADS
+    return 0;
+}
+
+PyObject *
+pyccl_comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
+{
+    pyccl_comm *c = (pyccl_comm *)self;
+    pyccl_state *st = state_of(self);
+    if (st == NULL) {
+        return NULL;
+    }
+    if (c->pending) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "abort: the communicator is not ready: it was created "
+                        "inside pyccl.group(), which has not ended yet");
+        return NULL;
+    }
+    struct pyccl_watch *w = c->watch;
+    if (w == NULL) {
+        if (c->comm == NULL) {
+            Py_RETURN_NONE; /* destroyed: nothing to abort */
+        }
+        if (c->inflight > 0) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "abort: the communicator (rank %d of %d) is in use by "
+                         "another thread; abort it once that call returned",
+                         c->rank, c->size);
+            return NULL;
+        }
+        char reason[128];
+        snprintf(reason, sizeof reason,
+                 "the communicator (rank %d of %d) has been aborted", c->rank,
+                 c->size);
+        if (mark_untimed(st, c, PYCCL_FAIL_ABORTED, reason) < 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    c->inflight++; /* destroy() waits for this */
+    lock_watch(w);
+    if (w->in_group > 0) {
+        pthread_mutex_unlock(&w->mu);
+        c->inflight--;
+        PyErr_Format(PyExc_RuntimeError,
+                     "abort: the communicator (rank %d of %d) was used inside "
+                     "a pyccl.group() that has not ended; end the group first",
+                     c->rank, c->size);
+        return NULL;
+    }
+    /* A thread polling it (busy) sees the abort and raises. */
+    Py_BEGIN_ALLOW_THREADS
+    fail(w, PYCCL_FAIL_ABORTED, 0,
+         "the communicator (rank %d of %d) has been aborted", c->rank, c->size);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_unlock(&w->mu);
+    c->inflight--;
+    c->comm = NULL;
+    Py_RETURN_NONE;
+}
+
+PyObject *
+pyccl_comm_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                PyObject *kwnames)
+{
+    pyccl_comm *c = (pyccl_comm *)self;
+    PyObject *tobj = nargs > 0 ? args[0] : NULL;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs + nkw > 1) {
+        PyErr_Format(PyExc_TypeError,
+                     "wait() takes at most 1 argument (%zd given)", nargs + nkw);
+        return NULL;
+    }
+    if (nkw == 1) {
+        if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0),
+                                             "timeout") != 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "wait() got an unexpected keyword argument '%U'",
+                         PyTuple_GET_ITEM(kwnames, 0));
+            return NULL;
+        }
+        tobj = args[0];
+    }
+    double limit;
+    if (pyccl_read_timeout("wait", tobj, &limit) < 0) {
+        return NULL;
+    }
+    pyccl_state *st = state_of(self);
+    if (st == NULL || pyccl_comm_alive(st, "wait", c) < 0) {
+        return NULL;
+    }
+    if (c->watch == NULL) {
+        /* no timeout of its own: without a limit, as long as it takes */
+        if (wait_streams(st, "wait", c, limit) < 0) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    if (limit == 0.0) {
+        limit = c->watch->timeout;
+    }
+    if (pyccl_watch_wait(st, "wait", c, limit) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyObject *
+pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
+{
+    pyccl_comm *c = (pyccl_comm *)self;
+    pyccl_state *st = state_of(self);
+    if (st == NULL) {
+        return NULL;
+    }
+    struct pyccl_watch *w = c->watch;
+    if (w != NULL && failed_kind(w) && failed_kind(w) != PYCCL_FAIL_ABORTED) {
+        c->comm = NULL;
+        return pyccl_failure_exception(st, "get_async_error", failed_kind(w),
+                                       w->code, w->reason, w->timeout);
+    }
+    if (pyccl_comm_alive(st, "get_async_error", c) < 0) {
+        return NULL;
+    }
+    const pyccl_api *a = &st->api;
+    if (a->ncclCommGetAsyncError == NULL) {
+        Py_RETURN_NONE;
+    }
+    ncclResult_t e = ncclSuccess, r = ncclSuccess;
+    if (w == NULL) {
+        r = a->ncclCommGetAsyncError(c->comm, &e);
+    }
+    else {
+        c->inflight++;
+        lock_watch(w);
+        if (w->comm != NULL && !w->busy && !w->in_group) {
+            r = a->ncclCommGetAsyncError(w->comm, &e);
+            if (r == ncclSuccess && e != ncclSuccess && e != ncclInProgress) {
+                /* what the watchdog would do within 10 ms */
+                Py_BEGIN_ALLOW_THREADS
+                fail_nccl(w, "get_async_error", e);
+                Py_END_ALLOW_THREADS
+            }
+        }
+        pthread_mutex_unlock(&w->mu);
+        c->inflight--;
+        if (failed_kind(w)) {
+            c->comm = NULL;
+            return pyccl_failure_exception(st, "get_async_error",
+                                           failed_kind(w), w->code, w->reason,
+                                           w->timeout);
+        }
+    }
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, "get_async_error", r, NULL);
+        return NULL;
+    }
+    if (e == ncclSuccess || e == ncclInProgress) {
+        Py_RETURN_NONE;
+    }
+    PyObject *msg = PyUnicode_FromFormat(
+        "rank %d of %d: NCCL reports error %d (%s)", c->rank, c->size, (int)e,
+        a->ncclGetErrorString(e));
+    if (msg == NULL) {
+        return NULL;
+    }
+    PyObject *exc = pyccl_failure_exception(st, "get_async_error",
+                                            PYCCL_FAIL_NCCL, (int)e,
+                                            PyUnicode_AsUTF8(msg), 0.0);
+    Py_DECREF(msg);
+    return exc;
+}
+
+void
+pyccl_comm_mark_failed(pyccl_comm *c, const char *reason)
+{
+    pyccl_state *st = PyType_GetModuleState(Py_TYPE(c));
+    if (st == NULL) {
+        return;
+    }
+    struct pyccl_watch *w = c->watch;
+    if (w == NULL) {
+        if (mark_untimed(st, c, PYCCL_FAIL_TIMEOUT, reason) < 0) {
+            PyErr_Clear();
+        }
+        return;
+    }
+    c->inflight++;
+    lock_watch(w);
+    Py_BEGIN_ALLOW_THREADS
+    fail(w, PYCCL_FAIL_TIMEOUT, 0, "%s", reason);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_unlock(&w->mu);
+    c->inflight--;
+    c->comm = NULL;
+}
+
