@@ -277,15 +277,10 @@ typedef struct {
 } pyccl_comm;
 extern PyType_Spec pyccl_comm_spec;
 int pyccl_is_comm(pyccl_state *st, PyObject *obj);
-/* Borrowed tuple of n communicators over `devices`, created once. */
-PyObject *pyccl_clique(pyccl_state *st, const char *op, const int *devices,
-                       Py_ssize_t n);
 PyObject *pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size,
                          int device);
 PyObject *pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
                           PyObject *rank);
-PyObject *pyccl_init_ranks(pyccl_state *st, PyObject *nranks, PyObject *uid,
-                           PyObject *ranks, PyObject *devices);
 /* Fill in rank and size of a communicator created inside a group (NCCL
  * knows them only once the group ended). */
 int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
@@ -315,6 +310,14 @@ void pyccl_fastar_stop(pyccl_comm *c);
 void pyccl_fastar_stop_all(void);
 /* Whether the kernels were compiled in (setup.py found nvcc). */
 int pyccl_fastar_built(void);
+
+/* ---- clique.c: several ranks in one process ---- */
+/* Borrowed tuple of n communicators over `devices`, created once. */
+PyObject *pyccl_clique(pyccl_state *st, const char *op, const int *devices,
+                       Py_ssize_t n);
+/* _nccl_init_ranks: one rank per local device, in one NCCL group. */
+PyObject *pyccl_init_ranks(pyccl_state *st, PyObject *nranks, PyObject *uid,
+                           PyObject *ranks, PyObject *devices);
 
 /* ---- enqueue.c ---- */
 typedef enum {

@@ -1,0 +1,242 @@
+/* Several ranks of one job in one process: the clique cache behind
+ * pyccl.nccl's comms=None (one communicator per device of an ordered device
+ * tuple, created once) and _nccl_init_ranks (several ranks, one per local
+ * device, created in one NCCL group). */
+#include "pyccl.h"
+#include "args.h"
+#include <string.h>
+
+/* ---- the comms=None clique cache ---- */
+
+static PyObject *
+clique_key(const int *devices, Py_ssize_t n)
+{
+    PyObject *key = PyTuple_New(n);
+    if (key == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyLong_FromLong(devices[i]);
+        if (d == NULL) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(key, i, d);
+    }
+    return key;
+}
+
+PyObject *
+pyccl_clique(pyccl_state *st, const char *op, const int *devices,
+             Py_ssize_t n)
+{
+    if (st->last_clique != NULL && n == st->last_n &&
+        memcmp(devices, st->last_devices, (size_t)n * sizeof(int)) == 0) {
+        return st->last_clique;
+    }
+    PyObject *key = clique_key(devices, n);
+    PyObject *found = NULL, *tuple = NULL;
+    ncclComm_t *comms = NULL;
+    if (key == NULL) {
+        return NULL;
+    }
+    if (PyDict_GetItemRef(st->cliques, key, &found) != 0) {
+        goto done; /* found, or an error */
+    }
+    /* Another thread may be creating the same clique: one creator at a
+     * time, and look again once the lock is held. */
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(st->clique_lock, WAIT_LOCK);
+    Py_END_ALLOW_THREADS
+    if (PyDict_GetItemRef(st->cliques, key, &found) != 0) {
+        goto unlock;
+    }
+    if (pyccl_load(st, op) < 0) {
+        goto unlock;
+    }
+    comms = PyMem_RawCalloc((size_t)n, sizeof(ncclComm_t));
+    if (comms == NULL) {
+        PyErr_NoMemory();
+        goto unlock;
+    }
+    ncclResult_t r;
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
+    const pyccl_api *a = &st->api;
+    Py_BEGIN_ALLOW_THREADS
+    r = a->ncclCommInitAll(comms, (int)n, devices);
+    pyccl_nccl_failed(a, r, NULL, last, sizeof last);
+    Py_END_ALLOW_THREADS
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, r, last);
+        goto unlock;
+    }
+    tuple = PyTuple_New(n);
+    if (tuple == NULL) {
+        goto unlock;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = pyccl_comm_new(st, comms[i], (int)i, (int)n, devices[i]);
+        if (c == NULL) {
+            goto unlock;
+        }
+        comms[i] = NULL; /* owned by c now */
+        PyTuple_SET_ITEM(tuple, i, c);
+    }
+    if (PyDict_SetItem(st->cliques, key, tuple) == 0) {
+        found = Py_NewRef(tuple);
+    }
+unlock:
+    PyThread_release_lock(st->clique_lock);
+done:
+    if (comms != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (comms[i] != NULL) {
+                st->api.ncclCommDestroy(comms[i]);
+            }
+        }
+        PyMem_RawFree(comms);
+    }
+    Py_XDECREF(tuple);
+    Py_DECREF(key);
+    /* The dict keeps the tuple alive; hand back a borrowed reference. */
+    if (found != NULL) {
+        Py_DECREF(found);
+        if (n <= (Py_ssize_t)(sizeof st->last_devices / sizeof(int))) {
+            memcpy(st->last_devices, devices, (size_t)n * sizeof(int));
+            st->last_n = n;
+            st->last_clique = found;
+        }
+    }
+    return found;
+}
+
+/* Several ranks of one job in this process, one per local device, created in
+ * one NCCL group (NCCL requires that when one thread inits several ranks). */
+PyObject *
+pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
+                 PyObject *ranks_obj, PyObject *devices_obj)
+{
+    const char *op = "init_ranks";
+    int nranks, ndev = 0, prev = -1;
+    ncclUniqueId uid;
+    PyObject *ranks = NULL, *devices = NULL, *list = NULL;
+    int *rk = NULL, *dv = NULL;
+    ncclComm_t *comms = NULL;
+    if (pyccl_read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
+        pyccl_read_unique_id(op, uid_obj, &uid) < 0) {
+        return NULL;
+    }
+    ranks = PySequence_Fast(ranks_obj, "init_ranks: ranks must be a sequence of ints");
+    devices = PySequence_Fast(devices_obj, "init_ranks: devices must be a sequence of ints");
+    if (ranks == NULL || devices == NULL) {
+        goto done;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ranks);
+    if (n == 0 || n != PySequence_Fast_GET_SIZE(devices)) {
+        PyErr_Format(PyExc_ValueError,
+                     "init_ranks: ranks and devices must be non-empty and of "
+                     "one length, got %zd and %zd",
+                     n, PySequence_Fast_GET_SIZE(devices));
+        goto done;
+    }
+    rk = PyMem_Calloc((size_t)n, sizeof(int));
+    dv = PyMem_Calloc((size_t)n, sizeof(int));
+    comms = PyMem_RawCalloc((size_t)n, sizeof(ncclComm_t));
+    if (rk == NULL || dv == NULL || comms == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (nranks < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: world_size must be >= 1, got %d",
+                     op, nranks);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char rname[32], dname[32];
+        PyOS_snprintf(rname, sizeof rname, "ranks[%zd]", i);
+        PyOS_snprintf(dname, sizeof dname, "devices[%zd]", i);
+        if (pyccl_read_int(op, rname, PySequence_Fast_GET_ITEM(ranks, i), &rk[i]) < 0 ||
+            pyccl_read_int(op, dname, PySequence_Fast_GET_ITEM(devices, i), &dv[i]) < 0) {
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < i; j++) {
+            if (rk[j] == rk[i]) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: rank %d is listed twice (ranks[%zd] and "
+                             "ranks[%zd])", op, rk[i], j, i);
+                goto done;
+            }
+        }
+        if (rk[i] < 0 || rk[i] >= nranks) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: ranks[%zd]=%d is out of range for world_size %d",
+                         op, i, rk[i], nranks);
+            goto done;
+        }
+    }
+    if (pyccl_load(st, op) < 0) {
+        goto done;
+    }
+    const pyccl_api *a = &st->api;
+    cudaError_t ce = a->cudaGetDeviceCount(&ndev);
+    if (ce != cudaSuccess || ndev == 0) {
+        a->cudaGetLastError();
+        PyErr_Format(st->CudaError, "%s: no CUDA GPU is available", op);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (dv[i] < 0 || dv[i] >= ndev) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: devices[%zd]=%d does not exist (this process "
+                         "sees %d GPUs)", op, i, dv[i], ndev);
+            goto done;
+        }
+    }
+    ncclResult_t r = ncclSuccess, r2;
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
+    Py_BEGIN_ALLOW_THREADS
+    a->cudaGetDevice(&prev);
+    r = a->ncclGroupStart();
+    for (Py_ssize_t i = 0; r == ncclSuccess && i < n; i++) {
+        a->cudaSetDevice(dv[i]);
+        r = a->ncclCommInitRank(&comms[i], nranks, uid, rk[i]);
+    }
+    r2 = a->ncclGroupEnd();
+    if (r == ncclSuccess) {
+        r = r2;
+    }
+    pyccl_nccl_failed(a, r, NULL, last, sizeof last);
+    a->cudaSetDevice(prev);
+    Py_END_ALLOW_THREADS
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, r, last);
+        goto done;
+    }
+    list = PyList_New(n);
+    if (list == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = pyccl_comm_new(st, comms[i], rk[i], nranks, dv[i]);
+        if (c == NULL) {
+            Py_CLEAR(list);
+            goto done;
+        }
+        comms[i] = NULL;
+        PyList_SET_ITEM(list, i, c);
+    }
+done:
+    if (comms != NULL) {
+        for (Py_ssize_t i = 0; list == NULL && i < PySequence_Fast_GET_SIZE(ranks); i++) {
+            if (comms[i] != NULL) {
+                st->api.ncclCommDestroy(comms[i]);
+            }
+        }
+        PyMem_RawFree(comms);
+    }
+    PyMem_Free(rk);
+    PyMem_Free(dv);
+    Py_XDECREF(ranks);
+    Py_XDECREF(devices);
+    return list;
+}
