@@ -1,4 +1,4 @@
-"""The fuzz test's child side (tests/_fakegpu.py, scenario fuzz): seeded random
+"""The fuzz test's child side (tests/child_fakegpu.py, scenario fuzz): seeded random
 and hostile calls of every public entry point on the stand-in GPU library.
 
 Every call must return or raise one of EXPECTED; anything else (SystemError

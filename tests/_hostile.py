@@ -1,4 +1,4 @@
-"""Hostile arguments for the stand-in GPU tier (tests/_fakegpu.py, stub torch).
+"""Hostile arguments for the stand-in GPU tier (tests/child_fakegpu.py, stub torch).
 
 pyccl reads a tensor through its Python attributes, so those attributes are
 user code: they may lie, raise, return a fresh object on every read, mutate
@@ -9,7 +9,7 @@ Import it only after the stub torch is installed (it subclasses its Tensor).
 """
 import ctypes
 
-import torch  # the stub of tests/_fakegpu.py
+import torch  # the stub of tests/child_fakegpu.py
 
 import pyccl
 

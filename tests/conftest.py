@@ -1,59 +1,12 @@
-"""Shared fixtures and markers: GPU counts and the skip marker (from _gpu_tier.py,
-which also holds PYCCL_EXPECT_GPUS and the split pass count), FakeCuda."""
+"""Fixtures, markers and hooks only: GPU counts and the skip marker (from _gpu_tier.py,
+which also holds PYCCL_EXPECT_GPUS and the split pass count).  Helper modules are the
+tests/_*.py files (stand-ins in _fakes.py); scripts run as child processes are tests/child_*.py."""
 import os
 
 # Lease rule of the GPU hosts, inherited by every child process: no NVLink multicast.
 for _k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
     os.environ.setdefault(_k, "0" if _k == "NCCL_NVLS_ENABLE" else "1")
 
-import torch
-
 # gpu_count/needs_gpus: tests import them from here; the hooks take effect by being named here
 from _gpu_tier import (bounded_in_process, gpu_count, needs_gpus,  # noqa: F401
                        pytest_runtest_makereport, pytest_sessionstart, pytest_terminal_summary)
-
-
-class FakeCuda(torch.Tensor):
-    """A host tensor that reports itself as a CUDA tensor on `device`.
-
-    pyccl reads tensors through their Python attributes (is_cuda,
-    get_device(), data_ptr(), ...), so this reaches pyccl.nccl's validation
-    without a GPU.  Its memory is host memory: use it only for calls that must
-    fail validation, or that have nothing to move (zero elements).  Views of
-    one host tensor alias, so overlaps between FakeCuda tensors are real.
-    """
-
-    @staticmethod
-    def __new__(cls, data, device=0):
-        t = torch.Tensor._make_subclass(cls, data)
-        t._fake_device = device
-        return t
-
-    @property
-    def is_cuda(self):
-        return True
-
-    def get_device(self):
-        return self._fake_device
-
-
-def fake(n=4, device=0, dtype=torch.float32):
-    return FakeCuda(torch.arange(n).to(dtype), device)
-
-
-def build_fakegpu(out_dir):
-    """Compile tests/fakegpu/fakegpu.c (a stand-in libnccl + libcudart) into
-    out_dir; the path of the library, or None when there is no C compiler."""
-    import shlex
-    import shutil
-    import subprocess
-    import sysconfig
-    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
-    if shutil.which(cc[0]) is None:
-        return None
-    out = os.path.join(str(out_dir), "libfakegpu.so")
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakegpu", "fakegpu.c")
-    r = subprocess.run(cc + ["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o", out, src,
-                             "-lpthread", "-lm"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return out

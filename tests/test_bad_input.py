@@ -31,7 +31,8 @@ from typing import Any, Callable, NamedTuple
 import pytest
 import torch
 
-from conftest import FakeCuda, fake, gpu_count, needs_gpus
+from conftest import gpu_count, needs_gpus
+from _fakes import FakeCuda, fake
 from _data import same_bits
 
 pyccl = pytest.importorskip("pyccl")
@@ -528,7 +529,7 @@ def test_refcounts_unchanged_after_hostile_rows():
 #
 # Communicator methods and pyccl.nccl with comms= driven through
 # tests/fakegpu/fakegpu.c (a stand-in libnccl/libcudart) under a stub torch,
-# in one child process (tests/_fakegpu.py, scenario bad_input).  Each row's
+# in one child process (tests/child_fakegpu.py, scenario bad_input).  Each row's
 # code runs there with the names of tests/_hostile.py and `c`, a fresh
 # untimed 2-rank communicator (rank 0, cuda:0); it sets fn, args (and maybe
 # kw).  The child reports the exception, whether the refcounts of the
@@ -656,7 +657,7 @@ STAND_IN_CASES = [
 
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory):
-    from conftest import build_fakegpu
+    from _fakes import build_fakegpu
     import json
     import os
     import subprocess
@@ -667,7 +668,7 @@ def stand_in(tmp_path_factory):
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     rows = [{"id": f"{c.api}-{c.id}", "code": c.code} for c in STAND_IN_CASES]
-    r = subprocess.run([sys.executable, os.path.join(here, "_fakegpu.py"), lib, "bad_input"],
+    r = subprocess.run([sys.executable, os.path.join(here, "child_fakegpu.py"), lib, "bad_input"],
                        input=json.dumps(rows), capture_output=True, text=True, timeout=120, env=env)
     results = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
     assert r.returncode == 0 and results, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"

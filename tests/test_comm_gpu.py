@@ -136,7 +136,7 @@ def test_init_from_mpi():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(W),
            "-x", "PYTHONPATH", "-x", "NCCL_NVLS_ENABLE", "-x", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-           "-x", "NVSHMEM_DISABLE_NVLS", sys.executable, os.path.join(ROOT, "tests", "mpi_child.py")]
+           "-x", "NVSHMEM_DISABLE_NVLS", sys.executable, os.path.join(ROOT, "tests", "child_mpi.py")]
     out = run_bounded(cmd, 180, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert sorted(l for l in out.stdout.splitlines() if l.startswith("mpi rank")) == \

@@ -2,7 +2,7 @@
 the job is misconfigured, and ^C while blocked (issue #6); and the same
 communicators on healthy peers, results checked exactly.
 
-Each rank is a separate `python _failure_child.py ...` process that reports
+Each rank is a separate `python child_failure.py ...` process that reports
 progress as EVENT lines; the parent decides whom to kill or interrupt and
 when, measures the survivors, and kills every child in the end.  Every wait
 here is bounded, so a regression fails the test instead of hanging it.
@@ -22,7 +22,7 @@ from _ranks import run_ranks
 import _scenarios as sc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHILD = os.path.join(ROOT, "tests", "_failure_child.py")
+CHILD = os.path.join(ROOT, "tests", "child_failure.py")
 TIMEOUT = 5.0
 SLACK = 2.0   # the promise: the survivor raises within TIMEOUT + SLACK
 
@@ -150,7 +150,7 @@ def test_peer_never_arrives():
     try:
         r0.expect("ready", 180)
         r1.expect("ready", 60)
-        # the order of _failure_child.ABSENT_CASES (not imported: it imports torch)
+        # the order of child_failure.ABSENT_CASES (not imported: it imports torch)
         for case in ("unconnected-own", "unconnected-nccl", "connected-own", "connected-nccl"):
             ev = r0.expect("raised", TIMEOUT + 30)
             print(f"\n{case}: {ev['type']} from {ev['where']} after {ev['took']:.2f} s: {ev['msg']}")

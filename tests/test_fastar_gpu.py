@@ -185,7 +185,7 @@ def test_compute_sanitizer_clean(tool, tmp_path):
     procs = [subprocess.Popen(
         ["compute-sanitizer", "--tool", tool, "--error-exitcode", "9", "--target-processes", "all",
          "--report-api-errors", "no",
-         sys.executable, os.path.join(HERE, "fastar_child.py"), str(r), "2", uid],
+         sys.executable, os.path.join(HERE, "child_fastar.py"), str(r), "2", uid],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True) for r in range(2)]
     outs = []

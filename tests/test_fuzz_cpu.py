@@ -9,10 +9,10 @@ must return or raise TypeError, ValueError, RuntimeError (pyccl's errors
 included) or the hostile code's own exception, and no call may reach NCCL
 with a dead handle; never SystemError, never a crash.
 
-Each batch runs in its own process (tests/_fakegpu.py, scenario fuzz), so a
+Each batch runs in its own process (tests/child_fakegpu.py, scenario fuzz), so a
 crash fails that batch and prints its seed.  Replay one batch with
     PYCCL_FUZZ_SEED=<seed> PYCCL_FUZZ_N=<calls> PYCCL_FUZZ_TRACE=1 \\
-        python tests/_fakegpu.py <libfakegpu.so> fuzz
+        python tests/child_fakegpu.py <libfakegpu.so> fuzz
 Environment: PYCCL_FUZZ_CALLS (total calls, default 5000), PYCCL_FUZZ_SEED
 (the first batch's seed, default 15; batch k uses seed + k).
 """
@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from conftest import build_fakegpu
+from _fakes import build_fakegpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CALLS = int(os.environ.get("PYCCL_FUZZ_CALLS", "5000"))
@@ -45,7 +45,7 @@ def run_batch(lib, seed, calls):
     env.pop("PYCCL_FUZZ_TRACE", None)
     env.pop("PYTHONPATH", None)
     try:
-        r = subprocess.run([sys.executable, os.path.join(HERE, "_fakegpu.py"), lib, "fuzz"],
+        r = subprocess.run([sys.executable, os.path.join(HERE, "child_fakegpu.py"), lib, "fuzz"],
                            capture_output=True, text=True, timeout=300, env=env)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"fuzz seed={seed} calls={calls}: hung (no result in 300 s)\n{e.stdout}")
@@ -55,7 +55,7 @@ def run_batch(lib, seed, calls):
     assert r.returncode == 0 and results, (
         f"fuzz seed={seed} calls={calls} failed: {why}\n"
         f"replay: PYCCL_FUZZ_SEED={seed} PYCCL_FUZZ_N={calls} PYCCL_FUZZ_TRACE=1 "
-        f"python tests/_fakegpu.py {lib} fuzz\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+        f"python tests/child_fakegpu.py {lib} fuzz\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
     return results[0]
 
 

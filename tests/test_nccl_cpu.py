@@ -16,7 +16,8 @@ import torch
 
 import pyccl
 from pyccl import nccl
-from conftest import FakeCuda, fake, gpu_count
+from conftest import gpu_count
+from _fakes import FakeCuda, fake
 
 
 # ---------------- import and API surface ----------------

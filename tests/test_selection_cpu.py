@@ -46,7 +46,7 @@ def run_two_ranks(lib, scenario, tmp_path, timeout=60):
                LD_LIBRARY_PATH=os.path.dirname(lib) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
     env.pop("PYTHONPATH", None)
     env.pop("PYCCL_QUIET", None)
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_fakegpu.py"), lib, scenario],
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "child_fakegpu.py"), lib, scenario],
                               env=dict(env, FAKE_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = []

@@ -5,7 +5,7 @@ timeout machinery itself run against tests/fakegpu/fakegpu.c, a stand-in for
 libnccl/libcudart that simulates stuck kernels, slow or hung init and
 connection setup, asynchronous errors and aborts, and counts misuse (a
 communicator used after abort or from two threads at once).  Each fake
-scenario (tests/_fakegpu.py) runs in its own process, bounded in time.
+scenario (tests/child_fakegpu.py) runs in its own process, bounded in time.
 """
 import inspect
 import json
@@ -127,7 +127,7 @@ def fakegpu(tmp_path_factory):
 def run_fake(lib, scenario, timeout=60):
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
-    r = subprocess.run([sys.executable, os.path.join(HERE, "_fakegpu.py"), lib, scenario],
+    r = subprocess.run([sys.executable, os.path.join(HERE, "child_fakegpu.py"), lib, scenario],
                        capture_output=True, text=True, timeout=timeout, env=env)
     lines = r.stdout.splitlines()
     results = [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")]
@@ -193,7 +193,7 @@ def test_fake_sigint_interrupts_wait(fakegpu):
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     # SIGINT live in the child even when this runs from a background job (which ignores it)
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "_fakegpu.py"), fakegpu, "sigint_in_wait"],
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "child_fakegpu.py"), fakegpu, "sigint_in_wait"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:

@@ -1,6 +1,6 @@
 """Scenarios of communicators with a timeout, on tests/fakegpu/fakegpu.c.
 
-Run as `python _fakegpu.py LIBPATH SCENARIO` (test_timeout_cpu.py does): a
+Run as `python child_fakegpu.py LIBPATH SCENARIO` (test_timeout_cpu.py does): a
 stub `torch` module is installed first so that no real torch, NCCL or CUDA is
 loaded, then pyccl._C is pointed at the fake library, which stands in for
 both libnccl and libcudart.  Each scenario asserts its own results and

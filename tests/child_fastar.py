@@ -1,4 +1,4 @@
-"""One rank of a short own-kernel run, for compute-sanitizer: fastar_child.py RANK WORLD UID_HEX."""
+"""One rank of a short own-kernel run, for compute-sanitizer: child_fastar.py RANK WORLD UID_HEX."""
 import sys
 
 import torch

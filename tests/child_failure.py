@@ -1,6 +1,6 @@
 """One rank of a failure scenario of test_failure_gpu.py, run as a script:
 
-    python _failure_child.py SCENARIO RANK UID_HEX|- TIMEOUT
+    python child_failure.py SCENARIO RANK UID_HEX|- TIMEOUT
 
 It reports progress as "EVENT {json}" lines on stdout (name, wall-clock time
 t, details), which the parent reads to decide when to kill or interrupt whom
