@@ -20,35 +20,6 @@ pyccl_is_comm(pyccl_state *st, PyObject *obj)
     return PyObject_TypeCheck(obj, (PyTypeObject *)st->CommunicatorType);
 }
 
-int
-pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c)
-{
-    if (c->pending) {
-        return pyccl_comm_alive(st, op, c); /* raises "not ready" */
-    }
-    if (c->size > 0 || c->comm == NULL) {
-        return 0;
-    }
-    int rank = -1, size = 0;
-    ncclResult_t r = st->api.ncclCommUserRank(c->comm, &rank);
-    if (r == ncclSuccess) {
-        r = st->api.ncclCommCount(c->comm, &size);
-    }
-    if (r != ncclSuccess) {
-        pyccl_raise_nccl(st, op, r, NULL);
-        return -1;
-    }
-    if (size <= 0) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "%s: the communicator is not ready: it was created inside "
-                     "pyccl.group(), which has not ended yet", op);
-        return -1;
-    }
-    c->rank = rank;
-    c->size = size;
-    return 0;
-}
-
 PyObject *
 pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size, int device)
 {

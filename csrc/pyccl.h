@@ -281,9 +281,6 @@ PyObject *pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size,
                          int device);
 PyObject *pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
                           PyObject *rank);
-/* Fill in rank and size of a communicator created inside a group (NCCL
- * knows them only once the group ended). */
-int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
 /* Keep a communicator split inside a group alive until the group ends. */
 int pyccl_add_pending_split(pyccl_state *st, PyObject *comm);
 /* The outermost group of this thread ended: its splits are ready. */
@@ -429,6 +426,9 @@ int pyccl_comm_failed(const pyccl_comm *c);
 int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
 /* -1 with RuntimeError when c was destroyed (or is pending, or failed). */
 int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
+/* Fill in rank and size of a communicator created inside a group (NCCL
+ * knows them only once the group ended). */
+int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
 /* ncclCommInitRankConfig (non-blocking) on `device`, polled until done;
  * aborted and NcclTimeoutError after `timeout` s, KeyboardInterrupt on ^C. */
 int pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out,

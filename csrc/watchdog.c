@@ -679,6 +679,35 @@ pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
     return 0;
 }
 
+int
+pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c)
+{
+    if (c->pending) {
+        return pyccl_comm_alive(st, op, c); /* raises "not ready" */
+    }
+    if (c->size > 0 || c->comm == NULL) {
+        return 0;
+    }
+    int rank = -1, size = 0;
+    ncclResult_t r = st->api.ncclCommUserRank(c->comm, &rank);
+    if (r == ncclSuccess) {
+        r = st->api.ncclCommCount(c->comm, &size);
+    }
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, r, NULL);
+        return -1;
+    }
+    if (size <= 0) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: the communicator is not ready: it was created inside "
+                     "pyccl.group(), which has not ended yet", op);
+        return -1;
+    }
+    c->rank = rank;
+    c->size = size;
+    return 0;
+}
+
 /* Lock w, the GIL released while waiting for it. */
 void
 lock_watch(struct pyccl_watch *w)
