@@ -165,3 +165,15 @@ pyccl_fmt_seconds(char *buf, size_t n, double s)
         snprintf(buf, n, "%.*g", digits, s);
     }
 }
+
+int
+pyccl_raise_failure(pyccl_state *st, const char *op, int kind, int code,
+                    const char *reason, double timeout)
+{
+    PyObject *exc = pyccl_failure_exception(st, op, kind, code, reason, timeout);
+    if (exc != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return -1;
+}

@@ -481,5 +481,8 @@ void pyccl_watchdog_free(pyccl_state *st);
 PyObject *pyccl_failure_exception(pyccl_state *st, const char *op, int kind,
                                   int code, const char *reason,
                                   double timeout);
+/* Raise that exception; always -1. */
+int pyccl_raise_failure(pyccl_state *st, const char *op, int kind, int code,
+                        const char *reason, double timeout);
 
 #endif /* PYCCL_H */

@@ -524,13 +524,7 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
                  "communicator's own timeout of %s s has not passed, so it was "
                  "not aborted",
                  w->rank, w->size, head_op, t, own);
-        PyObject *exc = pyccl_failure_exception(st, op, PYCCL_FAIL_TIMEOUT, 0,
-                                                reason, limit);
-        if (exc != NULL) {
-            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-            Py_DECREF(exc);
-        }
-        return -1;
+        return pyccl_raise_failure(st, op, PYCCL_FAIL_TIMEOUT, 0, reason, limit);
     }
     return status;
 }
@@ -677,13 +671,7 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
                  "finish within %s s; it has no timeout of its own, so it was "
                  "not aborted",
                  c->rank, c->size, t);
-        PyObject *exc = pyccl_failure_exception(st, op, PYCCL_FAIL_TIMEOUT, 0,
-                                                reason, limit);
-        if (exc != NULL) {
-            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-            Py_DECREF(exc);
-        }
-        return -1;
+        return pyccl_raise_failure(st, op, PYCCL_FAIL_TIMEOUT, 0, reason, limit);
     }
     return 0;
 }

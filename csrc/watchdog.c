@@ -594,13 +594,7 @@ state_of(PyObject *self)
 int
 raise_failure(pyccl_state *st, const char *op, struct pyccl_watch *w)
 {
-    PyObject *exc = pyccl_failure_exception(st, op, failed_kind(w), w->code,
-                                            w->reason, w->timeout);
-    if (exc != NULL) {
-        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-        Py_DECREF(exc);
-    }
-    return -1;
+    return pyccl_raise_failure(st, op, failed_kind(w), w->code, w->reason, w->timeout);
 }
 
 double
@@ -838,13 +832,7 @@ pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out, int nranks,
                  "join (every rank must call it with the same unique_id and "
                  "world_size); the communicator was aborted",
                  rank, nranks, t);
-        PyObject *exc = pyccl_failure_exception(st, op, PYCCL_FAIL_TIMEOUT, 0,
-                                                reason, timeout);
-        if (exc != NULL) {
-            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-            Py_DECREF(exc);
-        }
-        return -1;
+        return pyccl_raise_failure(st, op, PYCCL_FAIL_TIMEOUT, 0, reason, timeout);
     }
     if (res != ncclSuccess) {
         pyccl_raise_nccl(st, op, res, last);
