@@ -128,6 +128,120 @@ cmp_ptr(const void *x, const void *y)
     return a < b ? -1 : a > b;
 }
 
+/* The enqueue returned ncclInProgress (NCCL finishes the call in its own
+ * thread: the first call to a peer connects to it): poll every watch until
+ * done.  `busy` keeps other threads and the watchdog off meanwhile, the
+ * locks are released while polling and held again on return.  1: the
+ * deadline of ws[*which] passed; -1: interrupted; 0: done, *r the first
+ * error (ncclInProgress becomes ncclSuccess). */
+static int
+poll_in_progress(const pyccl_api *a, waiter *wt, struct pyccl_watch **ws, int nw,
+                 ncclResult_t *r, int *which)
+{
+    int polled = 0;
+    for (int j = 0; j < nw; j++) {
+        ws[j]->busy++;
+        pthread_mutex_unlock(&ws[j]->mu);
+    }
+    double t0 = now_s();
+    for (int j = 0; j < nw && polled == 0; j++) {
+        struct pyccl_watch *w = ws[j];
+        for (;;) {
+            ncclResult_t e = ncclSuccess;
+            pthread_mutex_lock(&w->mu);
+            if (w->comm == NULL) { /* abort()ed from a handler */
+                pthread_mutex_unlock(&w->mu);
+                break;
+            }
+            a->ncclCommGetAsyncError(w->comm, &e);
+            pthread_mutex_unlock(&w->mu);
+            if (e != ncclInProgress) {
+                if (e != ncclSuccess && *r == ncclInProgress) {
+                    *r = e;
+                    *which = j;
+                }
+                break;
+            }
+            if (now_s() > t0 + w->timeout) {
+                polled = 1;
+                *which = j;
+                break;
+            }
+            if (waiter_pause(wt) < 0) {
+                polled = -1;
+                break;
+            }
+        }
+    }
+    for (int j = 0; j < nw; j++) {
+        pthread_mutex_lock(&ws[j]->mu);
+        ws[j]->busy--;
+    }
+    if (*r == ncclInProgress) {
+        *r = ncclSuccess;
+    }
+    return polled;
+}
+
+/* After the NCCL calls outside a group, every watch locked: fail each as
+ * the outcome says (timeout, interrupt, NCCL error; *which the one NCCL
+ * failed on), or record an event after its work on each of its streams;
+ * then unlock it.  Returns the first event record's error. */
+static cudaError_t
+settle_watches(const pyccl_api *a, const char *op, const pyccl_task *tasks, Py_ssize_t n,
+               struct pyccl_watch **ws, int nw, ncclResult_t r, int polled,
+               const char *last, int *which)
+{
+    cudaError_t rec_err = cudaSuccess;
+    for (int j = 0; j < nw; j++) {
+        struct pyccl_watch *w = ws[j];
+        if (polled > 0) {
+            /* one NCCL group: the others cannot finish alone */
+            fail_timeout(w, op, "its peers");
+        }
+        else if (polled < 0) {
+            fail_interrupted(w, op);
+        }
+        else if (r != ncclSuccess && w->comm != NULL) {
+            /* In non-blocking mode a failed call may leave the
+             * communicator in error: then it is unusable. */
+            ncclResult_t e = ncclSuccess;
+            a->ncclCommGetAsyncError(w->comm, &e);
+            if (e != ncclSuccess && e != ncclInProgress) {
+                *which = j;
+                fail(w, PYCCL_FAIL_NCCL, (int)e,
+                     "%s: rank %d of %d: NCCL error %d (%s)%s%s; the "
+                     "communicator was aborted",
+                     op, w->rank, w->size, (int)e,
+                     a->ncclGetErrorString(e), last[0] ? ": " : "",
+                     last);
+            }
+        }
+        else if (r == ncclSuccess && w->comm != NULL) {
+            for (Py_ssize_t i = 0; i < n && rec_err == cudaSuccess; i++) {
+                int dup = 0;
+                if (tasks[i].comm != w->comm) {
+                    continue;
+                }
+                for (Py_ssize_t k = 0; k < i; k++) {
+                    dup |= tasks[k].comm == w->comm &&
+                           tasks[k].stream == tasks[i].stream;
+                }
+                if (!dup) {
+                    call_begin(w);
+                    rec_err = record(w, tasks[i].stream, op);
+                    if (call_end(w, op)) {
+                        rec_err = cudaSuccess;
+                        break;
+                    }
+                }
+            }
+        }
+        pthread_mutex_unlock(&w->mu);
+    }
+    return rec_err;
+}
+
 int
 pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
                     Py_ssize_t n, int redop, pyccl_comm *const *comms,
@@ -205,97 +319,9 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
         }
         else {
             if (r == ncclInProgress) {
-                /* NCCL finishes the call in its own thread (the first call
-                 * to a peer connects to it): poll until done.  Busy keeps
-                 * other threads and the watchdog off meanwhile. */
-                for (int j = 0; j < nw; j++) {
-                    ws[j]->busy++;
-                    pthread_mutex_unlock(&ws[j]->mu);
-                }
-                double t0 = now_s();
-                for (int j = 0; j < nw && polled == 0; j++) {
-                    struct pyccl_watch *w = ws[j];
-                    for (;;) {
-                        ncclResult_t e = ncclSuccess;
-                        pthread_mutex_lock(&w->mu);
-                        if (w->comm == NULL) { /* abort()ed from a handler */
-                            pthread_mutex_unlock(&w->mu);
-                            break;
-                        }
-                        a->ncclCommGetAsyncError(w->comm, &e);
-                        pthread_mutex_unlock(&w->mu);
-                        if (e != ncclInProgress) {
-                            if (e != ncclSuccess && r == ncclInProgress) {
-                                r = e;
-                                which = j;
-                            }
-                            break;
-                        }
-                        if (now_s() > t0 + w->timeout) {
-                            polled = 1;
-                            which = j;
-                            break;
-                        }
-                        if (waiter_pause(&wt) < 0) {
-                            polled = -1;
-                            break;
-                        }
-                    }
-                }
-                for (int j = 0; j < nw; j++) {
-                    pthread_mutex_lock(&ws[j]->mu);
-                    ws[j]->busy--;
-                }
-                if (r == ncclInProgress) {
-                    r = ncclSuccess;
-                }
+                polled = poll_in_progress(a, &wt, ws, nw, &r, &which);
             }
-            for (int j = 0; j < nw; j++) {
-                struct pyccl_watch *w = ws[j];
-                if (polled > 0) {
-                    /* one NCCL group: the others cannot finish alone */
-                    fail_timeout(w, op, "its peers");
-                }
-                else if (polled < 0) {
-                    fail_interrupted(w, op);
-                }
-                else if (r != ncclSuccess && w->comm != NULL) {
-                    /* In non-blocking mode a failed call may leave the
-                     * communicator in error: then it is unusable. */
-                    ncclResult_t e = ncclSuccess;
-                    a->ncclCommGetAsyncError(w->comm, &e);
-                    if (e != ncclSuccess && e != ncclInProgress) {
-                        which = j;
-                        fail(w, PYCCL_FAIL_NCCL, (int)e,
-                             "%s: rank %d of %d: NCCL error %d (%s)%s%s; the "
-                             "communicator was aborted",
-                             op, w->rank, w->size, (int)e,
-                             a->ncclGetErrorString(e), last[0] ? ": " : "",
-                             last);
-                    }
-                }
-                else if (r == ncclSuccess && w->comm != NULL) {
-                    for (Py_ssize_t i = 0; i < n && rec_err == cudaSuccess; i++) {
-                        int dup = 0;
-                        if (tasks[i].comm != w->comm) {
-                            continue;
-                        }
-                        for (Py_ssize_t k = 0; k < i; k++) {
-                            dup |= tasks[k].comm == w->comm &&
-                                   tasks[k].stream == tasks[i].stream;
-                        }
-                        if (!dup) {
-                            call_begin(w);
-                            rec_err = record(w, tasks[i].stream, op);
-                            if (call_end(w, op)) {
-                                rec_err = cudaSuccess;
-                                break;
-                            }
-                        }
-                    }
-                }
-                pthread_mutex_unlock(&w->mu);
-            }
+            rec_err = settle_watches(a, op, tasks, n, ws, nw, r, polled, last, &which);
         }
     }
     waiter_finish(&wt);

@@ -50,15 +50,15 @@ FAULTS = [
         "                a->cudaStreamWaitEvent(s, f->order, 0);\n",
         "                a->cudaStreamWaitEvent(f->last_stream, f->order, 0);\n")],
         tests=["tests/test_fastar_gpu.py", "-k", "another_stream"]),
-    dict(name="skip the liveness check after argument parsing (wait)", tier="cpu", file="csrc/watchdog.c",
+    dict(name="skip the liveness check after argument parsing (wait)", tier="cpu", file="csrc/watch_life.c",
          edits=[('    if (st == NULL || pyccl_comm_alive(st, "wait", c) < 0) {\n',
                  '    if (st == NULL) {\n')],
          tests=["tests/test_timeout_cpu.py"]),
     dict(name="drop the GIL release around a blocking wait", tier="cpu", file="csrc/watchdog.c", edits=[
         ("    wt->next_signals = now_s() + PYCCL_SIGNAL_PERIOD;\n    wt->ts = PyEval_SaveThread();\n}\n",
          "    wt->next_signals = now_s() + PYCCL_SIGNAL_PERIOD;\n    wt->ts = NULL;\n}\n"),
-        ("static void\nwaiter_finish(waiter *wt)\n{\n    PyEval_RestoreThread(wt->ts);\n}\n",
-         "static void\nwaiter_finish(waiter *wt)\n{\n    (void)wt;\n}\n"),
+        ("void\nwaiter_finish(waiter *wt)\n{\n    PyEval_RestoreThread(wt->ts);\n}\n",
+         "void\nwaiter_finish(waiter *wt)\n{\n    (void)wt;\n}\n"),
         ("        PyEval_RestoreThread(wt->ts);\n        int r = PyErr_CheckSignals();\n"
          "        wt->ts = PyEval_SaveThread();\n",
          "        int r = PyErr_CheckSignals();\n")],
