@@ -205,25 +205,23 @@ class ProcessGroupPyccl(dist.ProcessGroup):
 
     all_gather_single = _allgather_base  # torch >= 2.12's name
 
-    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        if len(output_lists) != len(input_tensors):
-            raise ValueError(f"pyccl backend: allgather_coalesced: {len(output_lists)} output lists for "
-                             f"{len(input_tensors)} inputs")
-        from . import group
-        with group():
-            for out, inp in zip(output_lists, input_tensors):
-                self._comm.all_gather(inp, out)
-        return self._work(output_lists)
-
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+    def _in_one_group(self, opname, outputs, inputs, what, call):
+        """call(input, output) for each pair, as one NCCL group; outputs and inputs pair up."""
         if len(outputs) != len(inputs):
-            raise ValueError(f"pyccl backend: allgather_into_tensor_coalesced: {len(outputs)} outputs for "
-                             f"{len(inputs)} inputs")
+            raise ValueError(f"pyccl backend: {opname}: {len(outputs)} {what} for {len(inputs)} inputs")
         from . import group
         with group():
             for out, inp in zip(outputs, inputs):
-                self._comm.all_gather(inp, out)
+                call(inp, out)
         return self._work(outputs)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        return self._in_one_group("allgather_coalesced", output_lists, input_tensors, "output lists",
+                                  self._comm.all_gather)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._in_one_group("allgather_into_tensor_coalesced", outputs, inputs, "outputs",
+                                  self._comm.all_gather)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -240,15 +238,12 @@ class ProcessGroupPyccl(dist.ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        if len(outputs) != len(inputs):
+        if len(outputs) != len(inputs):  # (before the op: the length is the first thing said wrong)
             raise ValueError(f"pyccl backend: reduce_scatter_tensor_coalesced: {len(outputs)} outputs for "
                              f"{len(inputs)} inputs")
         op = _C.SUM if opts is None else reduce_op("reduce_scatter_tensor_coalesced", opts.reduceOp)
-        from . import group
-        with group():
-            for out, inp in zip(outputs, inputs):
-                self._comm.reduce_scatter(inp, out, op)
-        return self._work(outputs)
+        return self._in_one_group("reduce_scatter_tensor_coalesced", outputs, inputs, "outputs",
+                                  lambda inp, out: self._comm.reduce_scatter(inp, out, op))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 

@@ -397,3 +397,20 @@ def test_shutdown_frees_compiled_cuda_graphs_before_destroy(world, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", trees)
     dist.destroy_process_group()
     assert log[-2:] == [("reset_cudagraph_trees",), ("destroy",)], log[-2:]
+
+
+def test_coalesced_forms_refuse_unpaired_lists(world):
+    pg = dist.group.WORLD
+    x = torch.arange(4, dtype=torch.float32)
+    cases = [
+        (lambda: pg.allgather_coalesced([[x], [x]], [x]), "allgather_coalesced: 2 output lists for 1 inputs"),
+        (lambda: pg.allgather_into_tensor_coalesced([x], [x, x]), "allgather_into_tensor_coalesced: 1 outputs for 2 inputs"),
+        (lambda: pg.reduce_scatter_tensor_coalesced([x, x], [x]), "reduce_scatter_tensor_coalesced: 2 outputs for 1 inputs"),
+    ]
+    log, _ = world
+    n = len(log)
+    for call, text in cases:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == "pyccl backend: " + text
+    assert len(log) == n  # nothing reached the communicator
