@@ -42,7 +42,9 @@ pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size, int device)
 static ncclResult_t
 destroy_comm(pyccl_state *st, pyccl_comm *c, int may_raise)
 {
-    /* first, while the communicator works: the own all-reduce's peer memory */
+    /* first, while the communicator works: registered memory (forgotten at
+     * exit), the own all-reduce's peer memory */
+    pyccl_release_registrations(st, c, st->exiting || !st->api.loaded);
     if (c->comm != NULL) {
         /* with a timeout the barrier could outlive a dead peer: keep it */
         pyccl_fastar_release(st, c, may_raise && pyccl_comm_timeout(c) == 0);
@@ -407,7 +409,12 @@ static PyObject *
 comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
 {
     pyccl_fastar_stop((pyccl_comm *)self);
-    return pyccl_comm_abort(self, NULL);
+    PyObject *r = pyccl_comm_abort(self, NULL);
+    if (r != NULL) { /* the handle is gone: so are its registrations */
+        pyccl_release_registrations(PyType_GetModuleState(Py_TYPE(self)),
+                                    (pyccl_comm *)self, 1);
+    }
+    return r;
 }
 
 static PyMethodDef comm_methods[] = {
@@ -484,6 +491,18 @@ static PyMethodDef comm_methods[] = {
      "one pack kernel (torch.cat) into a flat buffer, one all_reduce (algo= as in "
      "all_reduce), one unpack kernel (torch._foreach_copy_), all on the current stream. "
      "For many small gradients, where a call per tensor is latency-bound."},
+    {"register", pyccl_comm_register, METH_O,
+     "register($self, tensor, /)\n--\n\nRegister `tensor`'s memory with NCCL "
+     "(ncclCommRegister, NCCL >= 2.19) for zero-copy collectives; returns a "
+     "pyccl.Registration (close() or `with` deregisters; destroy() deregisters "
+     "what is still open). Not during CUDA graph capture."},
+    {"register_window", pyccl_comm_register_window, METH_O,
+     "register_window($self, tensor, /)\n--\n\nCollective: register `tensor` "
+     "as an NCCL symmetric window (ncclCommWindowRegister with "
+     "NCCL_WIN_COLL_SYMMETRIC, NCCL >= 2.27), so collectives on it can use "
+     "NCCL's symmetric kernels. Every rank registers the same number of bytes "
+     "of cuMem memory (pyccl.empty() or pyccl.mem_pool()); returns a "
+     "pyccl.Registration. Not during CUDA graph capture."},
     {"destroy", comm_destroy, METH_NOARGS,
      "destroy($self, /)\n--\n\nFree the NCCL communicator now (idempotent). Using it "
      "afterwards raises RuntimeError. With a timeout: waits at most that long "

@@ -156,3 +156,18 @@ pyccl_nccl_version(pyccl_state *st, const char *op)
     }
     return st->api.nccl_version;
 }
+
+int
+pyccl_need_nccl(pyccl_state *st, const char *op, const void *fn,
+                const char *call, const char *needed)
+{
+    if (fn != NULL) {
+        return 0;
+    }
+    /* codes since 2.9: major * 10000 + minor * 100 + patch */
+    int v = st->api.nccl_version;
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: needs NCCL >= %s for %s; the loaded NCCL is %d.%d.%d", op,
+                 needed, call, v / 10000, v / 100 % 100, v % 100);
+    return -1;
+}

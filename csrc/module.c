@@ -103,6 +103,12 @@ static PyMethodDef module_methods[] = {
      "naming op)."},
     {"_communicator", communicator_by_name, METH_O,
      "_communicator(name) -> the live Communicator with that .name, or None."},
+    {"_nccl_mem_alloc", (PyCFunction)(void (*)(void))pyccl_mem_alloc, METH_FASTCALL,
+     "_nccl_mem_alloc(nbytes, device) -> NcclBuffer: memory from ncclMemAlloc "
+     "(pyccl.empty)."},
+    {"_mem_pool_functions", pyccl_mem_pool_functions, METH_NOARGS,
+     "_mem_pool_functions() -> (alloc_name, free_name): NCCL loaded; the "
+     "CUDAPluggableAllocator functions of this shared object (pyccl.mem_pool)."},
     {"_library_paths", library_paths, METH_NOARGS,
      "(nccl_path, cudart_path) of the loaded libraries."},
     {NULL, NULL, 0, NULL},
@@ -177,6 +183,16 @@ module_exec(PyObject *m)
     st->CommunicatorType = PyType_FromModuleAndSpec(m, &pyccl_comm_spec, NULL);
     if (st->CommunicatorType == NULL ||
         PyModule_AddObjectRef(m, "Communicator", st->CommunicatorType) < 0) {
+        return -1;
+    }
+    st->NcclBufferType = PyType_FromModuleAndSpec(m, &pyccl_buffer_spec, NULL);
+    if (st->NcclBufferType == NULL ||
+        PyModule_AddObjectRef(m, "NcclBuffer", st->NcclBufferType) < 0) {
+        return -1;
+    }
+    st->RegistrationType = PyType_FromModuleAndSpec(m, &pyccl_reg_spec, NULL);
+    if (st->RegistrationType == NULL ||
+        PyModule_AddObjectRef(m, "Registration", st->RegistrationType) < 0) {
         return -1;
     }
     st->cliques = PyDict_New();
@@ -256,6 +272,8 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->CudaError);
     Py_VISIT(st->NcclTimeoutError);
     Py_VISIT(st->CommunicatorType);
+    Py_VISIT(st->NcclBufferType);
+    Py_VISIT(st->RegistrationType);
     Py_VISIT(st->cliques);
     Py_VISIT(st->pending_splits);
     Py_VISIT(st->comm_names);
@@ -283,6 +301,8 @@ module_clear(PyObject *m)
     Py_CLEAR(st->CudaError);
     Py_CLEAR(st->NcclTimeoutError);
     Py_CLEAR(st->CommunicatorType);
+    Py_CLEAR(st->NcclBufferType);
+    Py_CLEAR(st->RegistrationType);
     Py_CLEAR(st->nccl_candidates);
     Py_CLEAR(st->cudart_candidates);
     Py_CLEAR(st->Tensor);

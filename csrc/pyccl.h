@@ -72,7 +72,10 @@ PyErr_SetRaisedException(PyObject *exc)
 #define PYCCL_NCCL_OPTIONAL(X)                                              \
     X(ncclGetLastError) X(ncclCommGetAsyncError) X(ncclCommSplit)           \
     X(ncclRedOpCreatePreMulSum) X(ncclRedOpDestroy)                         \
-    X(ncclCommInitRankConfig) X(ncclCommFinalize)
+    X(ncclCommInitRankConfig) X(ncclCommFinalize)                          \
+    X(ncclMemAlloc) X(ncclMemFree) X(ncclCommRegister)                      \
+    X(ncclCommDeregister) X(ncclCommWindowRegister)                         \
+    X(ncclCommWindowDeregister)
 #define PYCCL_CUDART_REQUIRED(X)                                            \
     X(cudaGetDevice) X(cudaSetDevice) X(cudaGetDeviceCount)                 \
     X(cudaGetErrorString) X(cudaGetLastError) X(cudaStreamSynchronize)      \
@@ -119,6 +122,8 @@ typedef struct {
     PyObject *CudaError;
     /* heap types */
     PyObject *CommunicatorType;
+    PyObject *NcclBufferType;    /* memory.c: what pyccl.empty wraps */
+    PyObject *RegistrationType;  /* registration.c: comm.register()'s handle */
     /* NCCL/CUDA entry points, filled on first GPU use */
     pyccl_api api;
     PyObject *nccl_candidates;   /* list of str: where to look for libnccl */
@@ -163,6 +168,11 @@ typedef struct {
 int pyccl_load(pyccl_state *st, const char *op);
 /* The NCCL version code of the loaded library, loading it if needed. */
 int pyccl_nccl_version(pyccl_state *st, const char *op);
+/* 0 when `fn` (an optional NCCL call, named `call`) was resolved; else -1
+ * with RuntimeError "<op>: needs NCCL >= <needed> for <call>; the loaded
+ * NCCL is <x.y.z>".  NCCL must be loaded. */
+int pyccl_need_nccl(pyccl_state *st, const char *op, const void *fn,
+                    const char *call, const char *needed);
 
 /* ---- errors.c ---- */
 /* Seconds for messages: "5.0", "0.25" (as Python prints a float). */
@@ -274,6 +284,9 @@ typedef struct {
      * NULL only under it (abort). */
     pthread_mutex_t mu;
     int setups;          /* own-kernel set-ups in flight (counted in inflight too) */
+    /* register()/register_window() handles still open (registration.c):
+     * a list through the handles, which each hold a reference to c */
+    struct pyccl_reg *regs;
 } pyccl_comm;
 extern PyType_Spec pyccl_comm_spec;
 int pyccl_is_comm(pyccl_state *st, PyObject *obj);
@@ -285,6 +298,20 @@ PyObject *pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
 int pyccl_add_pending_split(pyccl_state *st, PyObject *comm);
 /* The outermost group of this thread ended: its splits are ready. */
 void pyccl_resolve_pending_splits(pyccl_state *st);
+
+/* ---- registration.c: comm.register(), comm.register_window() ---- */
+extern PyType_Spec pyccl_reg_spec;
+PyObject *pyccl_comm_register(PyObject *self, PyObject *tensor);
+PyObject *pyccl_comm_register_window(PyObject *self, PyObject *tensor);
+/* Before c's handle goes: deregister its open handles (`forget`: mark them
+ * closed without calling NCCL, for abort() and interpreter exit).  Errors
+ * are dropped: the communicator goes either way. */
+void pyccl_release_registrations(pyccl_state *st, pyccl_comm *c, int forget);
+
+/* ---- memory.c: pyccl.empty's buffers, the allocator of pyccl.mem_pool() ---- */
+extern PyType_Spec pyccl_buffer_spec;
+PyObject *pyccl_mem_alloc(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+PyObject *pyccl_mem_pool_functions(PyObject *m, PyObject *unused);
 
 /* ---- fastar.c: pyccl's own all-reduce kernels ---- */
 

@@ -8,6 +8,8 @@
   torch.distributed backend (pyccl/distributed.py).
 - `pyccl.ops`: the collectives as torch custom ops (`torch.ops.pyccl.*`), so
   torch.compile traces them with fullgraph=True and CUDA graphs capture them.
+- Registered memory: empty() and mem_pool() allocate with ncclMemAlloc;
+  comm.register(t) / comm.register_window(t) register it with NCCL.
 - Bootstrap: unique_id() + Communicator(...), init_from_env() (torchrun),
   init_from_mpi(), init_ranks() for several GPUs per process.
 
@@ -36,8 +38,10 @@ from ._C import (  # noqa: E402
     CudaError,
     NcclError,
     NcclTimeoutError,
+    Registration,
 )
 from . import nccl  # noqa: E402
+from .memory import empty, mem_pool  # noqa: E402
 from .launch import init_from_env, init_from_mpi, init_ranks  # noqa: E402
 
 
@@ -105,7 +109,8 @@ def group():
 
 __all__ = [
     "AVG", "MAX", "MIN", "PROD", "SUM", "NCCL_UNIQUE_ID_BYTES",
-    "Communicator", "CudaError", "NcclError", "NcclTimeoutError", "group", "init_from_env",
+    "Communicator", "CudaError", "NcclError", "NcclTimeoutError", "Registration", "empty",
+    "group", "init_from_env", "mem_pool",
     "init_from_mpi",
     "init_rank", "init_ranks", "nccl", "premul_sum", "unique_id",
 ]

@@ -1,0 +1,684 @@
+/* comm.register(tensor) and comm.register_window(tensor): NCCL user-buffer
+ * registration (ncclCommRegister, NCCL >= 2.19: zero-copy) and symmetric
+ * windows (ncclCommWindowRegister with NCCL_WIN_COLL_SYMMETRIC, NCCL >= 2.27:
+ * NCCL's symmetric kernels), each returned as a pyccl.Registration handle.
+ *
+ * A handle holds its communicator and its tensor (so the memory outlives the
+ * registration); the communicator lists its open handles (c->regs), so that
+ * destroy() and garbage collection deregister them first and abort() forgets
+ * them.  close() (or the handle's garbage collection) deregisters.  A window
+ * is collective: the ranks first agree, through an NCCL all_gather on the
+ * communicator itself, that every rank registers the same number of bytes of
+ * usable memory, and all raise together otherwise. */
+#include "pyccl.h"
+#include "comm_ops.h"
+
+#include <dlfcn.h>
+#include <string.h>
+#include <time.h>
+
+struct pyccl_reg {
+    PyObject_HEAD
+    pyccl_comm *comm;        /* strong reference, kept until dealloc (messages) */
+    PyObject *tensor;        /* strong reference while open */
+    void *handle;            /* ncclCommRegister's handle or the ncclWindow_t */
+    char *ptr;
+    int64_t nbytes;
+    int window;
+    int open;
+    struct pyccl_reg *next, *prev; /* in comm->regs while open */
+};
+typedef struct pyccl_reg pyccl_reg;
+
+static const char *
+reg_op(int window)
+{
+    return window ? "register_window" : "register";
+}
+
+static void
+unlink_reg(pyccl_reg *r)
+{
+    if (r->prev != NULL) {
+        r->prev->next = r->next;
+    }
+    else if (r->comm != NULL && r->comm->regs == r) {
+        r->comm->regs = r->next;
+    }
+    if (r->next != NULL) {
+        r->next->prev = r->prev;
+    }
+    r->next = r->prev = NULL;
+    r->open = 0;
+}
+
+static double
+mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* One NCCL registration call on c (GIL released by the caller, c entered):
+ * kind 0 register, 1 window register, 2 deregister, 3 window deregister.  On
+ * a communicator with a timeout (non-blocking) an ncclInProgress is polled
+ * with ncclCommGetAsyncError until done or `deadline` (then *late = 1). */
+static ncclResult_t
+nccl_call(const pyccl_api *a, ncclComm_t comm, int kind, void *ptr, size_t n,
+          void **handle, double deadline, int *late, char *last, size_t size)
+{
+    ncclResult_t r;
+    switch (kind) {
+    case 0: r = a->ncclCommRegister(comm, ptr, n, handle); break;
+    case 1:
+        r = a->ncclCommWindowRegister(comm, ptr, n, (ncclWindow_t *)handle,
+                                      NCCL_WIN_COLL_SYMMETRIC);
+        break;
+    case 2: r = a->ncclCommDeregister(comm, *handle); break;
+    default: r = a->ncclCommWindowDeregister(comm, (ncclWindow_t)*handle); break;
+    }
+    while (r == ncclInProgress && a->ncclCommGetAsyncError != NULL) {
+        ncclResult_t e = ncclSuccess;
+        ncclResult_t q = a->ncclCommGetAsyncError(comm, &e);
+        if (q != ncclSuccess) {
+            r = q;
+            break;
+        }
+        if (e != ncclInProgress) {
+            r = e;
+            break;
+        }
+        if (mono_s() > deadline) {
+            *late = 1;
+            break;
+        }
+        struct timespec ts = {0, 1000000}; /* 1 ms */
+        nanosleep(&ts, NULL);
+    }
+    pyccl_nccl_failed(a, r, comm, last, size);
+    return r;
+}
+
+/* The call with c entered and the GIL released; -1 with an exception (a
+ * time-out fails the communicator, as any call on it past its timeout). */
+static int
+call_on_comm(pyccl_state *st, const char *op, pyccl_comm *c, int kind, void *ptr,
+             size_t n, void **handle)
+{
+    if (pyccl_comm_enter(st, op, c) < 0) {
+        return -1;
+    }
+    const pyccl_api *a = &st->api;
+    ncclComm_t comm = c->comm;
+    double timeout = pyccl_comm_timeout(c);
+    double deadline = timeout > 0 ? mono_s() + timeout : 1e300;
+    int late = 0;
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
+    ncclResult_t r;
+    c->inflight++; /* destroy() from another thread refuses meanwhile */
+    Py_BEGIN_ALLOW_THREADS
+    r = nccl_call(a, comm, kind, ptr, n, handle, deadline, &late, last, sizeof last);
+    Py_END_ALLOW_THREADS
+    c->inflight--;
+    pyccl_comm_leave(c);
+    if (late) {
+        char secs[32], reason[256];
+        pyccl_fmt_seconds(secs, sizeof secs, timeout);
+        snprintf(reason, sizeof reason,
+                 "%s: rank %d of %d timed out after %s s waiting for its peers; the "
+                 "communicator was aborted",
+                 op, c->rank, c->size, secs);
+        pyccl_comm_mark_failed(c, reason);
+        if (pyccl_watch_check(st, op, c) == 0) {
+            PyErr_SetString(PyExc_RuntimeError, reason);
+        }
+        return -1;
+    }
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, r, last);
+        return -1;
+    }
+    return 0;
+}
+
+/* Deregister r if its communicator can still take the call; mark it closed
+ * either way.  -1 with an exception when NCCL refused. */
+static int
+close_reg(pyccl_state *st, pyccl_reg *r, int forget)
+{
+    if (!r->open) {
+        return 0;
+    }
+    pyccl_comm *c = r->comm;
+    int rc = 0;
+    int usable = c->comm != NULL && !pyccl_comm_failed(c) && !c->pending;
+    if (!forget && usable && st != NULL && st->api.loaded && !st->exiting) {
+        void *h = r->handle;
+        rc = call_on_comm(st, "Registration.close", c,
+                          r->window ? 3 : 2, NULL, 0, &h);
+    }
+    unlink_reg(r);
+    r->handle = NULL;
+    Py_CLEAR(r->tensor);
+    return rc;
+}
+
+void
+pyccl_release_registrations(pyccl_state *st, pyccl_comm *c, int forget)
+{
+    /* newest first: windows were made in one order on every rank, and go in
+     * the reverse one on every rank */
+    while (c->regs != NULL) {
+        pyccl_reg *r = c->regs;
+        PyObject *exc = PyErr_GetRaisedException();
+        if (close_reg(st, r, forget || st->exiting) < 0) {
+            PyErr_Clear();
+        }
+        PyErr_SetRaisedException(exc);
+        if (c->regs == r) { /* cannot happen: close_reg unlinks */
+            unlink_reg(r);
+        }
+    }
+}
+
+/* ---------------- the driver's view: is the memory cuMem's? ---------------- */
+
+typedef int (*retain_fn)(unsigned long long *, void *);
+typedef int (*release_fn)(unsigned long long);
+
+/* 1: cuMem-backed, 0: not, -1: the driver cannot tell (NCCL decides). */
+static int
+is_cumem(void *ptr)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (h == NULL) {
+        h = dlopen("libcuda.so.1", RTLD_NOW);
+    }
+    if (h == NULL) {
+        return -1;
+    }
+    retain_fn retain = (retain_fn)dlsym(h, "cuMemRetainAllocationHandle");
+    release_fn release = (release_fn)dlsym(h, "cuMemRelease");
+    int ok = -1;
+    if (retain != NULL && release != NULL) {
+        unsigned long long handle = 0;
+        if (retain(&handle, ptr) == 0) {
+            release(handle); /* the retain took a reference */
+            ok = 1;
+        }
+        else {
+            ok = 0;
+        }
+    }
+    dlclose(h);
+    return ok;
+}
+
+/* ---------------- register / register_window ---------------- */
+
+#define NOT_CUMEM_HINT                                                                 \
+    "the tensor's memory was not allocated with cuMem (torch's default caching "       \
+    "allocator uses cudaMalloc); allocate it with pyccl.empty() or inside "            \
+    "torch.cuda.use_mem_pool(pyccl.mem_pool())"
+
+enum { REC_OK = 0, REC_REFUSED = 1, REC_NOT_CUMEM = 2 };
+
+/* The ranks' (nbytes, state) through an all_gather on c itself, synchronously
+ * on stream s; fills all[2 * size].  -1 with an exception. */
+static int
+exchange(call_ctx *x, cudaStream_t s, const int64_t mine[2], int64_t *all)
+{
+    pyccl_state *st = x->st;
+    pyccl_comm *c = x->c;
+    const pyccl_api *a = &st->api;
+    size_t rec = 2 * sizeof(int64_t);
+    char *dev = NULL;
+    cudaError_t ce;
+    const char *what = "cudaMalloc";
+    if (a->cudaMemcpy == NULL) {
+        PyErr_Format(PyExc_RuntimeError, "%s: the loaded CUDA runtime lacks cudaMemcpy",
+                     x->op);
+        return -1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    int prev = -1;
+    a->cudaGetDevice(&prev);
+    a->cudaSetDevice(c->device);
+    ce = a->cudaMalloc((void **)&dev, rec * (size_t)c->size);
+    if (ce == cudaSuccess) {
+        what = "cudaMemcpy";
+        ce = a->cudaMemcpy(dev + rec * (size_t)c->rank, mine, rec, cudaMemcpyHostToDevice);
+    }
+    if (ce == cudaSuccess) {
+        what = "cudaDeviceSynchronize"; /* the copy is done before s reads it */
+        ce = a->cudaDeviceSynchronize();
+    }
+    a->cudaSetDevice(prev);
+    Py_END_ALLOW_THREADS
+    if (ce != cudaSuccess) {
+        pyccl_raise_cuda(st, x->op, what, ce);
+        goto error;
+    }
+    pyccl_task tk;
+    ops_task(&tk, PYCCL_ALL_GATHER, dev + rec * (size_t)c->rank, dev, rec, ncclUint8, 0, x, s);
+    int rc;
+    c->inflight++;
+    if (c->watch != NULL) {
+        rc = pyccl_enqueue_timed(st, x->op, &tk, 1, ncclSum, &c, 1);
+        c->inflight--;
+        if (rc < 0 || pyccl_watch_wait(st, x->op, c, pyccl_comm_timeout(c)) < 0) {
+            goto error;
+        }
+    }
+    else {
+        rc = pyccl_enqueue(st, x->op, &tk, 1, ncclSum, NULL, &c, 1);
+        c->inflight--;
+        if (rc < 0) {
+            goto error;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    int prev = -1;
+    a->cudaGetDevice(&prev);
+    a->cudaSetDevice(c->device);
+    what = "cudaStreamSynchronize";
+    ce = a->cudaStreamSynchronize(s);
+    if (ce == cudaSuccess) {
+        what = "cudaMemcpy";
+        ce = a->cudaMemcpy(all, dev, rec * (size_t)c->size, cudaMemcpyDeviceToHost);
+    }
+    a->cudaFree(dev);
+    a->cudaSetDevice(prev);
+    Py_END_ALLOW_THREADS
+    if (ce != cudaSuccess) {
+        pyccl_raise_cuda(st, x->op, what, ce);
+        return -1;
+    }
+    return 0;
+error:
+    if (dev != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        int prev = -1;
+        a->cudaGetDevice(&prev);
+        a->cudaSetDevice(c->device);
+        a->cudaFree(dev);
+        a->cudaSetDevice(prev);
+        Py_END_ALLOW_THREADS
+    }
+    return -1;
+}
+
+/* After the exchange: ValueError on every rank when the sizes differ, else
+ * the first refusing rank's reason (its own exception on that rank). */
+static int
+agree(call_ctx *x, const int64_t *all, PyObject *own_error)
+{
+    int n = x->c->size;
+    int same = 1;
+    for (int r = 1; r < n; r++) {
+        same &= all[2 * r] == all[0];
+    }
+    if (!same) {
+        PyObject *parts = PyList_New(0);
+        if (parts == NULL) {
+            return -1;
+        }
+        for (int r = 0; r < n; r++) {
+            PyObject *p = PyUnicode_FromFormat("rank %d: %lld", r, (long long)all[2 * r]);
+            if (p == NULL || PyList_Append(parts, p) < 0) {
+                Py_XDECREF(p);
+                Py_DECREF(parts);
+                return -1;
+            }
+            Py_DECREF(p);
+        }
+        PyObject *sep = PyUnicode_FromString(", ");
+        PyObject *joined = sep ? PyUnicode_Join(sep, parts) : NULL;
+        Py_XDECREF(sep);
+        Py_DECREF(parts);
+        if (joined == NULL) {
+            return -1;
+        }
+        PyErr_Format(PyExc_ValueError,
+                     "%s: every rank must register the same number of bytes; %U", x->op,
+                     joined);
+        Py_DECREF(joined);
+        return -1;
+    }
+    for (int r = 0; r < n; r++) {
+        int64_t state = all[2 * r + 1];
+        if (state == REC_OK) {
+            continue;
+        }
+        if (r == x->c->rank && own_error != NULL) {
+            PyErr_SetRaisedException(Py_NewRef(own_error));
+        }
+        else if (r == x->c->rank) {
+            PyErr_Format(PyExc_ValueError, "%s: %s", x->op, NOT_CUMEM_HINT);
+        }
+        else {
+            PyErr_Format(state == REC_NOT_CUMEM ? PyExc_ValueError : PyExc_RuntimeError,
+                         "%s: rank %d %s (see the error on that rank); nothing was "
+                         "registered",
+                         x->op, r,
+                         state == REC_NOT_CUMEM
+                             ? "gave memory that was not allocated with cuMem"
+                             : "refused its tensor");
+        }
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+make_reg(call_ctx *x, PyObject *tensor, const pyccl_tensor *t, void *handle, int window)
+{
+    PyTypeObject *tp = (PyTypeObject *)x->st->RegistrationType;
+    pyccl_reg *r = (pyccl_reg *)tp->tp_alloc(tp, 0);
+    if (r == NULL) {
+        return NULL;
+    }
+    r->comm = (pyccl_comm *)Py_NewRef((PyObject *)x->c);
+    r->tensor = Py_NewRef(tensor);
+    r->handle = handle;
+    r->ptr = t->ptr;
+    r->nbytes = t->nbytes;
+    r->window = window;
+    r->open = 1;
+    r->next = x->c->regs;
+    if (r->next != NULL) {
+        r->next->prev = r;
+    }
+    x->c->regs = r;
+    return (PyObject *)r;
+}
+
+/* The checks of one rank's tensor: 0, or -1 with the exception set. */
+static int
+check_tensor(call_ctx *x, PyObject *tensor, pyccl_tensor *t)
+{
+    if (ops_read_on_comm(x, "tensor", tensor, t) < 0) {
+        return -1;
+    }
+    if (t->nbytes == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: tensor has no bytes to register (0 elements)",
+                     x->op);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+do_register(PyObject *self, PyObject *tensor, int window)
+{
+    call_ctx x;
+    const char *op = reg_op(window);
+    cudaStream_t s;
+    if (ops_ctx_init(&x, self, op) < 0 || pyccl_comm_alive(x.st, op, x.c) < 0) {
+        return NULL;
+    }
+    const pyccl_api *a = &x.st->api;
+    if (pyccl_need_nccl(x.st, op,
+                        window ? (const void *)a->ncclCommWindowRegister
+                               : (const void *)a->ncclCommRegister,
+                        window ? "ncclCommWindowRegister" : "ncclCommRegister",
+                        window ? "2.27" : "2.19") < 0 ||
+        ops_stream(&x, Py_None, &s) < 0) {
+        return NULL;
+    }
+    enum cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    cudaError_t ce = a->cudaStreamIsCapturing(s, &capturing);
+    if (ce != cudaSuccess) {
+        pyccl_raise_cuda(x.st, op, "cudaStreamIsCapturing", ce);
+        return NULL;
+    }
+    if (capturing != cudaStreamCaptureStatusNone) { /* NCCL 2.28/2.29 crash when asked to */
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: cannot register memory during CUDA graph capture; register "
+                     "before capturing",
+                     op);
+        return NULL;
+    }
+    pyccl_tensor t;
+    memset(&t, 0, sizeof t);
+    void *handle = NULL;
+    if (!window) {
+        if (check_tensor(&x, tensor, &t) < 0 ||
+            pyccl_comm_alive(x.st, op, x.c) < 0 || /* the tensor's code may destroy it */
+            call_on_comm(x.st, op, x.c, 0, t.ptr, (size_t)t.nbytes, &handle) < 0) {
+            return NULL;
+        }
+        return make_reg(&x, tensor, &t, handle, 0);
+    }
+    /* Collective: a local refusal is exchanged too, so every rank raises. */
+    int64_t mine[2] = {0, REC_OK};
+    PyObject *own = NULL;
+    if (check_tensor(&x, tensor, &t) < 0) {
+        own = PyErr_GetRaisedException();
+        mine[1] = REC_REFUSED;
+    }
+    else {
+        mine[0] = t.nbytes;
+        if (is_cumem(t.ptr) == 0) {
+            mine[1] = REC_NOT_CUMEM;
+        }
+    }
+    int64_t *all = PyMem_Calloc((size_t)x.c->size, 2 * sizeof(int64_t));
+    if (all == NULL) {
+        Py_XDECREF(own);
+        return PyErr_NoMemory();
+    }
+    int rc = pyccl_comm_alive(x.st, op, x.c) < 0 || exchange(&x, s, mine, all) < 0 ||
+             agree(&x, all, own) < 0;
+    PyMem_Free(all);
+    Py_XDECREF(own);
+    if (rc || call_on_comm(x.st, op, x.c, 1, t.ptr, (size_t)t.nbytes, &handle) < 0) {
+        return NULL;
+    }
+    return make_reg(&x, tensor, &t, handle, 1);
+}
+
+PyObject *
+pyccl_comm_register(PyObject *self, PyObject *tensor)
+{
+    return do_register(self, tensor, 0);
+}
+
+PyObject *
+pyccl_comm_register_window(PyObject *self, PyObject *tensor)
+{
+    return do_register(self, tensor, 1);
+}
+
+/* ---------------- pyccl.Registration ---------------- */
+
+static pyccl_state *
+reg_state(PyObject *self)
+{
+    return PyType_GetModuleState(Py_TYPE(self));
+}
+
+static PyObject *
+reg_close(PyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    pyccl_reg *r = (pyccl_reg *)self;
+    if (close_reg(reg_state(self), r, 0) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+reg_enter(PyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    pyccl_reg *r = (pyccl_reg *)self;
+    if (!r->open) {
+        PyErr_Format(PyExc_RuntimeError, "Registration: the registration is closed");
+        return NULL;
+    }
+    return Py_NewRef(self);
+}
+
+static PyObject *
+reg_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)args;
+    (void)nargs;
+    return reg_close(self, NULL);
+}
+
+static void
+reg_dealloc(PyObject *self)
+{
+    pyccl_reg *r = (pyccl_reg *)self;
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    pyccl_state *st = PyType_GetModuleState(tp);
+    if (r->open) {
+        PyObject *exc = PyErr_GetRaisedException();
+        /* nobody to report a failure to; at exit: nothing is freed */
+        if (close_reg(st, r, st == NULL || st->exiting || Py_IsFinalizing()) < 0) {
+            PyErr_Clear();
+        }
+        PyErr_SetRaisedException(exc);
+    }
+    Py_CLEAR(r->tensor);
+    Py_CLEAR(r->comm);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static int
+reg_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    pyccl_reg *r = (pyccl_reg *)self;
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(r->tensor);
+    Py_VISIT((PyObject *)r->comm);
+    return 0;
+}
+
+/* Why r cannot be used, or NULL while it can. */
+static int
+reg_usable(PyObject *self, const char *what)
+{
+    pyccl_reg *r = (pyccl_reg *)self;
+    if (!r->open) {
+        PyErr_Format(PyExc_RuntimeError, "Registration.%s: the registration is closed",
+                     what);
+        return -1;
+    }
+    pyccl_comm *c = r->comm;
+    if (c->comm == NULL || pyccl_comm_failed(c)) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "Registration.%s: its communicator (rank %d of %d) has been %s", what,
+                     c->rank, c->size, pyccl_comm_failed(c) ? "aborted" : "destroyed");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+reg_get_handle(PyObject *self, void *Py_UNUSED(closure))
+{
+    if (reg_usable(self, "handle") < 0) {
+        return NULL;
+    }
+    return PyLong_FromVoidPtr(((pyccl_reg *)self)->handle);
+}
+
+static PyObject *
+reg_get_tensor(PyObject *self, void *Py_UNUSED(closure))
+{
+    if (reg_usable(self, "tensor") < 0) {
+        return NULL;
+    }
+    return Py_NewRef(((pyccl_reg *)self)->tensor);
+}
+
+static PyObject *
+reg_get_closed(PyObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(!((pyccl_reg *)self)->open);
+}
+
+static PyObject *
+reg_get_window(PyObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(((pyccl_reg *)self)->window);
+}
+
+static PyObject *
+reg_get_nbytes(PyObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLongLong(((pyccl_reg *)self)->nbytes);
+}
+
+static PyObject *
+reg_get_data_ptr(PyObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromVoidPtr(((pyccl_reg *)self)->ptr);
+}
+
+static PyObject *
+reg_get_comm(PyObject *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef((PyObject *)((pyccl_reg *)self)->comm);
+}
+
+static PyObject *
+reg_repr(PyObject *self)
+{
+    pyccl_reg *r = (pyccl_reg *)self;
+    return PyUnicode_FromFormat("<pyccl.Registration %s %lld bytes at %p rank=%d%s>",
+                                r->window ? "window" : "buffer", (long long)r->nbytes,
+                                (void *)r->ptr, r->comm->rank, r->open ? "" : " closed");
+}
+
+static PyMethodDef reg_methods[] = {
+    {"close", reg_close, METH_NOARGS,
+     "close($self, /)\n--\n\nDeregister now (idempotent). A window's close is "
+     "collective: close windows on every rank, in the same order."},
+    {"__enter__", reg_enter, METH_NOARGS, "__enter__($self, /)\n--\n\nReturn the handle."},
+    {"__exit__", (PyCFunction)(void (*)(void))reg_exit, METH_FASTCALL,
+     "__exit__($self, exc_type, exc, tb, /)\n--\n\nclose()."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef reg_getset[] = {
+    {"handle", reg_get_handle, NULL,
+     "NCCL's registration handle or ncclWindow_t, as an int (RuntimeError once "
+     "closed or its communicator is gone).", NULL},
+    {"tensor", reg_get_tensor, NULL, "The registered tensor (kept alive while open).", NULL},
+    {"closed", reg_get_closed, NULL,
+     "True after close(), or once its communicator was destroyed or aborted.", NULL},
+    {"window", reg_get_window, NULL,
+     "True for register_window()'s handles, False for register()'s.", NULL},
+    {"nbytes", reg_get_nbytes, NULL, "Bytes registered.", NULL},
+    {"data_ptr", reg_get_data_ptr, NULL, "The address registered (int).", NULL},
+    {"communicator", reg_get_comm, NULL, "The Communicator it was registered with.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot reg_slots[] = {
+    {Py_tp_dealloc, reg_dealloc},
+    {Py_tp_traverse, reg_traverse},
+    {Py_tp_repr, reg_repr},
+    {Py_tp_methods, reg_methods},
+    {Py_tp_getset, reg_getset},
+    {Py_tp_doc,
+     "A buffer registered with a communicator (Communicator.register) or a "
+     "symmetric window (Communicator.register_window). close() or a `with` "
+     "block deregisters; destroy() of the communicator deregisters every open "
+     "handle, abort() forgets them."},
+    {0, NULL},
+};
+
+PyType_Spec pyccl_reg_spec = {
+    .name = "pyccl.Registration",
+    .basicsize = sizeof(pyccl_reg),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = reg_slots,
+};

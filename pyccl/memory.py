@@ -1,0 +1,107 @@
+"""Memory NCCL can register as a symmetric window: pyccl.empty() and pyccl.mem_pool().
+
+Both take their memory from ncclMemAlloc (cuMem-backed, NCCL >= 2.19), which
+Communicator.register_window needs; torch's default caching allocator uses cudaMalloc.
+"""
+import operator
+import threading
+
+import torch
+
+from . import _C
+
+
+def _shape(shape):
+    if isinstance(shape, bool):
+        raise TypeError(f"empty: shape must be an int or a sequence of ints, got {shape!r}")
+    try:
+        return (operator.index(shape),)
+    except TypeError:
+        pass
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"empty: shape must be an int or a sequence of ints, got {type(shape).__name__}")
+    dims = []
+    for d in shape:
+        if isinstance(d, bool):
+            raise TypeError(f"empty: shape must hold ints, got {d!r} in {tuple(shape)!r}")
+        try:
+            dims.append(operator.index(d))
+        except TypeError:
+            raise TypeError(f"empty: shape must hold ints, got {type(d).__name__} in {tuple(shape)!r}") from None
+    return tuple(dims)
+
+
+def _device(device):
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, bool):
+        raise TypeError(f"empty: device must be an int, 'cuda:N' or a CUDA torch.device, got {device!r}")
+    try:
+        index = operator.index(device)
+    except TypeError:
+        pass
+    else:
+        if index < 0:
+            raise ValueError(f"empty: device must be >= 0, got {index}")
+        return index
+    if isinstance(device, (str, torch.device)):
+        try:
+            d = torch.device(device)
+        except RuntimeError:
+            d = None
+        if d is not None and d.type == "cuda":
+            return torch.cuda.current_device() if d.index is None else d.index
+        raise ValueError(f"empty: device must be a CUDA device, got {str(device)!r}")
+    raise TypeError(f"empty: device must be an int, 'cuda:N' or a CUDA torch.device, got {type(device).__name__}")
+
+
+def empty(shape, dtype=torch.float32, device=None) -> torch.Tensor:
+    """An uninitialised tensor whose memory comes from ncclMemAlloc.
+
+    `shape`: an int or a sequence of ints (no element may be 0: NCCL allocates no empty
+    buffer); `device`: an int, 'cuda:N' or a torch.device (default: the current device).
+    The memory is freed with ncclMemFree once the tensor and every view of it are gone.
+    It can be registered with Communicator.register_window (a symmetric window).
+    """
+    dims = _shape(shape)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"empty: dtype must be a torch.dtype, got {type(dtype).__name__}")
+    for d in dims:
+        if d < 0:
+            raise ValueError(f"empty: shape must not hold negative sizes, got {dims!r}")
+    numel = 1
+    for d in dims:
+        numel *= d
+    if numel == 0:
+        raise ValueError(f"empty: the tensor must have at least one element, got shape {dims!r}")
+    nbytes = numel * dtype.itemsize
+    if nbytes >= 1 << 63:
+        raise ValueError(f"empty: {nbytes} bytes (shape {dims!r}, {dtype}) is too large")
+    dev = _device(device)
+    buf = _C._nccl_mem_alloc(nbytes, dev)
+    # zero-copy: torch keeps a reference to `buf` in the tensor's deleter
+    # (tensor_from_cuda_array_interface), so ncclMemFree waits for the last view
+    t = torch.as_tensor(buf, device=torch.device("cuda", dev))
+    return t.view(dtype).view(dims)
+
+
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def mem_pool():
+    """The process's torch.cuda.MemPool over ncclMemAlloc/ncclMemFree (made on first call).
+
+        with torch.cuda.use_mem_pool(pyccl.mem_pool()):
+            model = Model().cuda()     # parameters in memory NCCL can window-register
+
+    torch's caching allocator serves the tensors from segments of that memory and keeps
+    freed segments cached in the pool (returned by torch.cuda.empty_cache() once unused).
+    """
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            alloc_name, free_name = _C._mem_pool_functions()  # loads NCCL, checks the version
+            allocator = torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, alloc_name, free_name)
+            _pool = torch.cuda.MemPool(allocator.allocator())
+        return _pool
