@@ -412,7 +412,7 @@ comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
     PyObject *r = pyccl_comm_abort(self, NULL);
     if (r != NULL) { /* the handle is gone: so are its registrations */
         pyccl_release_registrations(PyType_GetModuleState(Py_TYPE(self)),
-                                    (pyccl_comm *)self, 1);
+                                    (pyccl_comm *)self, 2);
     }
     return r;
 }

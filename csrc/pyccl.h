@@ -303,9 +303,9 @@ void pyccl_resolve_pending_splits(pyccl_state *st);
 extern PyType_Spec pyccl_reg_spec;
 PyObject *pyccl_comm_register(PyObject *self, PyObject *tensor);
 PyObject *pyccl_comm_register_window(PyObject *self, PyObject *tensor);
-/* Before c's handle goes: deregister its open handles (`forget`: mark them
- * closed without calling NCCL, for abort() and interpreter exit).  Errors
- * are dropped: the communicator goes either way. */
+/* Before c's handle goes: deregister its open handles; `forget` 1 (exit) or
+ * 2 (abort()): mark them closed without calling NCCL.  Errors are dropped:
+ * the communicator goes either way. */
 void pyccl_release_registrations(pyccl_state *st, pyccl_comm *c, int forget);
 
 /* ---- memory.c: pyccl.empty's buffers, the allocator of pyccl.mem_pool() ---- */

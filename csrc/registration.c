@@ -26,6 +26,7 @@ struct pyccl_reg {
     int64_t nbytes;
     int window;
     int open;
+    int gone;                /* closed by its communicator: 1 destroyed, 2 aborted */
     struct pyccl_reg *next, *prev; /* in comm->regs while open */
 };
 typedef struct pyccl_reg pyccl_reg;
@@ -167,11 +168,13 @@ close_reg(pyccl_state *st, pyccl_reg *r, int forget)
 void
 pyccl_release_registrations(pyccl_state *st, pyccl_comm *c, int forget)
 {
+    int gone = forget == 2 ? 2 : 1;
     /* newest first: windows were made in one order on every rank, and go in
      * the reverse one on every rank */
     while (c->regs != NULL) {
         pyccl_reg *r = c->regs;
         PyObject *exc = PyErr_GetRaisedException();
+        r->gone = gone;
         if (close_reg(st, r, forget || st->exiting) < 0) {
             PyErr_Clear();
         }
@@ -309,43 +312,14 @@ error:
     return -1;
 }
 
-/* After the exchange: ValueError on every rank when the sizes differ, else
- * the first refusing rank's reason (its own exception on that rank). */
+/* After the exchange, on every rank alike: the first rank that refused its
+ * tensor (that rank raises its own exception, the others name it), else a
+ * ValueError listing every rank's size when they differ. */
 static int
 agree(call_ctx *x, const int64_t *all, PyObject *own_error)
 {
     int n = x->c->size;
-    int same = 1;
-    for (int r = 1; r < n; r++) {
-        same &= all[2 * r] == all[0];
-    }
-    if (!same) {
-        PyObject *parts = PyList_New(0);
-        if (parts == NULL) {
-            return -1;
-        }
-        for (int r = 0; r < n; r++) {
-            PyObject *p = PyUnicode_FromFormat("rank %d: %lld", r, (long long)all[2 * r]);
-            if (p == NULL || PyList_Append(parts, p) < 0) {
-                Py_XDECREF(p);
-                Py_DECREF(parts);
-                return -1;
-            }
-            Py_DECREF(p);
-        }
-        PyObject *sep = PyUnicode_FromString(", ");
-        PyObject *joined = sep ? PyUnicode_Join(sep, parts) : NULL;
-        Py_XDECREF(sep);
-        Py_DECREF(parts);
-        if (joined == NULL) {
-            return -1;
-        }
-        PyErr_Format(PyExc_ValueError,
-                     "%s: every rank must register the same number of bytes; %U", x->op,
-                     joined);
-        Py_DECREF(joined);
-        return -1;
-    }
+    /* first a rank that refused its argument (its size means nothing then) */
     for (int r = 0; r < n; r++) {
         int64_t state = all[2 * r + 1];
         if (state == REC_OK) {
@@ -368,7 +342,37 @@ agree(call_ctx *x, const int64_t *all, PyObject *own_error)
         }
         return -1;
     }
-    return 0;
+    int same = 1;
+    for (int r = 1; r < n; r++) {
+        same &= all[2 * r] == all[0];
+    }
+    if (same) {
+        return 0;
+    }
+    PyObject *parts = PyList_New(0);
+    if (parts == NULL) {
+        return -1;
+    }
+    for (int r = 0; r < n; r++) {
+        PyObject *p = PyUnicode_FromFormat("rank %d: %lld", r, (long long)all[2 * r]);
+        if (p == NULL || PyList_Append(parts, p) < 0) {
+            Py_XDECREF(p);
+            Py_DECREF(parts);
+            return -1;
+        }
+        Py_DECREF(p);
+    }
+    PyObject *sep = PyUnicode_FromString(", ");
+    PyObject *joined = sep ? PyUnicode_Join(sep, parts) : NULL;
+    Py_XDECREF(sep);
+    Py_DECREF(parts);
+    if (joined == NULL) {
+        return -1;
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "%s: every rank must register the same number of bytes; %U", x->op, joined);
+    Py_DECREF(joined);
+    return -1;
 }
 
 static PyObject *
@@ -493,6 +497,8 @@ pyccl_comm_register_window(PyObject *self, PyObject *tensor)
 
 /* ---------------- pyccl.Registration ---------------- */
 
+static int reg_usable(PyObject *self, const char *what);
+
 static pyccl_state *
 reg_state(PyObject *self)
 {
@@ -512,9 +518,7 @@ reg_close(PyObject *self, PyObject *Py_UNUSED(ignored))
 static PyObject *
 reg_enter(PyObject *self, PyObject *Py_UNUSED(ignored))
 {
-    pyccl_reg *r = (pyccl_reg *)self;
-    if (!r->open) {
-        PyErr_Format(PyExc_RuntimeError, "Registration: the registration is closed");
+    if (reg_usable(self, "__enter__") < 0) {
         return NULL;
     }
     return Py_NewRef(self);
@@ -559,11 +563,19 @@ reg_traverse(PyObject *self, visitproc visit, void *arg)
     return 0;
 }
 
-/* Why r cannot be used, or NULL while it can. */
+/* -1 with RuntimeError saying why r cannot be used; 0 while it can. */
 static int
 reg_usable(PyObject *self, const char *what)
 {
     pyccl_reg *r = (pyccl_reg *)self;
+    if (!r->open && r->gone) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "Registration.%s: the registration was closed when its communicator "
+                     "(rank %d of %d) was %s",
+                     what, r->comm->rank, r->comm->size,
+                     r->gone == 2 ? "aborted" : "destroyed");
+        return -1;
+    }
     if (!r->open) {
         PyErr_Format(PyExc_RuntimeError, "Registration.%s: the registration is closed",
                      what);

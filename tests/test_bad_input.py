@@ -284,6 +284,19 @@ def _cpu_cases():
         "premul_sum: scalar must be a real number, got str")
     add("premul_sum_object", "comm", lambda h: pyccl.premul_sum(object()), TypeError,
         "premul_sum: scalar must be a real number, got object")
+    # pyccl.empty (registered memory): checked before any GPU is touched
+    add("empty_negative_dim", "comm", lambda h: pyccl.empty((3, -1)), ValueError,
+        "empty: shape must not hold negative sizes, got (3, -1)")
+    add("empty_zero_elements", "comm", lambda h: pyccl.empty((3, 0)), ValueError,
+        "empty: the tensor must have at least one element, got shape (3, 0)")
+    add("empty_shape_str", "comm", lambda h: pyccl.empty("8"), TypeError,
+        "empty: shape must be an int or a sequence of ints, got str")
+    add("empty_dtype_str", "comm", lambda h: pyccl.empty(8, dtype="float32"), TypeError,
+        "empty: dtype must be a torch.dtype, got str")
+    add("empty_cpu_device", "comm", lambda h: pyccl.empty(8, device="cpu"), ValueError,
+        "empty: device must be a CUDA device, got 'cpu'")
+    add("empty_negative_device", "comm", lambda h: pyccl.empty(8, device=-1), ValueError,
+        "empty: device must be >= 0, got -1")
     _hostile_cpu_cases(add)
     return C
 
@@ -649,6 +662,17 @@ STAND_IN_CASES = [
     StandIn("destroyed_by_stream-comms", "nccl",
             "fn, args, kw = nccl.broadcast, ([T()],), {'comms': [c], 'streams': [HostileStream(c.destroy)]}",
             "RuntimeError", "broadcast: " + GONE),
+    # 7. registration (the stand-in's registrations are counted; none may be left)
+    StandIn("destroyed_by_numel-register", "comm", "fn, args = c.register, (T(numel=then(c.destroy, 4)),)",
+            "RuntimeError", "register: " + GONE),
+    StandIn("destroyed_by_numel-register_window", "comm",
+            "fn, args = c.register_window, (T(numel=then(c.destroy, 4)),)", "RuntimeError", "register_window: " + GONE),
+    StandIn("aborted-register", "comm", "c.abort()\nfn, args = c.register, (T(),)",
+            "RuntimeError", "register: " + ABORTED),
+    StandIn("data_ptr_null-register", "comm", "fn, args = c.register, (T(data_ptr=0),)",
+            "ValueError", "register: tensor has a null data pointer"),
+    StandIn("device_1-register", "comm", "fn, args = c.register, (T(get_device=1),)",
+            "ValueError", "register: tensor is on cuda:1 but the communicator (rank 0) is on cuda:0"),
     StandIn("timed_destroyed_by_numel-all_reduce", "comm",
             "ct = comm(timeout=5)\nfn, args = ct.all_reduce, (T(numel=then(ct.destroy, 4)),)",
             "RuntimeError", "all_reduce: " + GONE),
@@ -983,6 +1007,28 @@ def _gpu_cases():
     add("zero_elements_stream_still_checked", "nccl",
         lambda g: nccl.all_reduce([ones(0), torch.ones(0, **one)], streams=[None, torch.cuda.Stream(device=0)]),
         ValueError, "all_reduce: streams[1] is a stream of cuda:0 but its tensor is on cuda:1", 2)
+    # ---- registered memory (a one-rank communicator: a window's exchange has no peer to wait for)
+    add("register_cpu_tensor", "comm", lambda g: g.comm.register(torch.ones(2)), ValueError,
+        "register: tensor must be a CUDA tensor, got one on cpu")
+    add("register_window_cpu_tensor", "comm", lambda g: g.comm.register_window(torch.ones(2)), ValueError,
+        "register_window: tensor must be a CUDA tensor, got one on cpu")
+    add("register_non_contiguous", "comm", lambda g: g.comm.register(torch.ones(4, 4, **F).t()), ValueError,
+        "register: tensor must be contiguous")
+    add("register_zero_elements", "comm", lambda g: g.comm.register(ones(0)), ValueError,
+        "register: tensor has no bytes to register (0 elements)")
+    add("register_window_caching_allocator", "comm", lambda g: g.comm.register_window(ones(1024)), ValueError,
+        "register_window: the tensor's memory was not allocated with cuMem (torch's default caching allocator "
+        "uses cudaMalloc); allocate it with pyccl.empty() or inside torch.cuda.use_mem_pool(pyccl.mem_pool())")
+    add("register_destroyed", "comm", lambda g: g.dead.register(ones(2)), RuntimeError,
+        "register: the communicator (rank 0 of 1) has been destroyed")
+    add("register_window_destroyed", "comm", lambda g: g.dead.register_window(ones(2)), RuntimeError,
+        "register_window: the communicator (rank 0 of 1) has been destroyed")
+    add("register_on_cuda1", "comm", lambda g: g.comm.register(torch.ones(2, device="cuda:1")), ValueError,
+        f"register: tensor {ON_1}", 2)
+    add("register_window_on_cuda1", "comm", lambda g: g.comm.register_window(torch.ones(2, device="cuda:1")),
+        ValueError, f"register_window: tensor {ON_1}", 2)
+    add("empty_device_out_of_range", "comm", lambda g: pyccl.empty(8, device=gpu_count()), ValueError,
+        lambda g: f"empty: device {gpu_count()} does not exist (this process sees {gpu_count()} GPUs)")
     return C
 
 

@@ -90,7 +90,9 @@ static __thread int group_nops;
     X(inits) X(aborts) X(destroys) X(finalizes) X(ops) X(misuse)            \
     X(concurrent) X(events_live) X(event_records) X(event_queries)          \
     X(capture_mode_calls) X(capture_violations) X(stream_syncs) X(splits)   \
-    X(redops) X(module_error) X(no_p2p)
+    X(redops) X(module_error) X(no_p2p)                                     \
+    X(mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)         \
+    X(dereg_calls) X(reg_delay) X(reg_hang) X(cumem_held)
 #define DECL(k) static double k;
 KEYS(DECL)
 #undef DECL
@@ -183,7 +185,12 @@ settle(struct fcomm *c)
 
 /* ---------------- NCCL ---------------- */
 
-ncclResult_t ncclGetVersion(int *v) { *v = 22809; return ncclSuccess; }
+/* -DFAKE_NCCL_VERSION=21806 (or 21903): an NCCL without the registration
+ * calls (or without windows), for the "NCCL too old" messages */
+#ifndef FAKE_NCCL_VERSION
+#define FAKE_NCCL_VERSION 22809
+#endif
+ncclResult_t ncclGetVersion(int *v) { *v = FAKE_NCCL_VERSION; return ncclSuccess; }
 
 ncclResult_t
 ncclGetUniqueId(ncclUniqueId *id)
@@ -872,6 +879,204 @@ cudaThreadExchangeStreamCaptureMode(int *mode)
     return cudaSuccess;
 }
 
+/* ---------------- registered memory ----------------
+ * ncclMemAlloc hands out host memory and remembers it, so that the driver's
+ * cuMemRetainAllocationHandle (this library is also libcuda.so.1 where a test
+ * links it so) can tell cuMem memory from other memory, and a window over
+ * other memory fails as NCCL's would.  On a non-blocking communicator a
+ * registration completes after `reg_delay` s (never with `reg_hang`). */
+cudaError_t
+cudaMemcpy(void *dst, const void *src, size_t n, int kind)
+{
+    (void)kind;
+    memmove(dst, src, n);
+    return cudaSuccess;
+}
+
+#if FAKE_NCCL_VERSION >= 21900
+static struct { char *p; size_t n; } mem[256];
+
+static int
+is_nccl_mem(const void *p)
+{
+    for (int i = 0; i < 256; i++) {
+        if (mem[i].p != NULL && (const char *)p >= mem[i].p && (const char *)p < mem[i].p + mem[i].n) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+ncclResult_t
+ncclMemAlloc(void **ptr, size_t size)
+{
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < 256; i++) {
+        if (mem[i].p == NULL) {
+            mem[i].p = calloc(1, size);
+            mem[i].n = size;
+            *ptr = mem[i].p;
+            mem_live++;
+            mem_allocs++;
+            pthread_mutex_unlock(&mu);
+            return ncclSuccess;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return ncclSystemError;
+}
+
+ncclResult_t
+ncclMemFree(void *ptr)
+{
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < 256; i++) {
+        if (mem[i].p == ptr && ptr != NULL) {
+            free(mem[i].p);
+            mem[i].p = NULL;
+            mem_live--;
+            pthread_mutex_unlock(&mu);
+            return ncclSuccess;
+        }
+    }
+    misuse++; /* not ours, or freed twice */
+    pthread_mutex_unlock(&mu);
+    return ncclInvalidArgument;
+}
+
+typedef int CUresult_;
+
+CUresult_
+cuMemRetainAllocationHandle(unsigned long long *handle, void *addr)
+{
+    pthread_mutex_lock(&mu);
+    int ok = is_nccl_mem(addr);
+    if (ok) {
+        cumem_held++;
+        *handle = (unsigned long long)(uintptr_t)addr;
+    }
+    pthread_mutex_unlock(&mu);
+    return ok ? 0 : 1; /* CUDA_ERROR_INVALID_VALUE */
+}
+
+CUresult_
+cuMemRelease(unsigned long long handle)
+{
+    (void)handle;
+    pthread_mutex_lock(&mu);
+    cumem_held--;
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
+/* A registration call on c: in progress for a while on a non-blocking one. */
+static ncclResult_t
+reg_finish(struct fcomm *c)
+{
+    if (!c->blocking) {
+        c->state = ncclInProgress;
+        c->ready_at = reg_hang ? INFINITY : now() + reg_delay;
+        return ncclInProgress;
+    }
+    return ncclSuccess;
+}
+
+ncclResult_t
+ncclCommRegister(const ncclComm_t c, void *buff, size_t size, void **handle)
+{
+    pthread_mutex_lock(&mu);
+    if (enter(c) < 0) {
+        pthread_mutex_unlock(&mu);
+        return ncclInvalidArgument;
+    }
+    settle(c);
+    if (c->state == ncclInProgress) {
+        misuse++;
+    }
+    reg_calls++;
+    registered++;
+    *handle = (char *)buff + size; /* any non-NULL token */
+    ncclResult_t r = reg_finish(c);
+    leave(c);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+ncclResult_t
+ncclCommDeregister(const ncclComm_t c, void *handle)
+{
+    pthread_mutex_lock(&mu);
+    if (enter(c) < 0) {
+        pthread_mutex_unlock(&mu);
+        return ncclInvalidArgument;
+    }
+    settle(c);
+    if (handle == NULL || registered <= 0) {
+        misuse++;
+    }
+    dereg_calls++;
+    registered--;
+    ncclResult_t r = reg_finish(c);
+    leave(c);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+#if FAKE_NCCL_VERSION >= 22700
+typedef struct fwin { int magic; void *p; } fwin;
+
+ncclResult_t
+ncclCommWindowRegister(ncclComm_t c, void *buff, size_t size, fwin **win, int flags)
+{
+    (void)size;
+    pthread_mutex_lock(&mu);
+    if (enter(c) < 0) {
+        pthread_mutex_unlock(&mu);
+        return ncclInvalidArgument;
+    }
+    settle(c);
+    ncclResult_t r = ncclSuccess;
+    if (flags != 1 /* NCCL_WIN_COLL_SYMMETRIC */ || !is_nccl_mem(buff)) {
+        r = ncclInvalidArgument; /* NCCL: not cuMem memory */
+    }
+    else {
+        reg_calls++;
+        windows++;
+        *win = calloc(1, sizeof(fwin));
+        (*win)->magic = MAGIC;
+        (*win)->p = buff;
+        r = reg_finish(c);
+    }
+    leave(c);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+ncclResult_t
+ncclCommWindowDeregister(ncclComm_t c, fwin *win)
+{
+    pthread_mutex_lock(&mu);
+    if (enter(c) < 0) {
+        pthread_mutex_unlock(&mu);
+        return ncclInvalidArgument;
+    }
+    settle(c);
+    if (win == NULL || win->magic != MAGIC) {
+        misuse++;
+    }
+    else {
+        win->magic = 0; /* never freed: a second deregister is seen */
+    }
+    dereg_calls++;
+    windows--;
+    ncclResult_t r = reg_finish(c);
+    leave(c);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+#endif
+#endif
+
 #ifdef FAKE_PEER_MEMORY
 /* ---------------- peer memory, and the driver's module calls ----------------
  * What the own kernels' set-up (csrc/fastar.c) needs before it launches
@@ -886,14 +1091,6 @@ cudaError_t
 cudaMemset(void *p, int v, size_t n)
 {
     memset(p, v, n);
-    return cudaSuccess;
-}
-
-cudaError_t
-cudaMemcpy(void *dst, const void *src, size_t n, int kind)
-{
-    (void)kind;
-    memmove(dst, src, n);
     return cudaSuccess;
 }
 
