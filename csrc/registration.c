@@ -444,6 +444,15 @@ do_register(PyObject *self, PyObject *tensor, int window)
                      op);
         return NULL;
     }
+    if (pyccl_group_depth() > 0) {
+        /* a window's exchange would only be queued until the group ends,
+         * and NCCL fills a handle made in a group only then */
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: cannot register memory inside pyccl.group(); register before "
+                     "the group",
+                     op);
+        return NULL;
+    }
     pyccl_tensor t;
     memset(&t, 0, sizeof t);
     void *handle = NULL;

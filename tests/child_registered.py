@@ -115,6 +115,12 @@ def lifecycle():
     expect(RuntimeError, "register_window: " + CAPTURE, c.register_window, buf)
     put("capturing", 0)
     assert get("ops") == ops and get("registered") == 0
+    # inside pyccl.group(): the exchange would only be queued, so refused too
+    with pyccl.group():
+        for fn in (c.register, c.register_window):
+            expect(RuntimeError, f"{fn.__name__}: cannot register memory inside pyccl.group(); register before "
+                   "the group", fn, buf)
+    assert get("ops") == ops and get("registered") == 0
 
     # destroy() deregisters every open handle first
     r1, r2, w1 = c.register(buf), c.register(buf), c.register_window(buf)

@@ -1119,3 +1119,39 @@ def test_test_data_reductions_are_exact_even_at_the_ends_of_the_range(world):
                     assert torch.equal(got.to(torch.float64), D.reduce_ref(v, op, torch.float64)), (
                         dtype, D.OP_NAMES[op], world)
             assert D.same_bits(D.to_dtype(vals[0], dtype), D.to_dtype(vals[0].clone(), dtype))
+
+
+def test_registered_adds_the_window_system_and_its_ratios(monkeypatch, capsys, tmp_path):
+    """--registered: nccl-symm (NCCL's all_reduce on symmetric windows) after the primary system,
+    with its own comparison column; refused outside the per-rank sweep."""
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
+    sweep = _fake_sweep()
+    seen = []
+
+    def run_sweep(system, n, cfg, on_info, on_row, on_progress):
+        seen.append(system)
+        return sweep("pyccl" if system == "nccl-symm" else system, n, cfg, on_info, on_row, on_progress)
+    monkeypatch.setattr(runner, "run_sweep", run_sweep)
+    assert cli.main(["-b", "1K", "-e", "2K", "-f", "2", "--registered", "--no-progress",
+                     "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert seen == ["pyccl", "nccl-symm"]
+    assert "# pyccl.bench: nccl-symm (NCCL all_reduce on pyccl.empty buffers registered as symmetric " \
+           "windows, one process per GPU), 2 ranks" in out
+    assert "# Comparison" in out and "nccl-symm" in out[out.index("# Comparison"):]
+    config, _, _ = R.read_json(tmp_path / "r.json")
+    assert config["systems"] == ["pyccl", "nccl-symm"]
+    for extra in (["--api", "nccl"], ["--host-overhead"], ["--algos", "nccl"]):
+        with pytest.raises(SystemExit):
+            cli.main(["--registered", *extra])
+        assert "--registered adds a system to the sweep" in capsys.readouterr().err
+
+
+def test_symm_driver_only_builds_all_reduce():
+    from pyccl.bench import drivers
+    d = drivers._PycclSymm.__new__(drivers._PycclSymm)
+    d.ok, d.comm, d.ops = True, None, {"sum": 0}
+    assert d.build("broadcast", "in-place", "sum", 0, [(None, None)]) is None
+    assert d.build("all_reduce", "in-place", "sum", 0, [(None, None)]) is not None
+    d.ok = False
+    assert d.build("all_reduce", "in-place", "sum", 0, [(None, None)]) is None

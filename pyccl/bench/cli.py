@@ -25,11 +25,14 @@ _DESCRIBE = {"pyccl": "per-rank API, one process per GPU",
              "pyccl.nccl": "torch.cuda.nccl drop-in, one process driving every GPU",
              "torch.distributed": "nccl backend, one process per GPU",
              runner.DIST_PYCCL: "pyccl backend, one process per GPU",
-             "torch.cuda.nccl": "one process driving every GPU"}
+             "torch.cuda.nccl": "one process driving every GPU",
+             runner.SYMM_SYSTEM: "NCCL all_reduce on pyccl.empty buffers registered as symmetric "
+                                 "windows, one process per GPU"}
 
 _EPILOG = """\
 examples:
   python -m pyccl.bench -b 8 -e 128M -f 2 -g 2                 all_reduce sweep on 2 GPUs
+  python -m pyccl.bench -b 8 -e 128M -f 2 --algo nccl --registered   NCCL on plain vs window memory
   python -m pyccl.bench -t all -b 1K -e 1G -f 4 --compare --json out.json --plot out.png
   python -m pyccl.bench -b 8 -e 256K -f 8 -G 10                 captured in a CUDA graph
   python -m pyccl.bench --host-overhead                          CPU us per call, 4 systems
@@ -95,6 +98,10 @@ def build_parser():
     a("--compare", action="store_true",
       help="also run torch.distributed (on nccl and on pyccl) and torch.cuda.nccl and print "
            "pyccl/peer ratios")
+    a("--registered", action="store_true",
+      help="also run nccl-symm: NCCL's all_reduce (algo=nccl) on pyccl.empty buffers registered "
+           "as symmetric windows (NCCL >= 2.27; other collectives read N/A), and print "
+           "pyccl/nccl-symm ratios")
     a("--host-overhead", action="store_true",
       help="instead of the sweep: CPU and GPU us per 1-element all_reduce call, four systems")
     a("--host-iters", type=int, default=None,
@@ -185,6 +192,9 @@ def make_config(args):
                       ("blocking", 0), ("repeats", 1), ("host_iters", 1), ("root", 0)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    if args.registered and (mode != "sweep" or args.api != "comm"):
+        raise ValueError("--registered adds a system to the sweep of pyccl's per-rank API "
+                         "(not with --api nccl, --algos, --host-overhead or --host-breakdown)")
     if args.ngpus is not None and args.ngpus < 1:
         raise ValueError(f"--ngpus must be >= 1, got {args.ngpus}")
     if args.timeout <= 0:
@@ -305,6 +315,9 @@ def main(argv=None):
         systems = ["pyccl", "pyccl.nccl"] + PEERS
     else:
         systems = [primary] + (PEERS if args.compare else [])
+    peers = (PEERS if args.compare else []) + ([runner.SYMM_SYSTEM] if args.registered else [])
+    if args.registered and cfg["mode"] == "sweep":
+        systems.append(runner.SYMM_SYSTEM)
     for system in systems:
         try:
             if cfg["mode"] == "host":
@@ -328,8 +341,8 @@ def main(argv=None):
             failed.append(system)
     if host:
         printer.emit(R.format_host(host, cfg["host_iters"], cfg["repeats"]))
-    if args.compare and results:
-        printer.emit(R.format_comparison(R.compare(results, primary, PEERS), primary, PEERS))
+    if peers and results:
+        printer.emit(R.format_comparison(R.compare(results, primary, peers), primary, peers))
     if any(r.wrong for r in results if r.system == primary):
         print(f"pyccl.bench: {primary} produced wrong results (see #wrong)", file=sys.stderr)
         status = 1

@@ -20,6 +20,9 @@ SYSTEMS = PER_RANK + SINGLE
 # wall clock, so the CPU tests can drive the whole multi-process pipeline without a GPU; and
 # the one-process, tensor-per-device shape of SINGLE on CPU tensors, for the same reason.
 CPU_SYSTEM = "gloo-cpu"
+# --registered: NCCL's all_reduce (algo="nccl") on pyccl.empty buffers registered as symmetric
+# windows (Communicator.register_window), pyccl's per-rank API otherwise
+SYMM_SYSTEM = "nccl-symm"
 CPU_LISTS_SYSTEM = "lists-cpu"
 ONE_PROCESS = SINGLE + (CPU_LISTS_SYSTEM,)  # one process drives every rank
 
@@ -33,6 +36,8 @@ def make_driver(system, rank, nranks, rendezvous, barrier, timeout):
         return _TorchDist(rank, nranks, rendezvous, barrier, timeout)
     if system == DIST_PYCCL:
         return _TorchDistPyccl(rank, nranks, rendezvous, barrier, timeout)
+    if system == SYMM_SYSTEM:
+        return _PycclSymm(rank, nranks, rendezvous, barrier, timeout)
     if system == CPU_SYSTEM:
         return _GlooCPU(rank, nranks, rendezvous, barrier, timeout)
     if system in SINGLE:
@@ -136,6 +141,46 @@ class _PycclComm(_Driver):
 
     def close(self):
         self.comm.destroy()
+
+
+class _PycclSymm(_PycclComm):
+    """NCCL's all_reduce on symmetric windows: every buffer from pyccl.empty (ncclMemAlloc),
+    registered with register_window on every rank (the same sizes everywhere, as the sweep
+    allocates the same capacity on every rank); other collectives read N/A.  Needs NCCL >= 2.27;
+    on an older one every entry reads N/A."""
+
+    def __init__(self, rank, nranks, uid, barrier, timeout):
+        super().__init__(rank, nranks, uid, barrier, timeout)
+        self.ok = self.pyccl.nccl.version() >= (2, 27, 0)
+        self.windows = []
+
+    def buffers(self, cap, dtype, dev):
+        """(send, recv) of cap elements: windows where this NCCL has them."""
+        import torch
+        if not self.ok:
+            return (torch.empty(cap, dtype=dtype, device=self.place(dev)),
+                    torch.empty(cap, dtype=dtype, device=self.place(dev)))
+        pair = (self.pyccl.empty(cap, dtype=dtype, device=dev), self.pyccl.empty(cap, dtype=dtype, device=dev))
+        self.windows += [self.comm.register_window(t) for t in pair]  # collective, same order everywhere
+        return pair
+
+    def release(self):
+        self.sync()
+        while self.windows:
+            self.windows.pop().close()   # newest first, on every rank alike
+
+    def build(self, coll, placement, op, root, bufs):
+        if coll != "all_reduce" or not self.ok:
+            return None
+        (inp, out), = bufs
+        c, o = self.comm, self.ops.get(op)
+        if placement == "in-place":
+            return lambda: c.all_reduce(inp, o, algo="nccl")
+        return lambda: c.all_reduce(inp, o, out=out, algo="nccl")
+
+    def close(self):
+        self.release()
+        super().close()
 
 
 class _TorchDist(_Driver):

@@ -28,7 +28,8 @@ from . import report as R
 from . import sizes as S
 from . import spawn as SP
 from .drivers import (  # noqa: F401
-    CPU_LISTS_SYSTEM, CPU_SYSTEM, DIST_PYCCL, ONE_PROCESS, PER_RANK, SINGLE, SYSTEMS, make_driver)
+    CPU_LISTS_SYSTEM, CPU_SYSTEM, DIST_PYCCL, ONE_PROCESS, PER_RANK, SINGLE, SYMM_SYSTEM, SYSTEMS,
+    make_driver)
 
 EXIT_GRACE_S = 30.0
 KILL_WAIT_S = 20.0  # after SIGKILL: a process tearing down GPU contexts can take a few seconds
@@ -124,8 +125,11 @@ def _sweep(drv, cfg, out):
             tdtype, el = getattr(torch, S.DTYPES[dtype][0]), S.elem_size(dtype)
             counts = [S.coll_counts(coll, size, el, n) for size in cfg["sizes"]]
             cap = max([max(c.sendcount, c.recvcount) for c in counts] + [1])
-            send = [torch.empty(cap, dtype=tdtype, device=drv.place(d)) for d in drv.devices]
-            recv = [torch.empty(cap, dtype=tdtype, device=drv.place(d)) for d in drv.devices]
+            if hasattr(drv, "buffers"):  # nccl-symm: registered windows
+                send, recv = (list(x) for x in zip(*[drv.buffers(cap, tdtype, d) for d in drv.devices]))
+            else:
+                send = [torch.empty(cap, dtype=tdtype, device=drv.place(d)) for d in drv.devices]
+                recv = [torch.empty(cap, dtype=tdtype, device=drv.place(d)) for d in drv.devices]
             for op in S.ops_for(coll, cfg["ops"]):
                 for si, cc in enumerate(counts):
                     entries = {}
@@ -144,6 +148,8 @@ def _sweep(drv, cfg, out):
                                        cfg, seed)
                         entries[placement] = {"times": times, "wrong": wrong}
                     out.put(("row", (coll, dtype, op, si), drv.ranks, entries))
+            if hasattr(drv, "release"):
+                drv.release()
             del send, recv
 
 
@@ -310,7 +316,7 @@ def _run(system, nranks, cfg, handle):
     before it died (then end-of-file), so a crash is reported with its traceback at once.
     torch.distributed's rendezvous port stays reserved for the whole run (a port probed free and
     let go could be taken before rank 0's store binds it: seen as EADDRINUSE in the CPU tests)."""
-    if system in ONE_PROCESS or system == "pyccl":
+    if system in ONE_PROCESS or system in ("pyccl", SYMM_SYSTEM):
         return _run_on(system, nranks, cfg, handle, None)
     with SP.reserved_port() as port:
         return _run_on(system, nranks, cfg, handle, port)
@@ -323,7 +329,7 @@ def _run_on(system, nranks, cfg, handle, port):
         specs, barrier, rdv = [None], None, None
     else:
         barrier = ctx.Barrier(nranks)
-        if system == "pyccl":
+        if system in ("pyccl", SYMM_SYSTEM):
             try:
                 import pyccl
                 rdv = pyccl.unique_id()
