@@ -60,6 +60,22 @@ PyErr_SetRaisedException(PyObject *exc)
  * libraries torch already loaded (see loader.c). */
 #include <nccl.h>
 
+/* Built against an older nccl.h: the prototypes of the registration calls
+ * (resolved at run time like every call, NULL on a library without them). */
+#if NCCL_VERSION_CODE < 21900
+ncclResult_t ncclMemAlloc(void **ptr, size_t size);
+ncclResult_t ncclMemFree(void *ptr);
+ncclResult_t ncclCommRegister(const ncclComm_t comm, void *buff, size_t size, void **handle);
+ncclResult_t ncclCommDeregister(const ncclComm_t comm, void *handle);
+#endif
+#if NCCL_VERSION_CODE < 22700
+typedef struct ncclWindow_vidmem *ncclWindow_t;
+#define NCCL_WIN_COLL_SYMMETRIC 0x01
+ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void *buff, size_t size,
+                                    ncclWindow_t *win, int winFlags);
+ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win);
+#endif
+
 /* NCCL calls pyccl resolves; a missing one means the library is too old. */
 #define PYCCL_NCCL_REQUIRED(X)                                              \
     X(ncclGetVersion) X(ncclGetUniqueId) X(ncclCommInitRank)                \
