@@ -55,6 +55,16 @@ def _device(device):
     raise TypeError(f"empty: device must be an int, 'cuda:N' or a CUDA torch.device, got {type(device).__name__}")
 
 
+def _need_numpy():
+    # torch reads __cuda_array_interface__'s typestr through NumPy; checked before allocating,
+    # as torch keeps a reference to the buffer when it fails later (the memory would leak)
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        raise RuntimeError("empty: torch.as_tensor needs NumPy to wrap the memory "
+                           "(__cuda_array_interface__); pip install numpy") from None
+
+
 def empty(shape, dtype=torch.float32, device=None) -> torch.Tensor:
     """An uninitialised tensor whose memory comes from ncclMemAlloc.
 
@@ -78,6 +88,7 @@ def empty(shape, dtype=torch.float32, device=None) -> torch.Tensor:
     if nbytes >= 1 << 63:
         raise ValueError(f"empty: {nbytes} bytes (shape {dims!r}, {dtype}) is too large")
     dev = _device(device)
+    _need_numpy()
     buf = _C._nccl_mem_alloc(nbytes, dev)
     # zero-copy: torch keeps a reference to `buf` in the tensor's deleter
     # (tensor_from_cuda_array_interface), so ncclMemFree waits for the last view

@@ -225,3 +225,17 @@ def test_empty_wraps_the_buffer_zero_copy(monkeypatch):
     seen.clear()
     pyccl.empty(4, device="cuda:3")
     assert seen[0].device == 3
+
+
+def test_empty_without_numpy_says_so_before_allocating(monkeypatch):
+    import pyccl.memory as mem
+    monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy raises ImportError
+
+    class NoAlloc:
+        @staticmethod
+        def _nccl_mem_alloc(nbytes, device):
+            raise AssertionError("allocated")
+    monkeypatch.setattr(mem, "_C", NoAlloc)
+    with raises(RuntimeError, "empty: torch.as_tensor needs NumPy to wrap the memory (__cuda_array_interface__); "
+                              "pip install numpy"):
+        pyccl.empty(4, device=0)
