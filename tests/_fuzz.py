@@ -32,6 +32,7 @@ class Fuzz:
         # reads its buffers when the group ends, as NCCL does, so they must
         # outlive the call (the caller's duty, as with torch tensors)
         self.keep = []
+        self.regs = []   # open (or closed) Registration handles, dropped at random
 
     # ---------------------------------------------------------------- values
 
@@ -166,7 +167,8 @@ class Fuzz:
         n = self.numel()
         k = self.pick("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "send", "recv",
                       "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "split",
-                      "all_reduce_coalesced", "wait", "misc", "nccl", "nccl", "nccl", "nccl", "_C")
+                      "all_reduce_coalesced", "wait", "misc", "nccl", "nccl", "nccl", "nccl", "_C",
+                      "register", "registration")
         arr = lambda m=None: self.array(c, None, n if m is None else m)  # noqa: E731
         many = lambda m=None: self.pick(self.arrays(c, self.pick(c.size if not c.destroyed else 2, 1, 3), m),  # noqa: E731
                                         arr(None if m is None else m * self.pick(1, 2, 4)))
@@ -221,6 +223,32 @@ class Fuzz:
             return name, lambda: (lambda v: v() if callable(v) else v)(getattr(c, name))
         if k == "nccl":
             return self.nccl_call(c)
+        if k == "register":
+            def register():
+                what = self.pick("array", "array", "nccl_mem", "junk")
+                buf = (arr() if what == "array" else self.junk() if what == "junk"
+                       else pyccl._C._nccl_mem_alloc(self.pick(4, 64, 4096), self.pick(0, 0, 1)))
+                self.regs.append(self.pick(c.register, c.register_window)(buf))
+                if len(self.regs) > 12:
+                    self.regs.pop(self.rng.randrange(len(self.regs)))  # dropped: deregistered by GC
+            return k, register
+        if k == "registration":
+            name = self.pick("close", "close", "handle", "tensor", "closed", "enter", "repr", "drop")
+
+            def use():
+                if not self.regs:
+                    return
+                h = self.rng.choice(self.regs)
+                if name == "drop":
+                    self.regs.remove(h)
+                elif name == "enter":
+                    with h:
+                        pass
+                elif name == "repr":
+                    repr(h)
+                else:
+                    (lambda v: v() if callable(v) else v)(getattr(h, name))
+            return "registration." + name, use
         return self.c_call()
 
     def nccl_call(self, c):
@@ -336,4 +364,7 @@ def run(seed, calls, misuse=lambda: 0):
     for c in fz.comms:
         if not c.destroyed:
             c.destroy()
+    before = misuse()
+    fz.regs.clear()   # the handles' deallocation: nothing may reach NCCL on a dead handle
+    assert misuse() == before, f"seed={seed}: a dropped registration called NCCL on a dead handle"
     return counts
