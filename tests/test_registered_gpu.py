@@ -213,6 +213,29 @@ def test_mem_pool_tensors_can_be_windows(comm):
         comm.register_window(torch.empty(4096, device="cuda:0"))
 
 
+@needs_gpus(1)
+def test_non_blocking_communicator_and_abort():
+    """timeout= (NCCL non-blocking): registration polled to completion; abort() forgets the
+    handles (NCCL frees them with the communicator), which then say why they are closed."""
+    needs_windows()
+    torch.cuda.set_device(0)
+    c = pyccl.Communicator(1, pyccl.unique_id(), 0, timeout=60)
+    t = pyccl.empty(8192, dtype=torch.int32)
+    t.copy_(torch.arange(8192, dtype=torch.int32))
+    r, w = c.register(t), c.register_window(t)
+    c.all_reduce(t, algo="nccl")
+    c.wait()
+    assert same_bits(t, torch.arange(8192, dtype=torch.int32, device="cuda:0"))
+    r.close()
+    c.abort()
+    assert w.closed
+    with raises(RuntimeError, "Registration.handle: the registration was closed when its communicator "
+                              "(rank 0 of 1) was aborted"):
+        w.handle
+    w.close()  # nothing left to do
+    c.destroy()
+
+
 # ---------------------------------------------------------------- 2+ ranks
 
 @needs_gpus(2)
