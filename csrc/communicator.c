@@ -42,11 +42,11 @@ pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size, int device)
 static ncclResult_t
 destroy_comm(pyccl_state *st, pyccl_comm *c, int may_raise)
 {
-    /* first, while the communicator works: the own all-reduce's peer memory */
-    if (c->comm != NULL) {
-        /* with a timeout the barrier could outlive a dead peer: keep it */
-        pyccl_fastar_release(st, c, may_raise && pyccl_comm_timeout(c) == 0);
-    }
+    /* first, while the communicator works: the own all-reduce's peer memory
+     * (freed behind a barrier of every rank's destroy(); after abort() or
+     * on garbage collection no barrier can be had, and only the exported
+     * region is kept) */
+    pyccl_fastar_release(st, c, c->comm != NULL && may_raise);
     ncclComm_t comm = c->comm;
     void *scratch = c->scratch;
     ncclResult_t r = ncclSuccess;
@@ -407,7 +407,14 @@ static PyObject *
 comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
 {
     pyccl_fastar_stop((pyccl_comm *)self);
-    return pyccl_comm_abort(self, NULL);
+    PyObject *res = pyccl_comm_abort(self, NULL);
+    pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
+    if (res != NULL && st != NULL) {
+        /* the own kernels returned (the stop word): what they held goes now,
+         * but the exported region (a peer may still map it) */
+        pyccl_fastar_release(st, (pyccl_comm *)self, 0);
+    }
+    return res;
 }
 
 static PyMethodDef comm_methods[] = {

@@ -21,6 +21,7 @@
 #include "kernels/fastar_abi.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,6 +73,10 @@ _Static_assert(sizeof(cu_launch_attr) == 72, "CUlaunchAttribute is 72 bytes");
 _Static_assert(sizeof(cu_launch_config) == 56, "CUlaunchConfig is 56 bytes");
 #define CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION 6
 #define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
+/* The driver table and the kernels loaded per device are process-wide (the
+ * driver is): filled once, under load_mu, by the first set-up that needs
+ * them, which runs without the GIL, so two set-ups on two threads may race. */
+static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct {
     int tried;
     char err[200];
@@ -101,11 +106,11 @@ static struct {
     CUfunction fn[K_COUNT];
 } devs[MAX_DEVICES];
 
+/* Under load_mu. */
 static int
 load_driver(char *why, size_t n)
 {
     if (!drv.tried) {
-        drv.tried = 1;
         void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
         if (h == NULL) {
             h = dlopen("libcuda.so.1", RTLD_NOW);
@@ -125,6 +130,7 @@ load_driver(char *why, size_t n)
                 snprintf(drv.err, sizeof drv.err, "libcuda.so.1 lacks the module calls");
             }
         }
+        drv.tried = 1; /* after every symbol: nobody sees a half-filled table */
     }
     if (drv.err[0]) {
         snprintf(why, n, "%s", drv.err);
@@ -143,6 +149,10 @@ cu_error(CUresult r)
     return s;
 }
 
+#ifdef PYCCL_FATBIN_PATH
+static int load_kernels_locked(int device, char *why, size_t n);
+#endif
+
 /* The kernels of `device` (current), loaded once; -1 with `why`. */
 static int
 load_kernels(int device, char *why, size_t n)
@@ -156,6 +166,17 @@ load_kernels(int device, char *why, size_t n)
         snprintf(why, n, "device index %d is out of pyccl's range", device);
         return -1;
     }
+    pthread_mutex_lock(&load_mu);
+    int rc = load_kernels_locked(device, why, n);
+    pthread_mutex_unlock(&load_mu);
+    return rc;
+#endif
+}
+
+#ifdef PYCCL_FATBIN_PATH
+static int
+load_kernels_locked(int device, char *why, size_t n)
+{
     if (devs[device].state == 1) {
         return 0;
     }
@@ -185,8 +206,8 @@ load_kernels(int device, char *why, size_t n)
     }
     devs[device].state = 1;
     return 0;
-#endif
 }
+#endif
 
 /* Whether `device` can overlap a kernel's launch with the previous kernel
  * on its stream (programmatic dependent launch: compute capability 9.0 and
@@ -225,32 +246,51 @@ typedef struct pyccl_fastar {
     double timeout;                     /* seconds a wait may take; 0 = forever */
     double kernel_timeout;              /* the kernels' deadline */
     unsigned skew_ns;                   /* PYCCL_AR_DEBUG_SKEW_NS (testing) */
+    double deadline;                    /* the set-up's (monotonic s); 0: none */
+    int gone;                           /* the set-up found the communicator aborted */
+    char last[512];                     /* ncclGetLastError after a failed set-up call */
+    pthread_mutex_t setup_mu;           /* one set-up at a time on a communicator */
+    struct pyccl_fastar *prev, *next;   /* in the live list, under live_mu */
+    int in_live;
 } pyccl_fastar;
 
 /* Every ready communicator's stop word, so that interpreter exit can release
- * kernels still waiting for peers (GIL held for every change). */
-#define MAX_LIVE 256
-static pyccl_fastar *live[MAX_LIVE];
+ * kernels still waiting for peers.  A list (no limit on how many), changed
+ * under live_mu: the set-up adds to it without the GIL. */
+static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
+static pyccl_fastar *live_head;
 
 static void
 live_add(pyccl_fastar *f)
 {
-    for (int i = 0; i < MAX_LIVE; i++) {
-        if (live[i] == NULL) {
-            live[i] = f;
-            return;
-        }
+    pthread_mutex_lock(&live_mu);
+    f->prev = NULL;
+    f->next = live_head;
+    if (live_head != NULL) {
+        live_head->prev = f;
     }
+    live_head = f;
+    f->in_live = 1;
+    pthread_mutex_unlock(&live_mu);
 }
 
 static void
 live_remove(pyccl_fastar *f)
 {
-    for (int i = 0; i < MAX_LIVE; i++) {
-        if (live[i] == f) {
-            live[i] = NULL;
+    pthread_mutex_lock(&live_mu);
+    if (f->in_live) {
+        if (f->prev != NULL) {
+            f->prev->next = f->next;
+        } else {
+            live_head = f->next;
         }
+        if (f->next != NULL) {
+            f->next->prev = f->prev;
+        }
+        f->prev = f->next = NULL;
+        f->in_live = 0;
     }
+    pthread_mutex_unlock(&live_mu);
 }
 
 /* The kernels of c that wait for peers give up now (they poll this
@@ -267,11 +307,13 @@ pyccl_fastar_stop(pyccl_comm *c)
 void
 pyccl_fastar_stop_all(void)
 {
-    for (int i = 0; i < MAX_LIVE; i++) {
-        if (live[i] != NULL && live[i]->host_err != NULL) {
-            *(volatile int *)live[i]->host_err = 2;
+    pthread_mutex_lock(&live_mu);
+    for (pyccl_fastar *f = live_head; f != NULL; f = f->next) {
+        if (f->host_err != NULL) {
+            *(volatile int *)f->host_err = 2;
         }
     }
+    pthread_mutex_unlock(&live_mu);
 }
 
 static long
@@ -393,9 +435,6 @@ typedef struct {
 } fa_record;
 _Static_assert(sizeof(fa_record) == 256, "fa_record: 256 bytes, the same on every rank");
 
-/* A communicator made with timeout= is NCCL's non-blocking kind: a call may
- * return ncclInProgress and finish later. */
-static double set_up_deadline; /* monotonic seconds; 0: none (set-up runs one at a time: GIL) */
 
 static double
 mono(void)
@@ -405,17 +444,19 @@ mono(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* ncclInProgress back when the deadline passed (the caller fails the
+/* A communicator made with timeout= is NCCL's non-blocking kind: a call may
+ * return ncclInProgress and finish later.  ncclInProgress back when the
+ * deadline (monotonic s, 0: none) passed (the caller fails the
  * communicator: its peers did not come). */
 static ncclResult_t
-settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r)
+settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r, double deadline)
 {
     while (r == ncclInProgress && a->ncclCommGetAsyncError) {
         if (a->ncclCommGetAsyncError(comm, &r) != ncclSuccess) {
             return ncclInternalError;
         }
         if (r == ncclInProgress) {
-            if (set_up_deadline > 0 && mono() > set_up_deadline) {
+            if (deadline > 0 && mono() > deadline) {
                 return ncclInProgress;
             }
             usleep(20);
@@ -427,9 +468,9 @@ settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r)
 /* cudaStreamSynchronize, bounded by the set-up's deadline (a peer that
  * never comes leaves the NCCL kernel waiting): ncclInProgress past it. */
 static ncclResult_t
-sync_stream(const pyccl_api *a, cudaStream_t s)
+sync_stream(const pyccl_api *a, cudaStream_t s, double deadline)
 {
-    if (set_up_deadline <= 0 || a->cudaStreamQuery == NULL) {
+    if (deadline <= 0 || a->cudaStreamQuery == NULL) {
         return a->cudaStreamSynchronize(s) == cudaSuccess ? ncclSuccess : ncclUnhandledCudaError;
     }
     for (;;) {
@@ -440,23 +481,52 @@ sync_stream(const pyccl_api *a, cudaStream_t s)
         if (e != cudaErrorNotReady) {
             return ncclUnhandledCudaError;
         }
-        if (mono() > set_up_deadline) {
+        if (mono() > deadline) {
             return ncclInProgress;
         }
         usleep(20);
     }
 }
 
+/* One NCCL collective of the set-up or of destroy's barrier (all_gather of
+ * bytes, or all_reduce MIN of ints), made and settled under the lock that
+ * abort() and the watchdog take before they touch the handle, so neither
+ * frees it under the call; the wait for its kernel happens outside that
+ * lock, where an abort can end it.  ncclInvalidUsage with f->gone set when
+ * the communicator was aborted, failed or destroyed in between. */
+static ncclResult_t
+held_call(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int gather, const void *send,
+          void *recv, size_t count, cudaStream_t s)
+{
+    ncclComm_t comm;
+    pthread_mutex_t *held = pyccl_comm_hold(c, &comm);
+    if (held == NULL) {
+        f->gone = 1;
+        return ncclInvalidUsage;
+    }
+    ncclResult_t r = gather ? a->ncclAllGather(send, recv, count, ncclUint8, comm, s)
+                            : a->ncclAllReduce(send, recv, count, ncclInt32, ncclMin, comm, s);
+    r = settle(a, comm, r, f->deadline);
+    if (r != ncclSuccess && r != ncclInProgress && a->ncclGetLastError) {
+        snprintf(f->last, sizeof f->last, "%s", a->ncclGetLastError(comm));
+    }
+    pthread_mutex_unlock(held);
+    if (r == ncclSuccess) {
+        r = sync_stream(a, s, f->deadline);
+    }
+    return r;
+}
+
 /* NCCL all_reduce(MIN) of one int through `dev` (a device int), synchronous.
  * Also the barrier of the set-up and of destroy. */
 static ncclResult_t
-agree(const pyccl_api *a, ncclComm_t comm, int *dev, int *value, cudaStream_t s)
+agree(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int *dev, int *value, cudaStream_t s)
 {
     if (a->cudaMemcpy(dev, value, sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess) {
         return ncclUnhandledCudaError;
     }
-    ncclResult_t r = settle(a, comm, a->ncclAllReduce(dev, dev, 1, ncclInt32, ncclMin, comm, s));
-    if (r != ncclSuccess || (r = sync_stream(a, s)) != ncclSuccess) {
+    ncclResult_t r = held_call(a, f, c, 0, dev, dev, 1, s);
+    if (r != ncclSuccess) {
         return r;
     }
     if (a->cudaMemcpy(value, dev, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) {
@@ -465,6 +535,32 @@ agree(const pyccl_api *a, ncclComm_t comm, int *dev, int *value, cudaStream_t s)
     return ncclSuccess;
 }
 
+/* Wait until the last kernel launched on f's region has finished (an event
+ * after it, polled: unrelated work on the device is not waited for, as
+ * cudaDeviceSynchronize would).  Its waits on peers end by themselves once
+ * they arrived or the stop word is set. */
+static void
+wait_launched(const pyccl_api *a, pyccl_fastar *f)
+{
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (!f->launched || f->order == NULL ||
+        a->cudaStreamIsCapturing(f->last_stream, &cs) != cudaSuccess ||
+        cs != cudaStreamCaptureStatusNone || /* a record would join the capture */
+        a->cudaEventRecord(f->order, f->last_stream) != cudaSuccess) {
+        a->cudaGetLastError();
+        return;
+    }
+    while (a->cudaEventQuery(f->order) == cudaErrorNotReady) {
+        usleep(20);
+    }
+    a->cudaGetLastError();
+}
+
+/* Close the peers' regions mapped here and free what no other process sees
+ * (the event, the host word); this rank's region only with `free_base`, when
+ * no peer can still have it mapped (before the exchange, or after a barrier
+ * that follows every rank's close): freeing exported memory that an
+ * importer still maps is undefined, so it is kept (leaked) otherwise. */
 static void
 free_local(const pyccl_api *a, pyccl_fastar *f, int free_base)
 {
@@ -490,11 +586,166 @@ free_local(const pyccl_api *a, pyccl_fastar *f, int free_base)
 
 #define WHY(...) snprintf(f->reason, sizeof f->reason, __VA_ARGS__)
 
-/* Collective.  Called without the GIL, current device = the comm's. Returns
- * the NCCL result of the exchange (a failure there is the caller's error);
+/* This rank's region, host word and ordering event; 0 when any failed
+ * (with the reason; nothing kept then). */
+static int
+alloc_local(const pyccl_api *a, pyccl_fastar *f, size_t total, cudaIpcMemHandle_t *handle,
+            char *busid, size_t busid_len)
+{
+    cudaError_t e = a->cudaMalloc((void **)&f->base, total);
+    if (e == cudaSuccess) {
+        /* all of it, the LL lines too: cudaMalloc often returns a destroyed
+         * communicator's region, whose flags a new epoch 1 would accept */
+        e = a->cudaMemset(f->base, 0, total);
+    }
+    if (e == cudaSuccess) {
+        e = a->cudaIpcGetMemHandle(handle, f->base);
+    }
+    if (e == cudaSuccess) {
+        e = a->cudaHostAlloc((void **)&f->host_err, sizeof(int), cudaHostAllocMapped);
+    }
+    if (e == cudaSuccess) {
+        e = a->cudaDeviceGetPCIBusId(busid, (int)busid_len, f->device);
+    }
+    if (e == cudaSuccess && a->cudaEventCreateWithFlags) {
+        e = a->cudaEventCreateWithFlags(&f->order, cudaEventDisableTiming);
+    }
+    if (e != cudaSuccess) {
+        WHY("setting up %zu bytes of peer memory on cuda:%d failed: %s", total, f->device,
+            a->cudaGetErrorString(e));
+        a->cudaGetLastError();
+        free_local(a, f, 1);
+        return 0;
+    }
+    *f->host_err = 0;
+    return 1;
+}
+
+/* Why rank p's record rules the kernels out for everyone (a reason written,
+ * 0), or 1. */
+static int
+check_record(pyccl_fastar *f, const fa_record *all, const fa_record *mine, int p)
+{
+    const int me = f->rank;
+    if (!all[p].ok) {
+        WHY("rank %d cannot use them", p);
+    } else if (all[p].host != mine->host) {
+        WHY("rank %d is on another host", p);
+    } else if (p != me && all[p].pid == mine->pid) {
+        WHY("ranks %d and %d share a process (CUDA IPC works between processes)", me, p);
+    } else if (p != me && strcmp(all[p].busid, mine->busid) == 0) {
+        WHY("ranks %d and %d share GPU %s", me, p, mine->busid);
+    } else if (all[p].half != all[0].half || all[p].ll_max != all[0].ll_max ||
+               all[p].blocks != all[0].blocks || all[p].threads != all[0].threads) {
+        WHY("ranks disagree on PYCCL_AR_BUFFER_MB / PYCCL_AR_LL_MAX / PYCCL_AR_BLOCKS / "
+            "PYCCL_AR_THREADS");
+    } else if (all[p].one_max != all[0].one_max || all[p].two_max != all[0].two_max) {
+        WHY("ranks disagree on PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX (rank %d: %llu / "
+            "%llu bytes, rank 0: %llu / %llu)", p, (unsigned long long)all[p].one_max,
+            (unsigned long long)all[p].two_max, (unsigned long long)all[0].one_max,
+            (unsigned long long)all[0].two_max);
+    } else {
+        return 1;
+    }
+    return 0;
+}
+
+/* Map every peer's region (1), or say why not (0). */
+static int
+map_peers(const pyccl_api *a, pyccl_fastar *f, const fa_record *all)
+{
+    for (int p = 0; p < f->nranks; p++) {
+        if (p == f->rank) {
+            f->peer[p] = f->base;
+            continue;
+        }
+        int pd = -1, can = 1;
+        if (a->cudaDeviceGetByPCIBusId && a->cudaDeviceCanAccessPeer &&
+            a->cudaDeviceGetByPCIBusId(&pd, all[p].busid) == cudaSuccess) {
+            if (a->cudaDeviceCanAccessPeer(&can, f->device, pd) != cudaSuccess) {
+                can = 0;
+            }
+        }
+        a->cudaGetLastError(); /* a peer GPU this process does not see is fine */
+        if (!can) {
+            WHY("cuda:%d has no peer access to cuda:%d (rank %d)", f->device, pd, p);
+            return 0;
+        }
+        void *ptr = NULL;
+        cudaError_t e = a->cudaIpcOpenMemHandle(&ptr, all[p].handle,
+                                                cudaIpcMemLazyEnablePeerAccess);
+        if (e != cudaSuccess) {
+            WHY("mapping rank %d's memory failed: %s", p, a->cudaGetErrorString(e));
+            a->cudaGetLastError();
+            return 0;
+        }
+        f->peer[p] = ptr;
+    }
+    return 1;
+}
+
+/* The probe: stage 0 writes into every peer; the agreement is the barrier
+ * before stage 1 reads back.  Returns the NCCL result of the agreements;
+ * *ok says whether every rank's probe passed. */
+static ncclResult_t
+probe(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int *flag, uint32_t magic,
+      cudaStream_t s, int *ok)
+{
+    pyccl_ar_params prm;
+    memset(&prm, 0, sizeof prm);
+    for (int p = 0; p < f->nranks; p++) {
+        prm.base[p] = f->peer[p];
+    }
+    prm.out = flag + 4;
+    prm.rank = f->rank;
+    prm.nranks = f->nranks;
+    prm.magic = magic;
+    CUfunction fn = devs[f->device].fn[K_PROBE];
+    int zero = 0, stage = 0;
+    void *args[] = {&prm, &stage};
+    int okp = 1;
+    if (a->cudaMemcpy(flag + 4, &zero, sizeof zero, cudaMemcpyHostToDevice) != cudaSuccess ||
+        drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
+        a->cudaStreamSynchronize(s) != cudaSuccess) {
+        okp = 0;
+    }
+    ncclResult_t r = agree(a, f, c, flag, &okp, s);
+    if (r != ncclSuccess) {
+        return r;
+    }
+    int failed = 0;
+    if (okp) {
+        stage = 1;
+        if (drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
+            a->cudaStreamSynchronize(s) != cudaSuccess ||
+            a->cudaMemcpy(&failed, flag + 4, sizeof failed, cudaMemcpyDeviceToHost) !=
+                cudaSuccess) {
+            okp = 0;
+            WHY("the peer-memory probe kernel failed");
+        } else if (failed) {
+            okp = 0;
+            WHY("the write-then-read probe failed with peer mask 0x%x", failed);
+        }
+    } else {
+        WHY("the peer-memory probe could not run on every rank");
+    }
+    a->cudaGetLastError();
+    if ((r = agree(a, f, c, flag, &okp, s)) != ncclSuccess) {
+        return r;
+    }
+    if (!okp && f->reason[0] == '\0') {
+        WHY("the write-then-read probe failed on another rank");
+    }
+    *ok = okp;
+    return ncclSuccess;
+}
+
+/* Collective.  Called without the GIL, current device = the comm's, f's
+ * setup_mu held.  Returns the NCCL result of the exchange (a failure there
+ * is the caller's error; f->gone: the communicator was aborted meanwhile);
  * f->state says whether the kernels are usable. */
 static ncclResult_t
-setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
+setup(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, cudaStream_t s)
 {
     const int n = f->nranks, me = f->rank;
     int ok = 1;
@@ -513,32 +764,17 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
     } else if (f->pdl && !pdl_supported(f->device)) {
         f->pdl = 0;
     }
+    /* the exchange's scratch first: without it this rank could not join
+     * the exchange, and its peers would wait for it */
+    char *dev = NULL;
+    const size_t scratch = (size_t)n * sizeof(fa_record) + 64;
+    if (a->cudaMalloc((void **)&dev, scratch) != cudaSuccess) {
+        a->cudaGetLastError();
+        return ncclSystemError;
+    }
     size_t total = PYCCL_AR_DATA_OFF + 2 * f->half + 2 * (size_t)n * 2 * f->ll_max;
     if (ok) {
-        cudaError_t e = a->cudaMalloc((void **)&f->base, total);
-        if (e == cudaSuccess) {
-            e = a->cudaMemset(f->base, 0, PYCCL_AR_DATA_OFF);
-        }
-        if (e == cudaSuccess) {
-            e = a->cudaIpcGetMemHandle(&mine.handle, f->base);
-        }
-        if (e == cudaSuccess) {
-            e = a->cudaHostAlloc((void **)&f->host_err, sizeof(int), cudaHostAllocMapped);
-        }
-        if (e == cudaSuccess) {
-            e = a->cudaDeviceGetPCIBusId(mine.busid, sizeof mine.busid, f->device);
-        }
-        if (e == cudaSuccess && a->cudaEventCreateWithFlags) {
-            e = a->cudaEventCreateWithFlags(&f->order, cudaEventDisableTiming);
-        }
-        if (e != cudaSuccess) {
-            ok = 0;
-            WHY("setting up %zu bytes of peer memory on cuda:%d failed: %s", total, f->device,
-                a->cudaGetErrorString(e));
-            a->cudaGetLastError();
-        } else {
-            *f->host_err = 0;
-        }
+        ok = alloc_local(a, f, total, &mine.handle, mine.busid, sizeof mine.busid);
     }
     mine.host = host_id();
     mine.half = f->half;
@@ -552,25 +788,22 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
     mine.magic = (uint32_t)(host_id() ^ (uint64_t)getpid() * 2654435761u);
 
     /* exchange: n records + one int for agreements, in one scratch buffer */
-    char *dev = NULL;
     fa_record *all = NULL;
     ncclResult_t r = ncclSuccess;
-    if (a->cudaMalloc((void **)&dev, (size_t)n * sizeof(fa_record) + 64) != cudaSuccess ||
-        (all = malloc((size_t)n * sizeof(fa_record))) == NULL) {
-        a->cudaGetLastError();
+    int exchanged = 0; /* peers may have this rank's handle from here on */
+    int *flag = (int *)(dev + (size_t)n * sizeof(fa_record));
+    if ((all = malloc((size_t)n * sizeof(fa_record))) == NULL) {
         r = ncclSystemError;
         goto out;
     }
-    int *flag = (int *)(dev + (size_t)n * sizeof(fa_record));
     if (a->cudaMemcpy(dev + (size_t)me * sizeof(fa_record), &mine, sizeof mine,
                       cudaMemcpyHostToDevice) != cudaSuccess) {
         r = ncclUnhandledCudaError;
         goto out;
     }
-    r = settle(a, comm,
-               a->ncclAllGather(dev + (size_t)me * sizeof(fa_record), dev, sizeof(fa_record),
-                                ncclUint8, comm, s));
-    if (r != ncclSuccess || (r = sync_stream(a, s)) != ncclSuccess) {
+    exchanged = 1;
+    r = held_call(a, f, c, 1, dev + (size_t)me * sizeof(fa_record), dev, sizeof(fa_record), s);
+    if (r != ncclSuccess) {
         goto out;
     }
     if (a->cudaMemcpy(all, dev, (size_t)n * sizeof(fa_record), cudaMemcpyDeviceToHost) !=
@@ -579,127 +812,43 @@ setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
         goto out;
     }
     for (int p = 0; p < n && ok; p++) {
-        if (!all[p].ok) {
-            ok = 0;
-            WHY("rank %d cannot use them", p);
-        } else if (all[p].host != mine.host) {
-            ok = 0;
-            WHY("rank %d is on another host", p);
-        } else if (p != me && all[p].pid == mine.pid) {
-            ok = 0;
-            WHY("ranks %d and %d share a process (CUDA IPC works between processes)", me, p);
-        } else if (p != me && strcmp(all[p].busid, mine.busid) == 0) {
-            ok = 0;
-            WHY("ranks %d and %d share GPU %s", me, p, mine.busid);
-        } else if (all[p].half != all[0].half || all[p].ll_max != all[0].ll_max ||
-                   all[p].blocks != all[0].blocks || all[p].threads != all[0].threads) {
-            ok = 0;
-            WHY("ranks disagree on PYCCL_AR_BUFFER_MB / PYCCL_AR_LL_MAX / PYCCL_AR_BLOCKS / "
-                "PYCCL_AR_THREADS");
-        } else if (all[p].one_max != all[0].one_max || all[p].two_max != all[0].two_max) {
-            ok = 0;
-            WHY("ranks disagree on PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX (rank %d: %llu / "
-                "%llu bytes, rank 0: %llu / %llu)", p, (unsigned long long)all[p].one_max,
-                (unsigned long long)all[p].two_max, (unsigned long long)all[0].one_max,
-                (unsigned long long)all[0].two_max);
-        }
+        ok = check_record(f, all, &mine, p);
     }
-    for (int p = 0; p < n && ok; p++) {
-        if (p == me) {
-            f->peer[p] = f->base;
-            continue;
-        }
-        int pd = -1, can = 1;
-        if (a->cudaDeviceGetByPCIBusId && a->cudaDeviceCanAccessPeer &&
-            a->cudaDeviceGetByPCIBusId(&pd, all[p].busid) == cudaSuccess) {
-            if (a->cudaDeviceCanAccessPeer(&can, f->device, pd) != cudaSuccess) {
-                can = 0;
-            }
-        }
-        a->cudaGetLastError(); /* a peer GPU this process does not see is fine */
-        if (!can) {
-            ok = 0;
-            WHY("cuda:%d has no peer access to cuda:%d (rank %d)", f->device, pd, p);
-            break;
-        }
-        void *ptr = NULL;
-        cudaError_t e = a->cudaIpcOpenMemHandle(&ptr, all[p].handle,
-                                                cudaIpcMemLazyEnablePeerAccess);
-        if (e != cudaSuccess) {
-            ok = 0;
-            WHY("mapping rank %d's memory failed: %s", p, a->cudaGetErrorString(e));
-            a->cudaGetLastError();
-            break;
-        }
-        f->peer[p] = ptr;
+    if (ok) {
+        ok = map_peers(a, f, all);
     }
     /* everyone mapped everyone, or nobody goes on */
-    if ((r = agree(a, comm, flag, &ok, s)) != ncclSuccess) {
+    if ((r = agree(a, f, c, flag, &ok, s)) != ncclSuccess) {
         goto out;
     }
     if (!ok) {
         if (f->reason[0] == '\0') {
             WHY("another rank could not map its peers");
         }
+    } else if ((r = probe(a, f, c, flag, all[0].magic, s, &ok)) != ncclSuccess) {
         goto out;
     }
-    /* the probe: stage 0 writes into every peer; the agreement is the barrier
-     * before stage 1 reads back */
-    {
-        pyccl_ar_params prm;
-        memset(&prm, 0, sizeof prm);
-        for (int p = 0; p < n; p++) {
-            prm.base[p] = f->peer[p];
+    if (!ok) {
+        /* every rank (all know it is off now) closes its mappings, then a
+         * barrier: no importer is left when the regions are freed */
+        char *base = f->base;
+        f->base = NULL;
+        free_local(a, f, 0);
+        int one = 1;
+        if ((r = agree(a, f, c, flag, &one, s)) == ncclSuccess && base != NULL) {
+            a->cudaFree(base);
         }
-        prm.out = flag + 4;
-        prm.rank = me;
-        prm.nranks = n;
-        prm.magic = all[0].magic;
-        CUfunction fn = devs[f->device].fn[K_PROBE];
-        int zero = 0, stage = 0;
-        void *args[] = {&prm, &stage};
-        int okp = 1;
-        if (a->cudaMemcpy(flag + 4, &zero, sizeof zero, cudaMemcpyHostToDevice) != cudaSuccess ||
-            drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
-            a->cudaStreamSynchronize(s) != cudaSuccess) {
-            okp = 0;
-        }
-        if ((r = agree(a, comm, flag, &okp, s)) != ncclSuccess) {
-            goto out;
-        }
-        int failed = 0;
-        if (okp) {
-            stage = 1;
-            if (drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
-                a->cudaStreamSynchronize(s) != cudaSuccess ||
-                a->cudaMemcpy(&failed, flag + 4, sizeof failed, cudaMemcpyDeviceToHost) !=
-                    cudaSuccess) {
-                okp = 0;
-                WHY("the peer-memory probe kernel failed");
-            } else if (failed) {
-                okp = 0;
-                WHY("the write-then-read probe failed with peer mask 0x%x", failed);
-            }
-        } else {
-            WHY("the peer-memory probe could not run on every rank");
-        }
-        a->cudaGetLastError();
-        if ((r = agree(a, comm, flag, &okp, s)) != ncclSuccess) {
-            goto out;
-        }
-        if (!okp && f->reason[0] == '\0') {
-            WHY("the write-then-read probe failed on another rank");
-        }
-        ok = okp;
+        /* when the barrier failed the region is kept (leaked) */
     }
 out:
-    if (dev != NULL && r != ncclInProgress) { /* a timed-out NCCL kernel may still use it */
+    if (r != ncclInProgress) { /* a timed-out NCCL kernel may still use it */
         a->cudaFree(dev);
     }
     free(all);
     if (r != ncclSuccess) {
         ok = 0;
-        WHY("the set-up exchange failed");
+        WHY(f->gone ? "the communicator was aborted during the set-up"
+                    : "the set-up exchange failed");
     }
     if (ok) {
         f->state = FA_READY;
@@ -707,7 +856,9 @@ out:
         live_add(f);
     } else {
         f->state = FA_OFF;
-        free_local(a, f, 1); /* nobody mapped it for use: safe to free */
+        /* once exchanged, a peer may have mapped this region (and on a time-out
+         * an NCCL kernel of the exchange may still be queued): keep it */
+        free_local(a, f, !exchanged);
     }
     return r;
 }
@@ -769,6 +920,7 @@ fastar_of(pyccl_comm *c)
             return NULL;
         }
         read_settings(f, c);
+        pthread_mutex_init(&f->setup_mu, NULL);
         c->fastar = f;
     }
     return c->fastar;
@@ -907,32 +1059,45 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
             }
             return 0;
         }
-        int prev;
-        ncclResult_t r;
-        char last[512] = "";
-        set_up_deadline = f->timeout > 0 ? mono() + f->timeout : 0;
-        c->inflight++;
+        int prev, ran = 0;
+        ncclResult_t r = ncclSuccess;
+        c->inflight++; /* destroy() refuses meanwhile */
+        c->setups++;   /* abort() does not wait for it: it holds the lock per NCCL call */
         Py_BEGIN_ALLOW_THREADS
-        if (enter_device(a, f->device, &prev) < 0) {
-            r = ncclUnhandledCudaError;
-        } else {
-            r = setup(a, f, c->comm, s);
-            if (prev != f->device) {
-                a->cudaSetDevice(prev);
+        /* one set-up per communicator: another thread's call waits here, then
+         * finds it done */
+        pthread_mutex_lock(&f->setup_mu);
+        if (f->state == FA_UNTRIED) {
+            ran = 1;
+            f->deadline = f->timeout > 0 ? mono() + f->timeout : 0;
+            f->gone = 0;
+            f->last[0] = '\0';
+            if (enter_device(a, f->device, &prev) < 0) {
+                r = ncclUnhandledCudaError;
+            } else {
+                r = setup(a, f, c, s);
+                if (prev != f->device) {
+                    a->cudaSetDevice(prev);
+                }
             }
         }
-        if (r != ncclSuccess && a->ncclGetLastError) {
-            strncpy(last, a->ncclGetLastError(c->comm), sizeof last - 1);
-        }
+        pthread_mutex_unlock(&f->setup_mu);
         Py_END_ALLOW_THREADS
+        c->setups--;
         c->inflight--;
-        set_up_deadline = 0;
+        if (ran && f->gone) { /* abort() or the watchdog ended it meanwhile */
+            f->state = FA_OFF;
+            if (pyccl_comm_alive(st, op, c) == 0) {
+                PyErr_Format(PyExc_RuntimeError, "%s: %s", op, f->reason);
+            }
+            return -1;
+        }
         if (r == ncclInProgress) { /* the peers did not come within the timeout */
             return timed_out(st, c, f, op, " (setting up pyccl's all-reduce kernels)");
         }
         if (r != ncclSuccess) {
             f->state = FA_OFF;
-            pyccl_raise_nccl(st, op, r, last);
+            pyccl_raise_nccl(st, op, r, f->last);
             return -1;
         }
         if (f->state != FA_READY) {
@@ -1040,7 +1205,9 @@ void
 pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective)
 {
     pyccl_fastar *f = c->fastar;
-    if (f == NULL) {
+    if (f == NULL || c->setups > 0) {
+        /* a set-up in flight (abort() from another thread) cleans up after
+         * itself; the rest goes with the communicator */
         return;
     }
     c->fastar = NULL;
@@ -1048,24 +1215,30 @@ pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective)
     const pyccl_api *a = &st->api;
     if (f->state == FA_READY && !st->exiting && a->loaded) {
         /* Peers may read this rank's region until they closed their mapping:
-         * free it only after a barrier that follows every rank's close.  Without
-         * a collective destroy the region is kept (leaked) instead. */
-        int prev, ok = 1;
-        int free_base = 0;
+         * free it only after a barrier that follows every rank's close (bounded
+         * by the timeout where there is one).  Without it (abort, garbage
+         * collection, a peer that did not come) the region is kept (leaked). */
+        int prev;
         Py_BEGIN_ALLOW_THREADS
         if (enter_device(a, f->device, &prev) == 0) {
-            a->cudaDeviceSynchronize();
+            wait_launched(a, f); /* they poll the host word free_local frees */
             char *base = f->base;
-            free_local(a, f, 0); /* close the peers' mappings, keep ours */
+            f->base = NULL;
+            free_local(a, f, 0);
+            int freed = 0;
             if (collective) {
-                int *dev = NULL;
+                int *dev = NULL, ok = 1;
+                f->deadline = f->timeout > 0 ? mono() + f->timeout : 0;
                 if (a->cudaMalloc((void **)&dev, sizeof(int)) == cudaSuccess) {
-                    free_base = agree(a, c->comm, dev, &ok, NULL) == ncclSuccess;
-                    a->cudaFree(dev);
+                    ncclResult_t r = agree(a, f, c, dev, &ok, NULL);
+                    freed = r == ncclSuccess;
+                    if (r != ncclInProgress) { /* else its kernel may still use it */
+                        a->cudaFree(dev);
+                    }
                 }
                 a->cudaGetLastError();
             }
-            if (free_base) {
+            if (freed) {
                 a->cudaFree(base);
             }
             if (prev != f->device) {
@@ -1074,6 +1247,7 @@ pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective)
         }
         Py_END_ALLOW_THREADS
     }
+    pthread_mutex_destroy(&f->setup_mu);
     PyMem_RawFree(f);
 }
 
