@@ -43,12 +43,11 @@ static ncclResult_t
 destroy_comm(pyccl_state *st, pyccl_comm *c, int may_raise)
 {
     /* first, while the communicator works: registered memory (forgotten at
-     * exit), the own all-reduce's peer memory */
+     * exit), then the own all-reduce's peer memory (freed behind a barrier of
+     * every rank's destroy(); after abort() or on garbage collection no
+     * barrier can be had, and only the exported region is kept) */
     pyccl_release_registrations(st, c, st->exiting || !st->api.loaded);
-    if (c->comm != NULL) {
-        /* with a timeout the barrier could outlive a dead peer: keep it */
-        pyccl_fastar_release(st, c, may_raise && pyccl_comm_timeout(c) == 0);
-    }
+    pyccl_fastar_release(st, c, c->comm != NULL && may_raise);
     ncclComm_t comm = c->comm;
     void *scratch = c->scratch;
     ncclResult_t r = ncclSuccess;
@@ -409,12 +408,16 @@ static PyObject *
 comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
 {
     pyccl_fastar_stop((pyccl_comm *)self);
-    PyObject *r = pyccl_comm_abort(self, NULL);
-    if (r != NULL) { /* the handle is gone: so are its registrations */
-        pyccl_release_registrations(PyType_GetModuleState(Py_TYPE(self)),
-                                    (pyccl_comm *)self, 2);
+    PyObject *res = pyccl_comm_abort(self, NULL);
+    pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
+    if (res != NULL && st != NULL) {
+        /* the own kernels returned (the stop word): what they held goes now,
+         * but the exported region (a peer may still map it) */
+        pyccl_fastar_release(st, (pyccl_comm *)self, 0);
+        /* the handle is gone: so are its registrations */
+        pyccl_release_registrations(st, (pyccl_comm *)self, 2);
     }
-    return r;
+    return res;
 }
 
 static PyMethodDef comm_methods[] = {

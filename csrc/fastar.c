@@ -1,278 +1,16 @@
-/* pyccl's own intra-node all-reduce: host side.
+/* pyccl's own intra-node all-reduce: the calls.
  *
- * The kernels (csrc/kernels/allreduce.cu) are compiled by setup.py into a
- * fatbin that is embedded here and loaded with the CUDA driver API, found the
- * same way as NCCL (dlopen, nothing linked).  This file
- *   - decides per call whether the own kernels run (algo=, dtype, op, size,
- *     group, capture);
- *   - sets up peer memory once per communicator, collectively, at the first
- *     all_reduce of a supported dtype and op, of any size (whether a call gets
- *     there depends only on arguments every rank passes alike, not on any
- *     rank's environment, so all ranks start the set-up together): a region
- *     per rank, CUDA IPC handles and every rank's settings exchanged by an
- *     NCCL all_gather on the communicator itself, peers mapped, a real
- *     write-then-read probe across every pair, and an agreement (NCCL MIN)
- *     so that either every rank uses the kernels or none does;
- *   - launches one kernel per call on the caller's stream (graph capture
- *     works: the kernels keep their epochs on the device).
- * Where anything is missing the reason is kept (comm.all_reduce_info) and
- * logged once, and NCCL does the work. */
-#include "pyccl.h"
-#include "kernels/fastar_abi.h"
+ * Decides per call whether the own kernels run (algo=, dtype, op, size,
+ * group, capture), has the communicator set up on the first call that may
+ * use them (fastar_setup.c), and launches one kernel per call on the
+ * caller's stream (graph capture works: the kernels keep their epochs on the
+ * device).  Where anything is missing the reason is kept
+ * (comm.all_reduce_info) and logged once, and NCCL does the work. */
+#include "fastar_setup.h"
 
-#include <dlfcn.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 
-#ifdef PYCCL_FATBIN_PATH
-/* the fatbin setup.py compiled, placed in .rodata by the assembler */
-__asm__(".section .rodata\n"
-        ".balign 64\n"
-        "pyccl_ar_fatbin:\n"
-        ".incbin \"" PYCCL_FATBIN_PATH "\"\n"
-        ".byte 0\n"
-        ".previous\n");
-extern const unsigned char pyccl_ar_fatbin[] __asm__("pyccl_ar_fatbin");
-#endif
-
-int
-pyccl_fastar_built(void)
-{
-#ifdef PYCCL_FATBIN_PATH
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* ---------------- the driver API, declared here (no cuda.h) ---------------- */
-
-typedef int CUresult;
-typedef struct CUmod_st *CUmodule;
-typedef struct CUfunc_st *CUfunction;
-/* cuLaunchKernelEx's configuration, as cuda.h (12.0 and later) lays it out */
-typedef struct {
-    int id;                      /* CUlaunchAttributeID */
-    char pad[4];
-    union {
-        char pad[64];
-        int i;
-    } value;
-} cu_launch_attr;
-typedef struct {
-    unsigned grid[3], block[3], shared_bytes;
-    cudaStream_t stream;
-    cu_launch_attr *attrs;
-    unsigned nattrs;
-} cu_launch_config;
-_Static_assert(sizeof(cu_launch_attr) == 72, "CUlaunchAttribute is 72 bytes");
-_Static_assert(sizeof(cu_launch_config) == 56, "CUlaunchConfig is 56 bytes");
-#define CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION 6
-#define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
-static struct {
-    int tried;
-    char err[200];
-    CUresult (*cuModuleLoadData)(CUmodule *, const void *);
-    CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
-    CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
-                               unsigned, unsigned, unsigned, cudaStream_t, void **,
-                               void **);
-    CUresult (*cuGetErrorString)(CUresult, const char **);
-    /* optional: programmatic dependent launch (driver 12.0+, sm_90+) */
-    CUresult (*cuLaunchKernelEx)(const cu_launch_config *, CUfunction, void **, void **);
-    CUresult (*cuDeviceGet)(int *, int);
-    CUresult (*cuDeviceGetAttribute)(int *, int, int);
-} drv;
-
-/* kernels: [0 one-shot LL, 1 one-shot, 2 two-shot][dtype][op], then the probe */
-enum { K_F32, K_F16, K_BF16, K_I32, K_NTYPES };
-enum { K_SUM, K_MAX, K_MIN, K_NOPS };
-#define K_PROBE (3 * K_NTYPES * K_NOPS)
-#define K_COUNT (K_PROBE + 1)
-static const char *const type_names[K_NTYPES] = {"f32", "f16", "bf16", "i32"};
-static const char *const op_names[K_NOPS] = {"sum", "max", "min"};
-
-#define MAX_DEVICES 64
-static struct {
-    int state; /* 0 untried, 1 loaded, -1 failed */
-    CUfunction fn[K_COUNT];
-} devs[MAX_DEVICES];
-
-static int
-load_driver(char *why, size_t n)
-{
-    if (!drv.tried) {
-        drv.tried = 1;
-        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-        if (h == NULL) {
-            h = dlopen("libcuda.so.1", RTLD_NOW);
-        }
-        if (h == NULL) {
-            snprintf(drv.err, sizeof drv.err, "libcuda.so.1 not found: %s", dlerror());
-        } else {
-            *(void **)&drv.cuModuleLoadData = dlsym(h, "cuModuleLoadData");
-            *(void **)&drv.cuModuleGetFunction = dlsym(h, "cuModuleGetFunction");
-            *(void **)&drv.cuLaunchKernel = dlsym(h, "cuLaunchKernel");
-            *(void **)&drv.cuGetErrorString = dlsym(h, "cuGetErrorString");
-            *(void **)&drv.cuLaunchKernelEx = dlsym(h, "cuLaunchKernelEx");
-            *(void **)&drv.cuDeviceGet = dlsym(h, "cuDeviceGet");
-            *(void **)&drv.cuDeviceGetAttribute = dlsym(h, "cuDeviceGetAttribute");
-            if (!drv.cuModuleLoadData || !drv.cuModuleGetFunction || !drv.cuLaunchKernel ||
-                !drv.cuGetErrorString) {
-                snprintf(drv.err, sizeof drv.err, "libcuda.so.1 lacks the module calls");
-            }
-        }
-    }
-    if (drv.err[0]) {
-        snprintf(why, n, "%s", drv.err);
-        return -1;
-    }
-    return 0;
-}
-
-static const char *
-cu_error(CUresult r)
-{
-    const char *s = NULL;
-    if (drv.cuGetErrorString == NULL || drv.cuGetErrorString(r, &s) != 0 || s == NULL) {
-        return "unknown CUDA driver error";
-    }
-    return s;
-}
-
-/* The kernels of `device` (current), loaded once; -1 with `why`. */
-static int
-load_kernels(int device, char *why, size_t n)
-{
-#ifndef PYCCL_FATBIN_PATH
-    (void)device;
-    snprintf(why, n, "pyccl was built without nvcc, so its kernels are not compiled in");
-    return -1;
-#else
-    if (device < 0 || device >= MAX_DEVICES) {
-        snprintf(why, n, "device index %d is out of pyccl's range", device);
-        return -1;
-    }
-    if (devs[device].state == 1) {
-        return 0;
-    }
-    if (load_driver(why, n) < 0) {
-        return -1;
-    }
-    CUmodule mod;
-    CUresult r = drv.cuModuleLoadData(&mod, pyccl_ar_fatbin);
-    if (r != 0) {
-        snprintf(why, n, "loading the kernels on cuda:%d failed: %s (no code for this GPU?)",
-                 device, cu_error(r));
-        return -1;
-    }
-    for (int k = 0; k < K_COUNT; k++) {
-        char name[64];
-        if (k == K_PROBE) {
-            snprintf(name, sizeof name, "pyccl_ar_probe");
-        } else {
-            snprintf(name, sizeof name, "pyccl_ar_%d_%s_%s", k / (K_NTYPES * K_NOPS),
-                     type_names[(k / K_NOPS) % K_NTYPES], op_names[k % K_NOPS]);
-        }
-        r = drv.cuModuleGetFunction(&devs[device].fn[k], mod, name);
-        if (r != 0) {
-            snprintf(why, n, "kernel %s missing: %s", name, cu_error(r));
-            return -1;
-        }
-    }
-    devs[device].state = 1;
-    return 0;
-#endif
-}
-
-/* Whether `device` can overlap a kernel's launch with the previous kernel
- * on its stream (programmatic dependent launch: compute capability 9.0 and
- * a driver with cuLaunchKernelEx). */
-static int
-pdl_supported(int device)
-{
-    int dev, major = 0;
-    return drv.cuLaunchKernelEx != NULL && drv.cuDeviceGet != NULL &&
-           drv.cuDeviceGetAttribute != NULL && drv.cuDeviceGet(&dev, device) == 0 &&
-           drv.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-                                    dev) == 0 &&
-           major >= 9;
-}
-
-/* ---------------- per-communicator state ---------------- */
-
-enum { FA_UNTRIED = 0, FA_READY = 1, FA_OFF = -1 };
-
-typedef struct pyccl_fastar {
-    int state;
-    char reason[400];
-    int logged;
-    char *base;                         /* this rank's region (cudaMalloc) */
-    char *peer[PYCCL_AR_MAX_RANKS];     /* every rank's region here; [rank] = base */
-    int *host_err;                      /* pinned, device-visible */
-    size_t half;
-    size_t one_max, two_max;            /* auto thresholds, read once */
-    size_t ll_max;                      /* one-shot sizes up to this use the LL kernel */
-    int blocks, threads;
-    int pdl;                            /* launch with programmatic stream serialization */
-    cudaStream_t last_stream;           /* the stream of the previous launch */
-    int launched;
-    cudaEvent_t order;                  /* orders a launch after the previous one on another stream */
-    int rank, nranks, device;
-    double timeout;                     /* seconds a wait may take; 0 = forever */
-    double kernel_timeout;              /* the kernels' deadline */
-    unsigned skew_ns;                   /* PYCCL_AR_DEBUG_SKEW_NS (testing) */
-} pyccl_fastar;
-
-/* Every ready communicator's stop word, so that interpreter exit can release
- * kernels still waiting for peers (GIL held for every change). */
-#define MAX_LIVE 256
-static pyccl_fastar *live[MAX_LIVE];
-
-static void
-live_add(pyccl_fastar *f)
-{
-    for (int i = 0; i < MAX_LIVE; i++) {
-        if (live[i] == NULL) {
-            live[i] = f;
-            return;
-        }
-    }
-}
-
-static void
-live_remove(pyccl_fastar *f)
-{
-    for (int i = 0; i < MAX_LIVE; i++) {
-        if (live[i] == f) {
-            live[i] = NULL;
-        }
-    }
-}
-
-/* The kernels of c that wait for peers give up now (they poll this
- * host-mapped word); the communicator's own kernels are unusable afterwards. */
-void
-pyccl_fastar_stop(pyccl_comm *c)
-{
-    pyccl_fastar *f = c->fastar;
-    if (f != NULL && f->host_err != NULL) {
-        *(volatile int *)f->host_err = 2;
-    }
-}
-
-void
-pyccl_fastar_stop_all(void)
-{
-    for (int i = 0; i < MAX_LIVE; i++) {
-        if (live[i] != NULL && live[i]->host_err != NULL) {
-            *(volatile int *)live[i]->host_err = 2;
-        }
-    }
-}
 
 static long
 env_long(const char *name, long dflt, long lo, long hi)
@@ -354,364 +92,6 @@ log_once(pyccl_fastar *f)
     PySys_FormatStderr("pyccl: rank %d of %d uses NCCL for all_reduce: %s\n", f->rank,
                        f->nranks, f->reason);
 }
-
-static uint64_t
-host_id(void)
-{
-    char buf[512] = "";
-    gethostname(buf, 256);
-    FILE *fp = fopen("/proc/sys/kernel/random/boot_id", "r");
-    if (fp != NULL) {
-        size_t len = strlen(buf);
-        if (fgets(buf + len, (int)(sizeof buf - len), fp) == NULL) {
-            buf[len] = '\0';
-        }
-        fclose(fp);
-    }
-    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
-    for (const char *p = buf; *p; p++) {
-        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
-    }
-    return h;
-}
-
-/* What each rank tells the others at set-up (NCCL all_gather of the bytes). */
-typedef struct {
-    cudaIpcMemHandle_t handle;
-    char busid[32];
-    uint64_t host;
-    uint64_t half;
-    uint64_t ll_max;
-    uint64_t one_max, two_max; /* auto's thresholds: ranks that disagree would pick
-                                  different kernels (or NCCL) for one call and hang */
-    int32_t pid;
-    int32_t ok;
-    int32_t blocks;
-    int32_t threads;
-    uint32_t magic;
-    char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 40 - 20];
-} fa_record;
-_Static_assert(sizeof(fa_record) == 256, "fa_record: 256 bytes, the same on every rank");
-
-/* A communicator made with timeout= is NCCL's non-blocking kind: a call may
- * return ncclInProgress and finish later. */
-static double set_up_deadline; /* monotonic seconds; 0: none (set-up runs one at a time: GIL) */
-
-static double
-mono(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* ncclInProgress back when the deadline passed (the caller fails the
- * communicator: its peers did not come). */
-static ncclResult_t
-settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r)
-{
-    while (r == ncclInProgress && a->ncclCommGetAsyncError) {
-        if (a->ncclCommGetAsyncError(comm, &r) != ncclSuccess) {
-            return ncclInternalError;
-        }
-        if (r == ncclInProgress) {
-            if (set_up_deadline > 0 && mono() > set_up_deadline) {
-                return ncclInProgress;
-            }
-            usleep(20);
-        }
-    }
-    return r;
-}
-
-/* cudaStreamSynchronize, bounded by the set-up's deadline (a peer that
- * never comes leaves the NCCL kernel waiting): ncclInProgress past it. */
-static ncclResult_t
-sync_stream(const pyccl_api *a, cudaStream_t s)
-{
-    if (set_up_deadline <= 0 || a->cudaStreamQuery == NULL) {
-        return a->cudaStreamSynchronize(s) == cudaSuccess ? ncclSuccess : ncclUnhandledCudaError;
-    }
-    for (;;) {
-        cudaError_t e = a->cudaStreamQuery(s);
-        if (e == cudaSuccess) {
-            return ncclSuccess;
-        }
-        if (e != cudaErrorNotReady) {
-            return ncclUnhandledCudaError;
-        }
-        if (mono() > set_up_deadline) {
-            return ncclInProgress;
-        }
-        usleep(20);
-    }
-}
-
-/* NCCL all_reduce(MIN) of one int through `dev` (a device int), synchronous.
- * Also the barrier of the set-up and of destroy. */
-static ncclResult_t
-agree(const pyccl_api *a, ncclComm_t comm, int *dev, int *value, cudaStream_t s)
-{
-    if (a->cudaMemcpy(dev, value, sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess) {
-        return ncclUnhandledCudaError;
-    }
-    ncclResult_t r = settle(a, comm, a->ncclAllReduce(dev, dev, 1, ncclInt32, ncclMin, comm, s));
-    if (r != ncclSuccess || (r = sync_stream(a, s)) != ncclSuccess) {
-        return r;
-    }
-    if (a->cudaMemcpy(value, dev, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) {
-        return ncclUnhandledCudaError;
-    }
-    return ncclSuccess;
-}
-
-static void
-free_local(const pyccl_api *a, pyccl_fastar *f, int free_base)
-{
-    for (int r = 0; r < PYCCL_AR_MAX_RANKS; r++) {
-        if (r != f->rank && f->peer[r] != NULL && a->cudaIpcCloseMemHandle) {
-            a->cudaIpcCloseMemHandle(f->peer[r]);
-        }
-        f->peer[r] = NULL;
-    }
-    if (f->order != NULL && a->cudaEventDestroy) {
-        a->cudaEventDestroy(f->order);
-    }
-    f->order = NULL;
-    if (f->base != NULL && free_base) {
-        a->cudaFree(f->base);
-    }
-    f->base = NULL;
-    if (f->host_err != NULL && a->cudaFreeHost) {
-        a->cudaFreeHost(f->host_err);
-    }
-    f->host_err = NULL;
-}
-
-#define WHY(...) snprintf(f->reason, sizeof f->reason, __VA_ARGS__)
-
-/* Collective.  Called without the GIL, current device = the comm's. Returns
- * the NCCL result of the exchange (a failure there is the caller's error);
- * f->state says whether the kernels are usable. */
-static ncclResult_t
-setup(const pyccl_api *a, pyccl_fastar *f, ncclComm_t comm, cudaStream_t s)
-{
-    const int n = f->nranks, me = f->rank;
-    int ok = 1;
-    fa_record mine;
-    memset(&mine, 0, sizeof mine);
-    const char *off = getenv("PYCCL_DISABLE_OWN_KERNELS");
-    if (off != NULL && *off != '\0' && strcmp(off, "0") != 0) {
-        ok = 0;
-        WHY("PYCCL_DISABLE_OWN_KERNELS is set");
-    } else if (n < 2 || n > PYCCL_AR_MAX_RANKS) {
-        ok = 0;
-        WHY("the own kernels serve 2 to %d ranks, this communicator has %d",
-            PYCCL_AR_MAX_RANKS, n);
-    } else if (load_kernels(f->device, f->reason, sizeof f->reason) < 0) {
-        ok = 0;
-    } else if (f->pdl && !pdl_supported(f->device)) {
-        f->pdl = 0;
-    }
-    size_t total = PYCCL_AR_DATA_OFF + 2 * f->half + 2 * (size_t)n * 2 * f->ll_max;
-    if (ok) {
-        cudaError_t e = a->cudaMalloc((void **)&f->base, total);
-        if (e == cudaSuccess) {
-            e = a->cudaMemset(f->base, 0, PYCCL_AR_DATA_OFF);
-        }
-        if (e == cudaSuccess) {
-            e = a->cudaIpcGetMemHandle(&mine.handle, f->base);
-        }
-        if (e == cudaSuccess) {
-            e = a->cudaHostAlloc((void **)&f->host_err, sizeof(int), cudaHostAllocMapped);
-        }
-        if (e == cudaSuccess) {
-            e = a->cudaDeviceGetPCIBusId(mine.busid, sizeof mine.busid, f->device);
-        }
-        if (e == cudaSuccess && a->cudaEventCreateWithFlags) {
-            e = a->cudaEventCreateWithFlags(&f->order, cudaEventDisableTiming);
-        }
-        if (e != cudaSuccess) {
-            ok = 0;
-            WHY("setting up %zu bytes of peer memory on cuda:%d failed: %s", total, f->device,
-                a->cudaGetErrorString(e));
-            a->cudaGetLastError();
-        } else {
-            *f->host_err = 0;
-        }
-    }
-    mine.host = host_id();
-    mine.half = f->half;
-    mine.ll_max = f->ll_max;
-    mine.one_max = f->one_max;
-    mine.two_max = f->two_max;
-    mine.pid = (int32_t)getpid();
-    mine.ok = ok;
-    mine.blocks = f->blocks;
-    mine.threads = f->threads;
-    mine.magic = (uint32_t)(host_id() ^ (uint64_t)getpid() * 2654435761u);
-
-    /* exchange: n records + one int for agreements, in one scratch buffer */
-    char *dev = NULL;
-    fa_record *all = NULL;
-    ncclResult_t r = ncclSuccess;
-    if (a->cudaMalloc((void **)&dev, (size_t)n * sizeof(fa_record) + 64) != cudaSuccess ||
-        (all = malloc((size_t)n * sizeof(fa_record))) == NULL) {
-        a->cudaGetLastError();
-        r = ncclSystemError;
-        goto out;
-    }
-    int *flag = (int *)(dev + (size_t)n * sizeof(fa_record));
-    if (a->cudaMemcpy(dev + (size_t)me * sizeof(fa_record), &mine, sizeof mine,
-                      cudaMemcpyHostToDevice) != cudaSuccess) {
-        r = ncclUnhandledCudaError;
-        goto out;
-    }
-    r = settle(a, comm,
-               a->ncclAllGather(dev + (size_t)me * sizeof(fa_record), dev, sizeof(fa_record),
-                                ncclUint8, comm, s));
-    if (r != ncclSuccess || (r = sync_stream(a, s)) != ncclSuccess) {
-        goto out;
-    }
-    if (a->cudaMemcpy(all, dev, (size_t)n * sizeof(fa_record), cudaMemcpyDeviceToHost) !=
-            cudaSuccess) {
-        r = ncclUnhandledCudaError;
-        goto out;
-    }
-    for (int p = 0; p < n && ok; p++) {
-        if (!all[p].ok) {
-            ok = 0;
-            WHY("rank %d cannot use them", p);
-        } else if (all[p].host != mine.host) {
-            ok = 0;
-            WHY("rank %d is on another host", p);
-        } else if (p != me && all[p].pid == mine.pid) {
-            ok = 0;
-            WHY("ranks %d and %d share a process (CUDA IPC works between processes)", me, p);
-        } else if (p != me && strcmp(all[p].busid, mine.busid) == 0) {
-            ok = 0;
-            WHY("ranks %d and %d share GPU %s", me, p, mine.busid);
-        } else if (all[p].half != all[0].half || all[p].ll_max != all[0].ll_max ||
-                   all[p].blocks != all[0].blocks || all[p].threads != all[0].threads) {
-            ok = 0;
-            WHY("ranks disagree on PYCCL_AR_BUFFER_MB / PYCCL_AR_LL_MAX / PYCCL_AR_BLOCKS / "
-                "PYCCL_AR_THREADS");
-        } else if (all[p].one_max != all[0].one_max || all[p].two_max != all[0].two_max) {
-            ok = 0;
-            WHY("ranks disagree on PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX (rank %d: %llu / "
-                "%llu bytes, rank 0: %llu / %llu)", p, (unsigned long long)all[p].one_max,
-                (unsigned long long)all[p].two_max, (unsigned long long)all[0].one_max,
-                (unsigned long long)all[0].two_max);
-        }
-    }
-    for (int p = 0; p < n && ok; p++) {
-        if (p == me) {
-            f->peer[p] = f->base;
-            continue;
-        }
-        int pd = -1, can = 1;
-        if (a->cudaDeviceGetByPCIBusId && a->cudaDeviceCanAccessPeer &&
-            a->cudaDeviceGetByPCIBusId(&pd, all[p].busid) == cudaSuccess) {
-            if (a->cudaDeviceCanAccessPeer(&can, f->device, pd) != cudaSuccess) {
-                can = 0;
-            }
-        }
-        a->cudaGetLastError(); /* a peer GPU this process does not see is fine */
-        if (!can) {
-            ok = 0;
-            WHY("cuda:%d has no peer access to cuda:%d (rank %d)", f->device, pd, p);
-            break;
-        }
-        void *ptr = NULL;
-        cudaError_t e = a->cudaIpcOpenMemHandle(&ptr, all[p].handle,
-                                                cudaIpcMemLazyEnablePeerAccess);
-        if (e != cudaSuccess) {
-            ok = 0;
-            WHY("mapping rank %d's memory failed: %s", p, a->cudaGetErrorString(e));
-            a->cudaGetLastError();
-            break;
-        }
-        f->peer[p] = ptr;
-    }
-    /* everyone mapped everyone, or nobody goes on */
-    if ((r = agree(a, comm, flag, &ok, s)) != ncclSuccess) {
-        goto out;
-    }
-    if (!ok) {
-        if (f->reason[0] == '\0') {
-            WHY("another rank could not map its peers");
-        }
-        goto out;
-    }
-    /* the probe: stage 0 writes into every peer; the agreement is the barrier
-     * before stage 1 reads back */
-    {
-        pyccl_ar_params prm;
-        memset(&prm, 0, sizeof prm);
-        for (int p = 0; p < n; p++) {
-            prm.base[p] = f->peer[p];
-        }
-        prm.out = flag + 4;
-        prm.rank = me;
-        prm.nranks = n;
-        prm.magic = all[0].magic;
-        CUfunction fn = devs[f->device].fn[K_PROBE];
-        int zero = 0, stage = 0;
-        void *args[] = {&prm, &stage};
-        int okp = 1;
-        if (a->cudaMemcpy(flag + 4, &zero, sizeof zero, cudaMemcpyHostToDevice) != cudaSuccess ||
-            drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
-            a->cudaStreamSynchronize(s) != cudaSuccess) {
-            okp = 0;
-        }
-        if ((r = agree(a, comm, flag, &okp, s)) != ncclSuccess) {
-            goto out;
-        }
-        int failed = 0;
-        if (okp) {
-            stage = 1;
-            if (drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
-                a->cudaStreamSynchronize(s) != cudaSuccess ||
-                a->cudaMemcpy(&failed, flag + 4, sizeof failed, cudaMemcpyDeviceToHost) !=
-                    cudaSuccess) {
-                okp = 0;
-                WHY("the peer-memory probe kernel failed");
-            } else if (failed) {
-                okp = 0;
-                WHY("the write-then-read probe failed with peer mask 0x%x", failed);
-            }
-        } else {
-            WHY("the peer-memory probe could not run on every rank");
-        }
-        a->cudaGetLastError();
-        if ((r = agree(a, comm, flag, &okp, s)) != ncclSuccess) {
-            goto out;
-        }
-        if (!okp && f->reason[0] == '\0') {
-            WHY("the write-then-read probe failed on another rank");
-        }
-        ok = okp;
-    }
-out:
-    if (dev != NULL && r != ncclInProgress) { /* a timed-out NCCL kernel may still use it */
-        a->cudaFree(dev);
-    }
-    free(all);
-    if (r != ncclSuccess) {
-        ok = 0;
-        WHY("the set-up exchange failed");
-    }
-    if (ok) {
-        f->state = FA_READY;
-        f->reason[0] = '\0';
-        live_add(f);
-    } else {
-        f->state = FA_OFF;
-        free_local(a, f, 1); /* nobody mapped it for use: safe to free */
-    }
-    return r;
-}
-
 static int
 kernel_type(int dtype_row_nccl)
 {
@@ -769,27 +149,10 @@ fastar_of(pyccl_comm *c)
             return NULL;
         }
         read_settings(f, c);
+        pthread_mutex_init(&f->setup_mu, NULL);
         c->fastar = f;
     }
     return c->fastar;
-}
-
-/* Make `device` current on this thread (its primary context too, which the
- * driver-API launch needs); *prev gets the device to restore. */
-static int
-enter_device(const pyccl_api *a, int device, int *prev)
-{
-    static _Thread_local int bound = -1;
-    if (a->cudaGetDevice(prev) != cudaSuccess) {
-        return -1;
-    }
-    if (*prev != device || bound != device) {
-        if (a->cudaSetDevice(device) != cudaSuccess) {
-            return -1;
-        }
-        bound = device;
-    }
-    return 0;
 }
 
 /* The peers did not come within the timeout (`where`: during the set-up, or
@@ -811,6 +174,139 @@ timed_out(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const
         PyErr_SetString(PyExc_RuntimeError, msg);
     }
     return -1;
+}
+
+/* The collective set-up of c's kernels, GIL released, one at a time per
+ * communicator; f->state says the outcome.  -1 with an exception. */
+static int
+set_up(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, cudaStream_t s)
+{
+    const pyccl_api *a = &st->api;
+    int prev, ran = 0;
+    ncclResult_t r = ncclSuccess;
+    c->inflight++; /* destroy() refuses meanwhile */
+    c->setups++;   /* abort() does not wait for it: it holds the lock per NCCL call */
+    Py_BEGIN_ALLOW_THREADS
+    /* one set-up per communicator: another thread's call waits here, then
+     * finds it done */
+    pthread_mutex_lock(&f->setup_mu);
+    if (f->state == FA_UNTRIED) {
+        ran = 1;
+        f->deadline = f->timeout > 0 ? fastar_mono() + f->timeout : 0;
+        f->gone = 0;
+        f->last[0] = '\0';
+        if (fastar_enter_device(a, f->device, &prev) < 0) {
+            r = ncclUnhandledCudaError;
+        } else {
+            r = fastar_setup(a, f, c, s);
+            if (prev != f->device) {
+                a->cudaSetDevice(prev);
+            }
+        }
+    }
+    pthread_mutex_unlock(&f->setup_mu);
+    Py_END_ALLOW_THREADS
+    c->setups--;
+    c->inflight--;
+    if (ran && f->gone) { /* abort() or the watchdog ended it meanwhile */
+        f->state = FA_OFF;
+        if (pyccl_comm_alive(st, op, c) == 0) {
+            PyErr_Format(PyExc_RuntimeError, "%s: %s", op, f->reason);
+        }
+        return -1;
+    }
+    if (r == ncclInProgress) { /* the peers did not come within the timeout */
+        return timed_out(st, c, f, op, " (setting up pyccl's all-reduce kernels)");
+    }
+    if (r != ncclSuccess) {
+        f->state = FA_OFF;
+        pyccl_raise_nccl(st, op, r, f->last);
+        return -1;
+    }
+    if (f->state != FA_READY) {
+        log_once(f);
+    }
+    return 0;
+}
+
+/* One kernel of variant (0 LL, 1 one-shot, 2 two-shot) and index k for
+ * t -> o on stream s, ordered after c's previous one; 1, or -1 with an
+ * exception. */
+static int
+launch(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const pyccl_tensor *t,
+       const pyccl_tensor *o, size_t nbytes, int variant, int k, cudaStream_t s)
+{
+    const pyccl_api *a = &st->api;
+    pyccl_ar_params prm;
+    memset(&prm, 0, sizeof prm);
+    prm.in = t->ptr;
+    prm.out = o->ptr;
+    memcpy(prm.base, f->peer, sizeof prm.base);
+    prm.host_error = f->host_err;
+    prm.nbytes = nbytes;
+    prm.half = f->half;
+    prm.timeout_ns = (unsigned long long)(f->kernel_timeout * 1e9);
+    prm.rank = f->rank;
+    prm.nranks = f->nranks;
+    prm.aligned = (((uintptr_t)t->ptr | (uintptr_t)o->ptr) & 15u) == 0;
+    prm.ll_slot = 2 * f->ll_max;
+    prm.skew_ns = f->skew_ns;
+    void *args[] = {&prm};
+    int prev;
+    CUresult r = 0;
+    int bad_device = 0;
+    if (fastar_enter_device(a, f->device, &prev) < 0) {
+        bad_device = 1;
+    } else {
+        if (f->launched && s != f->last_stream) {
+            /* The kernels rely on each rank's calls running one after the
+             * other: a call on another stream waits for the previous one
+             * (outside graph capture, where the graph's edges order them). */
+            enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+            a->cudaStreamIsCapturing(s, &cs);
+            if (cs == cudaStreamCaptureStatusNone) {
+                a->cudaStreamIsCapturing(f->last_stream, &cs);
+            }
+            if (cs == cudaStreamCaptureStatusNone &&
+                a->cudaEventRecord(f->order, f->last_stream) == cudaSuccess) {
+                a->cudaStreamWaitEvent(s, f->order, 0);
+            }
+            a->cudaGetLastError();
+        }
+        f->last_stream = s;
+        f->launched = 1;
+        unsigned threads = (unsigned)f->threads;
+        if (variant == 0) {
+            /* LL: one 8-byte line per thread is enough; every block still
+             * runs (each keeps its own epoch), just smaller */
+            size_t lines = (nbytes + 7) / 8;
+            size_t per = (lines + (size_t)f->blocks - 1) / (size_t)f->blocks;
+            per = (per + 31) & ~(size_t)31;
+            threads = per < threads ? (unsigned)per : threads;
+        }
+        CUfunction fn = fastar_devs[f->device].fn[k];
+        if (f->pdl) {
+            /* the kernels begin with griddepcontrol.wait (allreduce.cu) */
+            cu_launch_attr attr;
+            memset(&attr, 0, sizeof attr);
+            attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.i = 1;
+            cu_launch_config cfg = {{(unsigned)f->blocks, 1, 1}, {threads, 1, 1}, 0, s, &attr, 1};
+            r = fastar_drv.cuLaunchKernelEx(&cfg, fn, args, NULL);
+        } else {
+            r = fastar_drv.cuLaunchKernel(fn, (unsigned)f->blocks, 1, 1, threads, 1, 1, 0, s, args, NULL);
+        }
+        if (prev != f->device) {
+            a->cudaSetDevice(prev);
+        }
+    }
+    if (bad_device || r != 0) {
+        PyErr_Format(st->CudaError, "%s: launching pyccl's all-reduce kernel on cuda:%d failed: %s",
+                     op, f->device, bad_device ? "cannot make the device current" : fastar_cu_error(r));
+        return -1;
+    }
+    /* as an NCCL call would be: watched with a timeout, else noted for wait() */
+    return pyccl_comm_track(st, op, c, s) < 0 ? -1 : 1;
 }
 
 int
@@ -907,36 +403,8 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
             }
             return 0;
         }
-        int prev;
-        ncclResult_t r;
-        char last[512] = "";
-        set_up_deadline = f->timeout > 0 ? mono() + f->timeout : 0;
-        c->inflight++;
-        Py_BEGIN_ALLOW_THREADS
-        if (enter_device(a, f->device, &prev) < 0) {
-            r = ncclUnhandledCudaError;
-        } else {
-            r = setup(a, f, c->comm, s);
-            if (prev != f->device) {
-                a->cudaSetDevice(prev);
-            }
-        }
-        if (r != ncclSuccess && a->ncclGetLastError) {
-            strncpy(last, a->ncclGetLastError(c->comm), sizeof last - 1);
-        }
-        Py_END_ALLOW_THREADS
-        c->inflight--;
-        set_up_deadline = 0;
-        if (r == ncclInProgress) { /* the peers did not come within the timeout */
-            return timed_out(st, c, f, op, " (setting up pyccl's all-reduce kernels)");
-        }
-        if (r != ncclSuccess) {
-            f->state = FA_OFF;
-            pyccl_raise_nccl(st, op, r, last);
+        if (set_up(st, c, f, op, s) < 0) {
             return -1;
-        }
-        if (f->state != FA_READY) {
-            log_once(f);
         }
     }
     if (f->state != FA_READY) {
@@ -962,119 +430,9 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
         WHY("a wait gave up after %g s", f->timeout);
         return timed_out(st, c, f, op, " in pyccl's all-reduce kernel");
     }
-    pyccl_ar_params prm;
-    memset(&prm, 0, sizeof prm);
-    prm.in = t->ptr;
-    prm.out = o->ptr;
-    memcpy(prm.base, f->peer, sizeof prm.base);
-    prm.host_error = f->host_err;
-    prm.nbytes = nbytes;
-    prm.half = f->half;
-    prm.timeout_ns = (unsigned long long)(f->kernel_timeout * 1e9);
-    prm.rank = f->rank;
-    prm.nranks = f->nranks;
-    prm.aligned = (((uintptr_t)t->ptr | (uintptr_t)o->ptr) & 15u) == 0;
-    prm.ll_slot = 2 * f->ll_max;
-    prm.skew_ns = f->skew_ns;
     int variant = algo == PYCCL_ALGO_TWOSHOT ? 2 : nbytes <= f->ll_max ? 0 : 1;
     int k = variant * K_NTYPES * K_NOPS + kt * K_NOPS + ko;
-    void *args[] = {&prm};
-    int prev;
-    CUresult r = 0;
-    int bad_device = 0;
-    if (enter_device(a, f->device, &prev) < 0) {
-        bad_device = 1;
-    } else {
-        if (f->launched && s != f->last_stream) {
-            /* The kernels rely on each rank's calls running one after the
-             * other: a call on another stream waits for the previous one
-             * (outside graph capture, where the graph's edges order them). */
-            enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-            a->cudaStreamIsCapturing(s, &cs);
-            if (cs == cudaStreamCaptureStatusNone) {
-                a->cudaStreamIsCapturing(f->last_stream, &cs);
-            }
-            if (cs == cudaStreamCaptureStatusNone &&
-                a->cudaEventRecord(f->order, f->last_stream) == cudaSuccess) {
-                a->cudaStreamWaitEvent(s, f->order, 0);
-            }
-            a->cudaGetLastError();
-        }
-        f->last_stream = s;
-        f->launched = 1;
-        unsigned threads = (unsigned)f->threads;
-        if (variant == 0) {
-            /* LL: one 8-byte line per thread is enough; every block still
-             * runs (each keeps its own epoch), just smaller */
-            size_t lines = (nbytes + 7) / 8;
-            size_t per = (lines + (size_t)f->blocks - 1) / (size_t)f->blocks;
-            per = (per + 31) & ~(size_t)31;
-            threads = per < threads ? (unsigned)per : threads;
-        }
-        CUfunction fn = devs[f->device].fn[k];
-        if (f->pdl) {
-            /* the kernels begin with griddepcontrol.wait (allreduce.cu) */
-            cu_launch_attr attr;
-            memset(&attr, 0, sizeof attr);
-            attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.i = 1;
-            cu_launch_config cfg = {{(unsigned)f->blocks, 1, 1}, {threads, 1, 1}, 0, s, &attr, 1};
-            r = drv.cuLaunchKernelEx(&cfg, fn, args, NULL);
-        } else {
-            r = drv.cuLaunchKernel(fn, (unsigned)f->blocks, 1, 1, threads, 1, 1, 0, s, args, NULL);
-        }
-        if (prev != f->device) {
-            a->cudaSetDevice(prev);
-        }
-    }
-    if (bad_device || r != 0) {
-        PyErr_Format(st->CudaError, "%s: launching pyccl's all-reduce kernel on cuda:%d failed: %s",
-                     op, f->device, bad_device ? "cannot make the device current" : cu_error(r));
-        return -1;
-    }
-    /* as an NCCL call would be: watched with a timeout, else noted for wait() */
-    return pyccl_comm_track(st, op, c, s) < 0 ? -1 : 1;
-}
-
-void
-pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective)
-{
-    pyccl_fastar *f = c->fastar;
-    if (f == NULL) {
-        return;
-    }
-    c->fastar = NULL;
-    live_remove(f);
-    const pyccl_api *a = &st->api;
-    if (f->state == FA_READY && !st->exiting && a->loaded) {
-        /* Peers may read this rank's region until they closed their mapping:
-         * free it only after a barrier that follows every rank's close.  Without
-         * a collective destroy the region is kept (leaked) instead. */
-        int prev, ok = 1;
-        int free_base = 0;
-        Py_BEGIN_ALLOW_THREADS
-        if (enter_device(a, f->device, &prev) == 0) {
-            a->cudaDeviceSynchronize();
-            char *base = f->base;
-            free_local(a, f, 0); /* close the peers' mappings, keep ours */
-            if (collective) {
-                int *dev = NULL;
-                if (a->cudaMalloc((void **)&dev, sizeof(int)) == cudaSuccess) {
-                    free_base = agree(a, c->comm, dev, &ok, NULL) == ncclSuccess;
-                    a->cudaFree(dev);
-                }
-                a->cudaGetLastError();
-            }
-            if (free_base) {
-                a->cudaFree(base);
-            }
-            if (prev != f->device) {
-                a->cudaSetDevice(prev);
-            }
-        }
-        Py_END_ALLOW_THREADS
-    }
-    PyMem_RawFree(f);
+    return launch(st, c, f, op, t, o, nbytes, variant, k, s);
 }
 
 PyObject *
@@ -1132,7 +490,7 @@ pyccl_fastar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value)
     int prev;
     cudaError_t e = cudaErrorInvalidDevice;
     Py_BEGIN_ALLOW_THREADS
-    if (enter_device(a, f->device, &prev) == 0) {
+    if (fastar_enter_device(a, f->device, &prev) == 0) {
         e = a->cudaDeviceSynchronize();
         if (e == cudaSuccess) {
             e = value != NULL && value != Py_None

@@ -299,7 +299,8 @@ typedef struct {
      * without it), so no GIL holder ever blocks on it; `watch` changes from
      * NULL only under it (abort). */
     pthread_mutex_t mu;
-    int setups;          /* own-kernel set-ups in flight (counted in inflight too) */
+    int setups;          /* own-kernel set-ups in flight (counted in inflight too):
+                          * abort() does not wait for them (they hold `mu` per NCCL call) */
     /* register()/register_window() handles still open (registration.c):
      * a list through the handles, which each hold a reference to c */
     struct pyccl_reg *regs;
@@ -340,8 +341,10 @@ int pyccl_read_algo(const char *op, PyObject *obj, pyccl_algo *out);
 int pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op,
                             pyccl_algo algo, const pyccl_tensor *t,
                             const pyccl_tensor *o, int redop, cudaStream_t s);
-/* Free what fastar holds; `collective`: all ranks destroy together, so the
- * exported buffer can be freed after a barrier (else it is kept). */
+/* Free what the own kernels hold on c (also after abort(): the stop word
+ * ended their waits).  `collective`: every rank is destroying c together, so
+ * the exported region is freed behind a barrier (bounded by c's timeout);
+ * otherwise it is kept.  Nothing while a set-up of c is in flight. */
 void pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective);
 PyObject *pyccl_fastar_info(pyccl_state *st, pyccl_comm *c);
 PyObject *pyccl_fastar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value);
@@ -465,6 +468,11 @@ int pyccl_read_timeout(const char *op, PyObject *obj, double *out);
 /* Non-zero once c failed or was aborted (its handle is gone then).  Safe
  * without the GIL. */
 int pyccl_comm_failed(const pyccl_comm *c);
+/* Without the GIL: the lock abort() and the watchdog take before they touch
+ * c's NCCL handle, held, and the handle in *comm; NULL (nothing held) once c
+ * was aborted, failed or destroyed.  Unlock the returned mutex after the
+ * NCCL call (and its completion poll).  For the own kernels' set-up. */
+pthread_mutex_t *pyccl_comm_hold(pyccl_comm *c, ncclComm_t *comm);
 /* -1 raising c's failure when it failed (then c->comm is cleared), else 0. */
 int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
 /* -1 with RuntimeError when c was destroyed (or is pending, or failed). */

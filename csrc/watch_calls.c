@@ -754,3 +754,36 @@ pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
     return 0;
 }
 
+/* For a caller that talks to NCCL without the GIL between waits that
+ * another thread's abort() or the watchdog may end (the own kernels' set-up,
+ * fastar.c): take the lock that abort() and the watchdog take before they
+ * touch the handle (c's own without a timeout, the watch's with one) and
+ * give the handle.  NULL, with nothing held, once the communicator was
+ * aborted, failed or destroyed.  The lock is held for one NCCL call and
+ * its completion poll, never across a wait on peers. */
+pthread_mutex_t *
+pyccl_comm_hold(pyccl_comm *c, ncclComm_t *comm)
+{
+    *comm = NULL;
+    pthread_mutex_lock(&c->mu);
+    struct pyccl_watch *w = c->watch; /* changes from NULL only under c->mu */
+    if (w == NULL) {
+        if (c->comm != NULL) {
+            *comm = c->comm;
+            return &c->mu;
+        }
+        pthread_mutex_unlock(&c->mu);
+        return NULL;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (w->timeout <= 0) {
+        return NULL; /* the record of an aborted communicator */
+    }
+    pthread_mutex_lock(&w->mu);
+    if (failed_kind(w) || w->comm == NULL || w->closing) {
+        pthread_mutex_unlock(&w->mu);
+        return NULL;
+    }
+    *comm = w->comm;
+    return &w->mu;
+}

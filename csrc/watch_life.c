@@ -269,7 +269,9 @@ pyccl_comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
         if (c->comm == NULL) {
             Py_RETURN_NONE; /* destroyed: nothing to abort */
         }
-        if (c->inflight > 0) {
+        /* an own-kernel set-up holds the lock per NCCL call only: it sees
+         * the abort between its calls (pyccl_comm_hold) */
+        if (c->inflight > c->setups) {
             PyErr_Format(PyExc_RuntimeError,
                          "abort: the communicator (rank %d of %d) is in use by "
                          "another thread; abort it once that call returned",

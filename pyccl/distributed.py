@@ -95,6 +95,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         # and makes the waiter's current stream wait on it (NCCL's Work semantics).
         # Without a device (the CPU tier's stand-in communicator) it is a plain finished Future.
         self._devices = [] if device is None else [torch.device("cuda", device)]
+        self._device_id = None  # init_process_group(device_id=...)'s index, when torch said it
 
     # ---- plumbing ----
     @property
@@ -137,6 +138,15 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         return False
 
     def _get_backend(self, device):
+        # init_process_group(device_id=cuda:i) asks this with that device right after creating
+        # the group: a torch that did not tell the creator about device_id got a communicator
+        # on the current device, which must then be the same one.
+        index, mine = getattr(device, "index", None), getattr(self._comm, "device", None)
+        if index is not None and mine is not None and index != mine:
+            raise ValueError(
+                f"pyccl backend: device_id={device} but the communicator is on cuda:{self._comm.device} "
+                f"(the current device when the group was made); call torch.cuda.set_device({index}) "
+                "before init_process_group")
         return self
 
     def shutdown(self):
@@ -333,8 +343,28 @@ def exchange_unique_id(store, rank, size, group_name):
     return bytes(store.get(key)), None
 
 
-def _new_communicator(size, uid, rank, timeout):
-    return _C.Communicator(size, uid, rank, torch.cuda.current_device(), timeout)
+def _new_communicator(size, uid, rank, timeout, device=None):
+    return _C.Communicator(size, uid, rank, torch.cuda.current_device() if device is None else device,
+                           timeout)
+
+
+def _bound_device(opts):
+    """The CUDA device index of init_process_group(device_id=...), where torch tells the creator
+    (the group it made, opts.process_group, holds it as bound_device_id), else None: the
+    communicator goes on the current device.  A group made later (new_group, DeviceMesh) goes
+    where the default group's went."""
+    groups = [getattr(opts, "process_group", None)]
+    if dist.is_initialized():
+        groups.append(dist.distributed_c10d._get_default_group())
+    for pg in groups:
+        if isinstance(pg, ProcessGroupPyccl):
+            if pg._device_id is not None:
+                return pg._device_id
+            continue
+        dev = getattr(pg, "bound_device_id", None)
+        if dev is not None and getattr(dev, "type", None) == "cuda" and dev.index is not None:
+            return dev.index
+    return None
 
 
 def _seconds(timeout):
@@ -352,14 +382,19 @@ def create_process_group(opts, pg_options=None):
                            "(the group's timeout= is the communicator's timeout)")
     rank, size, name = opts.group_rank, opts.group_size, opts.group_id
     uid, key = exchange_unique_id(opts.store, rank, size, name)
-    comm = _new_communicator(size, uid, rank, _seconds(opts.timeout))
+    device_id = _bound_device(opts)
+    comm = _new_communicator(size, uid, rank, _seconds(opts.timeout), device_id)
     if key is not None:
         # NCCL's init returned, so every rank has read the id: the key is not needed any more
         try:
             opts.store.delete_key(key)
         except Exception:  # noqa: BLE001 (a store without delete_key: the key just stays)
             pass
-    return ProcessGroupPyccl(comm, rank, size, name)
+    pg = ProcessGroupPyccl(comm, rank, size, name)
+    # Kept for the groups made from this one.  Not torch's bound_device_id: with that set,
+    # DeviceMesh makes its subgroups with split_group, which needs NCCL's C++ backend.
+    pg._device_id = device_id
+    return pg
 
 
 def _register():

@@ -364,3 +364,35 @@ def ddp_killed_peer(rank, world, store_path, timeout, kill_after):
             killed_at = float(store.get("killed_at").decode())
             return raised - killed_at, type(e).__name__, str(e)[:2000], step
     raise AssertionError("no step raised after the peer was killed")
+
+
+def device_id_places_groups(rank, world, store_path):
+    """init_process_group(device_id=cuda:rank) with every rank's current device left at cuda:0:
+    the communicator goes on cuda:rank where torch tells the creator about the device
+    (opts.process_group), all_reduce is exact there and a new_group follows it; on a torch that
+    does not tell, a rank whose device_id is not its current device gets pyccl's ValueError."""
+    from torch._C._distributed_c10d import _DistributedBackendOptions
+    told = hasattr(_DistributedBackendOptions(), "process_group")
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", rank)
+    store = dist.FileStore(store_path, world) if world > 1 else dist.HashStore()
+    try:
+        dist.init_process_group("pyccl", store=store, rank=rank, world_size=world, device_id=dev,
+                                timeout=datetime.timedelta(seconds=60))
+    except ValueError as e:
+        assert not told and rank != 0, (told, rank, e)
+        return {"told": told, "refused": str(e)}
+    pg = dist.group.WORLD
+    got = {"told": told, "world": pg.communicator.device}
+    x = _data(1023, torch.int32, rank).to(dev)
+    want = sum(_data(1023, torch.int32, r) for r in range(world)).to(dev)
+    dist.all_reduce(x)
+    _check("all_reduce with device_id", x, want)
+    sub = dist.new_group(list(range(world)))
+    got["sub"] = sub.communicator.device
+    y = _data(7, torch.float32, rank).to(dev)
+    dist.all_reduce(y, group=sub)
+    _check("all_reduce on a new_group", y, sum(_data(7, torch.float32, r) for r in range(world)).to(dev))
+    dist.barrier()
+    dist.destroy_process_group()
+    return got

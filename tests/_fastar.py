@@ -428,6 +428,36 @@ def destroy_collective(comm):
     return before, after, region
 
 
+def ten_communicators(comm):
+    """Ten communicators, every other one with a timeout, set the own kernels up, run them
+    and are destroyed on every rank: the device's free memory before and after (one warm-up
+    communicator first: NCCL and the kernels' module take memory once per process)."""
+    W, r, d = comm.size, comm.rank, comm.device
+    dev = f"cuda:{d}"
+    base = torch.arange(1000, dtype=torch.int32)
+
+    def new_comm(timeout):
+        uid = torch.tensor(list(pyccl.unique_id()) if r == 0 else [0] * 128, dtype=torch.uint8,
+                           device=dev)
+        comm.broadcast(uid, 0)
+        return pyccl.Communicator(W, bytes(uid.cpu().tolist()), r, device=d, timeout=timeout)
+
+    def use_and_destroy(c, i):
+        t = base.to(dev) + r + i
+        c.all_reduce(t, algo="oneshot")
+        _check(t, sum(base + q + i for q in range(W)), "ten communicators", i)
+        assert c.all_reduce_info["state"] == "ready", c.all_reduce_info
+        c.destroy()
+
+    use_and_destroy(new_comm(None), -1)
+    torch.cuda.synchronize()
+    before = torch.cuda.mem_get_info(d)[0]
+    for i in range(10):
+        use_and_destroy(new_comm(5.0 if i % 2 else None), i)
+    torch.cuda.synchronize()
+    return before, torch.cuda.mem_get_info(d)[0]
+
+
 def coalesced(comm):
     """all_reduce_coalesced of many small tensors of odd sizes (and shapes), three dtypes,
     own kernels and NCCL, bitwise; errors name the argument."""

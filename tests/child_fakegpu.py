@@ -703,6 +703,93 @@ def no_peer_access():
         "no_p2p", 1, lambda r: f"cuda:{r} has no peer access to cuda:{1 - r} (rank {1 - r})")
 
 
+def _own_kernels_ready(timeout=None):
+    """One of two ranks (FAKE_RANK) of a library built with FAKE_PEER_MEMORY: a
+    communicator whose first all_reduce sets the own kernels up (regions shared
+    between the processes, the probe) and runs the stand-in's all-reduce kernel."""
+    rank = int(os.environ["FAKE_RANK"])
+    assert fake.cudaSetDevice(rank) == 0
+    c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank, timeout=timeout)
+    a = Array([1.0 + rank, 2.0, 3.0 * (rank + 1)])
+    launches = get("launches")
+    c.all_reduce(a)
+    info = c.all_reduce_info
+    assert info["state"] == "ready", info
+    assert get("launches") == launches + 3, "two probe stages and one all-reduce kernel"
+    assert a.tolist() == [3.0, 4.0, 9.0], a.tolist()
+    return c
+
+
+def own_kernels_lifecycle():
+    """Ten communicators, every other one with a timeout, set the own kernels
+    up and are destroyed (every rank together): each gives back its device
+    memory, its peer mapping and its host word."""
+    base = get("mem_live")
+    seen = []
+    for i in range(10):
+        c = _own_kernels_ready(timeout=5.0 if i % 2 else None)
+        region = get("mem_live") - base
+        assert region >= 2 << 20, region  # two 1 MiB halves (PYCCL_AR_BUFFER_MB=1) and more
+        assert (get("ipc_live"), get("host_live")) == (1, 1)
+        c.destroy()
+        seen.append([i, get("mem_live") - base, get("ipc_live"), get("host_live")])
+    clean()
+    return {"after_destroy": seen}
+
+
+def own_kernels_abort():
+    """abort() after the own kernels ran: the peer mapping and the host word
+    go at once; only the exported region stays (a peer may still map it),
+    and the communicator refuses use."""
+    base = get("mem_live")
+    c = _own_kernels_ready()
+    region = get("mem_live") - base
+    c.abort()
+    got = {"ipc_live": get("ipc_live"), "host_live": get("host_live"),
+           "kept": get("mem_live") - base, "region": region}
+    try:
+        c.all_reduce(Array([1.0]))
+        raise AssertionError("all_reduce after abort() did not raise")
+    except RuntimeError as e:
+        got["after"] = str(e)
+    c.destroy()
+    del c
+    import gc
+    gc.collect()
+    clean()
+    return got
+
+
+def own_kernels_setup_two_threads():
+    """Two threads make the first all_reduce of one communicator at once: one
+    sets the own kernels up, the other waits for it and then uses them (two
+    set-ups would run two exchanges on one communicator at once)."""
+    rank = int(os.environ["FAKE_RANK"])
+    assert fake.cudaSetDevice(rank) == 0
+    c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank)
+    arrays = [Array([1.0 + rank, 2.0, 3.0 * (rank + 1)]) for _ in range(2)]
+    errors = []
+
+    def run(a):
+        try:
+            assert fake.cudaSetDevice(rank) == 0  # the stand-in's current device is per thread
+            c.all_reduce(a)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(a,)) for a in arrays]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert c.all_reduce_info["state"] == "ready", c.all_reduce_info
+    values = [a.tolist() for a in arrays]
+    c.destroy()
+    clean()
+    return {"values": values, "ipc_live": get("ipc_live"), "launches": get("launches")}
+
+
 def _refs(args, kw):
     """The objects whose refcounts a call must leave unchanged: the arguments
     and the items of list/tuple arguments (a snapshot: `slots` says how many

@@ -91,8 +91,9 @@ def stub(monkeypatch):
     """(log, created): creations of the backend get a StubComm; the NCCL id is made up."""
     log, created = [], []
 
-    def new_comm(size, uid, rank, timeout):
+    def new_comm(size, uid, rank, timeout, device=None):
         created.append((size, uid, rank, timeout))
+        log.append(("device", device))
         return StubComm(log)
 
     monkeypatch.setattr(pd, "_new_communicator", new_comm)
@@ -414,3 +415,45 @@ def test_coalesced_forms_refuse_unpaired_lists(world):
             call()
         assert str(e.value) == "pyccl backend: " + text
     assert len(log) == n  # nothing reached the communicator
+
+
+def test_device_id_places_the_communicator(stub):
+    # init_process_group(device_id=cuda:1): torch binds the group it made, and hands it to the
+    # creator (opts.process_group on torch >= 2.14); the communicator goes there, and so do
+    # the communicators of groups made from this one
+    log, created = stub
+    bound = dist.ProcessGroup(0, 1)
+    bound.bound_device_id = torch.device("cuda", 1)
+    opts = _opts(dist.HashStore(), 0, 1, "g")
+    if not hasattr(opts, "process_group"):
+        pytest.skip("this torch does not hand the creator the group it made (opts.process_group)")
+    opts.process_group = bound
+    pg = pd.create_process_group(opts)
+    assert log[-1] == ("device", 1)
+    assert pg._device_id == 1
+    assert pg.bound_device_id is None  # else DeviceMesh would split_group, which needs NCCL's backend
+    # without a bound device: the current one (None here), and a plain group says nothing
+    opts = _opts(dist.HashStore(), 0, 1, "h")
+    pd.create_process_group(opts)
+    assert log[-1] == ("device", None)
+
+
+def test_groups_made_later_follow_the_default_groups_device(world, monkeypatch):
+    log, created = world
+    default = dist.distributed_c10d._get_default_group()
+    default._device_id = 3
+    dist.new_group([0])
+    assert log[-1] == ("device", 3)
+
+
+def test_get_backend_refuses_a_device_id_the_communicator_is_not_on():
+    class Comm:
+        device = 0
+    pg = pd.ProcessGroupPyccl(Comm(), 0, 1, "g")
+    assert pg._get_backend(torch.device("cuda")) is pg
+    assert pg._get_backend(torch.device("cuda", 0)) is pg
+    with pytest.raises(ValueError) as e:
+        pg._get_backend(torch.device("cuda", 2))
+    assert str(e.value) == ("pyccl backend: device_id=cuda:2 but the communicator is on cuda:0 (the current "
+                            "device when the group was made); call torch.cuda.set_device(2) before "
+                            "init_process_group")

@@ -58,3 +58,21 @@ def test_example_06_ddp_backend():
                     env=dict(os.environ, PYTHONPATH=root, STEPS="150"), cwd=root)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1].startswith("OK: DDP over "), r.stdout
+
+
+@needs_gpus(1)
+def test_device_id_one_rank(tmp_path):
+    res = run_ranks(ds.device_id_places_groups, 1, str(tmp_path / "store"), make_comm=False, timeout=120)
+    assert res[0]["world"] == 0 and res[0]["sub"] == 0, res
+
+
+@needs_gpus(2)
+def test_device_id_places_each_ranks_communicator(tmp_path):
+    # every rank's current device is cuda:0; device_id=cuda:rank decides
+    res = run_ranks(ds.device_id_places_groups, 2, str(tmp_path / "store"), make_comm=False, timeout=120)
+    for r, got in res.items():
+        if got["told"]:
+            assert got["world"] == r and got["sub"] == r, res
+        elif r:
+            assert got["refused"].startswith(f"pyccl backend: device_id=cuda:{r} but the communicator "
+                                             "is on cuda:0"), res

@@ -41,8 +41,8 @@ def peer_lib(tmp_path_factory):
     return out
 
 
-def run_two_ranks(lib, scenario, tmp_path, timeout=60):
-    env = dict(os.environ, FAKE_XPROC_DIR=str(tmp_path),
+def run_two_ranks(lib, scenario, tmp_path, timeout=60, **extra_env):
+    env = dict(os.environ, FAKE_XPROC_DIR=str(tmp_path), **extra_env,
                LD_LIBRARY_PATH=os.path.dirname(lib) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
     env.pop("PYTHONPATH", None)
     env.pop("PYCCL_QUIET", None)
@@ -74,3 +74,33 @@ def test_unusable_own_kernels_give_nccl_with_the_reason_said_once(peer_lib, scen
         assert res["values"] == [12.0, 16.0, 36.0], res
         said = [line for line in err.splitlines() if line.startswith("pyccl:")]
         assert said == [f"pyccl: rank {rank} of 2 uses NCCL for all_reduce: {res['reason']}"], err
+
+
+# The stand-in also shares "device memory" between the rank processes (files mapped shared:
+# CUDA IPC) and runs the probe and an int32/float32 all-reduce for the kernels, so the own
+# kernels' set-up and release run whole on the CPU.
+
+def test_ten_communicators_give_back_their_peer_memory_on_destroy(peer_lib, tmp_path):
+    results = run_two_ranks(peer_lib, "own_kernels_lifecycle", tmp_path, timeout=120,
+                            PYCCL_AR_BUFFER_MB="1")
+    for res, _ in results:
+        # [i, device bytes still held, peer mappings open, host words] after each destroy():
+        # with and without a timeout (the region used to be kept whenever there was one)
+        assert res["after_destroy"] == [[i, 0, 0, 0] for i in range(10)], res
+
+
+def test_abort_releases_own_kernel_state_but_the_exported_region(peer_lib, tmp_path):
+    results = run_two_ranks(peer_lib, "own_kernels_abort", tmp_path, PYCCL_AR_BUFFER_MB="1")
+    for rank, (res, _) in enumerate(results):
+        assert res["ipc_live"] == 0 and res["host_live"] == 0, res
+        assert res["kept"] == res["region"] and res["region"] >= 2 << 20, res
+        assert res["after"] == f"all_reduce: the communicator (rank {rank} of 2) has been aborted", res
+
+
+def test_one_set_up_when_two_threads_make_the_first_call(peer_lib, tmp_path):
+    results = run_two_ranks(peer_lib, "own_kernels_setup_two_threads", tmp_path,
+                            PYCCL_AR_BUFFER_MB="1")
+    for res, _ in results:
+        assert res["values"] == [[3.0, 4.0, 9.0]] * 2, res
+        assert res["ipc_live"] == 0, res
+        assert res["launches"] == 4, res  # one set-up (two probe stages), two kernels

@@ -42,10 +42,10 @@ FAULTS = [
         "    for (size_t i = threadIdx.x; i < n && 0; i += blockDim.x) {\n"
         "        const size_t off = data_off + vbytes + i * sizeof(T);\n")],
         tests=["tests/test_fastar_gpu.py", "-k", "random_data"]),
-    dict(name="skip clearing the LL area", tier="gpu", file="csrc/fastar.c", edits=None,
-         missing="nothing clears the LL area on this tree: fastar.c memsets only the first "
-                 "PYCCL_AR_DATA_OFF bytes of the region",
-         tests=["tests/test_fastar_gpu.py", "-k", "exact_every"]),
+    dict(name="skip clearing the LL area", tier="gpu", file="csrc/fastar_setup.c", edits=[(
+        "        e = a->cudaMemset(f->base, 0, total);\n",
+        "        e = a->cudaMemset(f->base, 0, PYCCL_AR_DATA_OFF);\n")],
+        tests=["tests/test_fastar_gpu.py", "-k", "exact_every or ten_communicators"]),
     dict(name="wait on the wrong stream", tier="gpu", file="csrc/fastar.c", edits=[(
         "                a->cudaStreamWaitEvent(s, f->order, 0);\n",
         "                a->cudaStreamWaitEvent(f->last_stream, f->order, 0);\n")],
@@ -63,10 +63,10 @@ FAULTS = [
          "        wt->ts = PyEval_SaveThread();\n",
          "        int r = PyErr_CheckSignals();\n")],
         tests=["tests/test_timeout_cpu.py"]),
-    dict(name="leak the peer buffer on destroy", tier="gpu", file="csrc/fastar.c", edits=[(
-        "            if (free_base) {\n                a->cudaFree(base);\n            }\n",
-        "            (void)free_base;\n            (void)base; /* MUTANT: never freed */\n")],
-        tests=["tests/test_fastar_gpu.py", "-k", "destroy_after"]),
+    dict(name="leak the peer buffer on destroy", tier="cpu", file="csrc/fastar_setup.c", edits=[(
+        "            if (freed) {\n                a->cudaFree(base);\n            }\n",
+        "            (void)freed;\n            (void)base; /* MUTANT: never freed */\n")],
+        tests=["tests/test_selection_cpu.py", "-k", "ten_communicators"]),
     dict(name="watchdog fires at half the timeout", tier="cpu", file="csrc/watchdog.c", edits=[(
         "    if (w->nq > 0 && now - w->q[0].t > w->timeout) {\n",
         "    if (w->nq > 0 && now - w->q[0].t > w->timeout / 2) {\n")],

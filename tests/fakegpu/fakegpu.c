@@ -68,6 +68,7 @@ struct fcomm {
     int connected, aborted, destroyed, finalized, in_call;
     ncclComm_t *split_slot; /* written when the split completes */
     int xseq;           /* FAKE_PEER_MEMORY: collectives exchanged so far */
+    int serial;         /* the n-th communicator this process made (ranks make them alike) */
     struct fcomm *split_child;
 };
 
@@ -91,7 +92,8 @@ static __thread int group_nops;
     X(concurrent) X(events_live) X(event_records) X(event_queries)          \
     X(capture_mode_calls) X(capture_violations) X(stream_syncs) X(splits)   \
     X(redops) X(module_error) X(no_p2p)                                     \
-    X(mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)         \
+    X(mem_live) X(ipc_live) X(host_live) X(launches)                        \
+    X(nccl_mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)    \
     X(dereg_calls) X(reg_delay) X(reg_hang) X(cumem_held)
 #define DECL(k) static double k;
 KEYS(DECL)
@@ -219,8 +221,10 @@ const char *ncclGetLastError(ncclComm_t c) { (void)c; return ""; }
 static struct fcomm *
 new_comm(int nranks, int rank, int blocking)
 {
+    static int serials;
     struct fcomm *c = calloc(1, sizeof *c); /* never freed: misuse stays detectable */
     c->magic = MAGIC;
+    c->serial = serials++;
     c->rank = rank;
     c->nranks = nranks;
     c->dev = cur_dev;
@@ -516,7 +520,7 @@ xproc_exchange(struct fcomm *c, const void *mine, size_t bytes, void *all)
     unsigned seq = (unsigned)c->xseq++;
     ops++;
     pthread_mutex_unlock(&mu);
-    snprintf(path, sizeof path, "%s/%u.%d", dir, seq, c->rank);
+    snprintf(path, sizeof path, "%s/%d.%u.%d", dir, c->serial, seq, c->rank);
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     FILE *f = fopen(tmp, "wb");
     if (f == NULL || fwrite(mine, 1, bytes, f) != bytes || fclose(f) != 0 || rename(tmp, path) != 0) {
@@ -524,7 +528,7 @@ xproc_exchange(struct fcomm *c, const void *mine, size_t bytes, void *all)
     }
     double deadline = now() + 30;
     for (int r = 0; r < c->nranks; r++) {
-        snprintf(path, sizeof path, "%s/%u.%d", dir, seq, r);
+        snprintf(path, sizeof path, "%s/%d.%u.%d", dir, c->serial, seq, r);
         while ((f = fopen(path, "rb")) == NULL) {
             if (now() > deadline) {
                 return -1;
@@ -786,8 +790,10 @@ cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p)
     return cudaSuccess;
 }
 
+#ifndef FAKE_PEER_MEMORY
 cudaError_t cudaMalloc(void **p, size_t n) { *p = calloc(1, n ? n : 1); return cudaSuccess; }
 cudaError_t cudaFree(void *p) { free(p); return cudaSuccess; }
+#endif
 
 cudaError_t
 cudaEventCreateWithFlags(struct fevent **ev, unsigned flags)
@@ -916,7 +922,7 @@ ncclMemAlloc(void **ptr, size_t size)
             mem[i].p = calloc(1, size);
             mem[i].n = size;
             *ptr = mem[i].p;
-            mem_live++;
+            nccl_mem_live++;
             mem_allocs++;
             pthread_mutex_unlock(&mu);
             return ncclSuccess;
@@ -934,7 +940,7 @@ ncclMemFree(void *ptr)
         if (mem[i].p == ptr && ptr != NULL) {
             free(mem[i].p);
             mem[i].p = NULL;
-            mem_live--;
+            nccl_mem_live--;
             pthread_mutex_unlock(&mu);
             return ncclSuccess;
         }
@@ -1099,29 +1105,186 @@ cudaHostAlloc(void **p, size_t n, unsigned flags)
 {
     (void)flags;
     *p = calloc(1, n ? n : 1);
+    pthread_mutex_lock(&mu);
+    host_live++;
+    pthread_mutex_unlock(&mu);
     return cudaSuccess;
 }
 
-cudaError_t cudaFreeHost(void *p) { free(p); return cudaSuccess; }
+cudaError_t
+cudaFreeHost(void *p)
+{
+    free(p);
+    pthread_mutex_lock(&mu);
+    host_live--;
+    pthread_mutex_unlock(&mu);
+    return cudaSuccess;
+}
+
+/* Device memory that other processes can map: with $FAKE_XPROC_DIR, a
+ * cudaMalloc is a file there mapped shared, and its IPC handle carries the
+ * file's name; cudaIpcOpenMemHandle maps it again (in the peer process).
+ * mem_live counts the bytes cudaMalloc'ed and not freed, ipc_live the peer
+ * mappings open. */
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+static struct fmap { void *p; size_t n; int own; char name[72]; } maps[512];
+
+static struct fmap *
+map_of(void *p)
+{
+    for (int i = 0; i < 512; i++) {
+        if (maps[i].p == p && p != NULL) {
+            return &maps[i];
+        }
+    }
+    return NULL;
+}
+
+static struct fmap *
+map_slot(void)
+{
+    for (int i = 0; i < 512; i++) {
+        if (maps[i].p == NULL) {
+            return &maps[i];
+        }
+    }
+    return NULL;
+}
+
+static void *
+map_file(const char *name, size_t n, int create)
+{
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s", getenv("FAKE_XPROC_DIR"), name);
+    int fd = open(path, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0600);
+    if (fd < 0 || (create && ftruncate(fd, (off_t)n) != 0)) {
+        if (fd >= 0) close(fd);
+        return NULL;
+    }
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+cudaError_t
+cudaMalloc(void **p, size_t n)
+{
+    static unsigned seq;
+    n = n ? n : 1;
+    if (getenv("FAKE_XPROC_DIR") == NULL) {
+        *p = calloc(1, n);
+    } else {
+        pthread_mutex_lock(&mu);
+        struct fmap *m = map_slot();
+        if (m == NULL) {
+            pthread_mutex_unlock(&mu);
+            return last_error = 2; /* cudaErrorMemoryAllocation */
+        }
+        snprintf(m->name, sizeof m->name, "mem.%d.%u", (int)getpid(), seq++);
+        m->p = *p = map_file(m->name, n, 1);
+        m->n = n;
+        m->own = 1;
+        if (m->p == NULL) {
+            pthread_mutex_unlock(&mu);
+            return last_error = 2;
+        }
+        pthread_mutex_unlock(&mu);
+    }
+    pthread_mutex_lock(&mu);
+    mem_live += (double)n;
+    pthread_mutex_unlock(&mu);
+    return cudaSuccess;
+}
+
+cudaError_t
+cudaFree(void *p)
+{
+    if (p == NULL) {
+        return cudaSuccess;
+    }
+    pthread_mutex_lock(&mu);
+    struct fmap *m = map_of(p);
+    if (m == NULL) {
+        pthread_mutex_unlock(&mu);
+        free(p); /* without $FAKE_XPROC_DIR (no size known: not counted back) */
+        return cudaSuccess;
+    }
+    if (!m->own) {
+        misuse++; /* a peer's mapping is closed, never freed */
+        pthread_mutex_unlock(&mu);
+        return last_error = cudaErrorInvalidValue;
+    }
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s", getenv("FAKE_XPROC_DIR"), m->name);
+    unlink(path);
+    munmap(m->p, m->n);
+    mem_live -= (double)m->n;
+    memset(m, 0, sizeof *m);
+    pthread_mutex_unlock(&mu);
+    return cudaSuccess;
+}
 
 cudaError_t
 cudaIpcGetMemHandle(cudaIpcMemHandle_t *h, void *p)
 {
     memset(h, 0, sizeof *h);
-    memcpy(h->reserved, &p, sizeof p);
-    return cudaSuccess;
+    pthread_mutex_lock(&mu);
+    struct fmap *m = map_of(p);
+    if (m != NULL) {
+        memcpy(h->reserved, m->name, sizeof h->reserved); /* names are short: NUL inside */
+    }
+    pthread_mutex_unlock(&mu);
+    return m != NULL ? cudaSuccess : (last_error = cudaErrorInvalidValue);
 }
 
 cudaError_t
 cudaIpcOpenMemHandle(void **p, cudaIpcMemHandle_t h, unsigned flags)
 {
-    (void)h;
     (void)flags;
     *p = NULL;
-    return last_error = cudaErrorInvalidValue; /* another process's memory: not here */
+    char name[65];
+    memcpy(name, h.reserved, 64);
+    name[64] = '\0';
+    char path[600];
+    struct stat sb;
+    snprintf(path, sizeof path, "%s/%s", getenv("FAKE_XPROC_DIR") ? getenv("FAKE_XPROC_DIR") : "", name);
+    if (name[0] == '\0' || stat(path, &sb) != 0) {
+        return last_error = cudaErrorInvalidValue;
+    }
+    pthread_mutex_lock(&mu);
+    struct fmap *m = map_slot();
+    void *q = m != NULL ? map_file(name, (size_t)sb.st_size, 0) : NULL;
+    if (q == NULL) {
+        pthread_mutex_unlock(&mu);
+        return last_error = cudaErrorInvalidValue;
+    }
+    m->p = *p = q;
+    m->n = (size_t)sb.st_size;
+    m->own = 0;
+    snprintf(m->name, sizeof m->name, "%s", name);
+    ipc_live++;
+    pthread_mutex_unlock(&mu);
+    return cudaSuccess;
 }
 
-cudaError_t cudaIpcCloseMemHandle(void *p) { (void)p; return cudaSuccess; }
+cudaError_t
+cudaIpcCloseMemHandle(void *p)
+{
+    pthread_mutex_lock(&mu);
+    struct fmap *m = map_of(p);
+    if (m == NULL || m->own) {
+        misuse++;
+        pthread_mutex_unlock(&mu);
+        return last_error = cudaErrorInvalidValue;
+    }
+    munmap(m->p, m->n);
+    memset(m, 0, sizeof *m);
+    ipc_live--;
+    pthread_mutex_unlock(&mu);
+    return cudaSuccess;
+}
 
 cudaError_t
 cudaDeviceGetPCIBusId(char *buf, int len, int dev)
@@ -1167,13 +1330,15 @@ cudaStreamQuery(cudaStream_t s)
 }
 
 typedef int CUresult;
-static char fake_function; /* what a CUfunction handle points to */
+/* CUfunction handles: an index into these names (set by cuModuleGetFunction) */
+static char fn_names[64][48];
+static int nfn;
 
 CUresult
 cuModuleLoadData(void **mod, const void *image)
 {
     (void)image;
-    *mod = &fake_function;
+    *mod = fn_names;
     return (CUresult)module_error;
 }
 
@@ -1181,18 +1346,91 @@ CUresult
 cuModuleGetFunction(void **fn, void *mod, const char *name)
 {
     (void)mod;
-    (void)name;
-    *fn = &fake_function;
+    pthread_mutex_lock(&mu);
+    int i = 0;
+    while (i < nfn && strcmp(fn_names[i], name) != 0) {
+        i++;
+    }
+    if (i == nfn && nfn < 64) {
+        snprintf(fn_names[nfn++], sizeof fn_names[0], "%s", name);
+    }
+    pthread_mutex_unlock(&mu);
+    *fn = fn_names[i < 64 ? i : 63];
     return 0;
+}
+
+#include "../../csrc/kernels/fastar_abi.h"
+
+/* What the kernels do, done at once on the host (device memory is host
+ * memory here): the set-up's write-then-read probe across the ranks'
+ * regions, and the all-reduce itself for int32 SUM/MAX/MIN and float32 SUM,
+ * exchanged between the rank processes through files as the fake NCCL does
+ * (in rank order). */
+static int
+fake_kernel(const char *name, void **args)
+{
+    const pyccl_ar_params *p = args[0];
+    if (strcmp(name, "pyccl_ar_probe") == 0) {
+        int stage = *(int *)args[1];
+        uint32_t *mine = (uint32_t *)(p->base[p->rank] + PYCCL_AR_PROBE_OFF);
+        for (int r = 0; r < p->nranks; r++) {
+            uint32_t *theirs = (uint32_t *)(p->base[r] + PYCCL_AR_PROBE_OFF);
+            if (stage == 0) {
+                theirs[p->rank] = p->magic ^ (uint32_t)(p->rank * 16 + r);
+                if (r == p->rank) {
+                    mine[PYCCL_AR_MAX_RANKS + r] = p->magic + (uint32_t)r;
+                }
+            } else if (mine[r] != (p->magic ^ (uint32_t)(r * 16 + p->rank)) ||
+                       theirs[PYCCL_AR_MAX_RANKS + r] != p->magic + (uint32_t)r) {
+                *(int *)p->out |= 1 << r;
+            }
+        }
+        return 0;
+    }
+    char type[8], op[8];
+    int variant;
+    if (sscanf(name, "pyccl_ar_%d_%7[a-z0-9]_%7[a-z]", &variant, type, op) != 3) {
+        return 98;
+    }
+    int t = strcmp(type, "f32") == 0 ? 7 : strcmp(type, "i32") == 0 ? 2 : -1;
+    int o = strcmp(op, "sum") == 0 ? 0 : strcmp(op, "max") == 0 ? 2 : strcmp(op, "min") == 0 ? 3 : -1;
+    struct fcomm fc;
+    memset(&fc, 0, sizeof fc);
+    static int kseq;
+    fc.rank = p->rank;
+    fc.nranks = p->nranks;
+    fc.serial = -1; /* apart from the communicators' exchanges */
+    fc.xseq = kseq++;
+    if (t < 0 || o < 0 || p->nbytes % 4) {
+        return 98; /* CUDA_ERROR_INVALID_HANDLE: not modelled */
+    }
+    return xproc_all_reduce(&fc, p->in, p->out, (size_t)(p->nbytes / 4), t, o) == ncclSuccess ? 0 : 999;
+}
+
+static CUresult
+launch(void *f, void **args)
+{
+    pthread_mutex_lock(&mu);
+    launches++;
+    pthread_mutex_unlock(&mu);
+    return (CUresult)fake_kernel((const char *)f, args);
 }
 
 CUresult
 cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                unsigned bz, unsigned shared, cudaStream_t s, void **args, void **extra)
 {
-    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz;
-    (void)shared; (void)s; (void)args; (void)extra;
-    return 98; /* CUDA_ERROR_INVALID_HANDLE: this library runs no kernels */
+    (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz;
+    (void)shared; (void)s; (void)extra;
+    return launch(f, args);
+}
+
+CUresult
+cuLaunchKernelEx(const void *cfg, void *f, void **args, void **extra)
+{
+    (void)cfg;
+    (void)extra;
+    return launch(f, args);
 }
 
 CUresult

@@ -1,0 +1,764 @@
+/* pyccl's own all-reduce, host side: loading the kernels, and a
+ * communicator's set-up and release.
+ *
+ * The kernels (csrc/kernels/allreduce.cu) are compiled by setup.py into a
+ * fatbin that is embedded here and loaded with the CUDA driver API, found the
+ * same way as NCCL (dlopen, nothing linked).  The set-up happens once per
+ * communicator, collectively, at the first all_reduce of a supported dtype
+ * and op, of any size (fastar.c decides when): a region per rank, CUDA IPC
+ * handles and every rank's settings exchanged by an NCCL all_gather on the
+ * communicator itself, peers mapped, a real write-then-read probe across
+ * every pair, and an agreement (NCCL MIN) so that either every rank uses the
+ * kernels or none does.  Release frees what it made: the exported region
+ * behind a barrier of every rank, or kept where no barrier can be had. */
+#include "fastar_setup.h"
+
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifdef PYCCL_FATBIN_PATH
+/* the fatbin setup.py compiled, placed in .rodata by the assembler */
+__asm__(".section .rodata\n"
+        ".balign 64\n"
+        "pyccl_ar_fatbin:\n"
+        ".incbin \"" PYCCL_FATBIN_PATH "\"\n"
+        ".byte 0\n"
+        ".previous\n");
+extern const unsigned char pyccl_ar_fatbin[] __asm__("pyccl_ar_fatbin");
+#endif
+
+int
+pyccl_fastar_built(void)
+{
+#ifdef PYCCL_FATBIN_PATH
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The driver table and the kernels loaded per device are process-wide (the
+ * driver is): filled once, under load_mu, by the first set-up that needs
+ * them, which runs without the GIL, so two set-ups on two threads may race. */
+static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
+fastar_driver fastar_drv;
+
+static const char *const type_names[K_NTYPES] = {"f32", "f16", "bf16", "i32"};
+static const char *const op_names[K_NOPS] = {"sum", "max", "min"};
+fastar_device fastar_devs[MAX_DEVICES];
+
+/* Under load_mu. */
+static int
+load_driver(char *why, size_t n)
+{
+    if (!fastar_drv.tried) {
+        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        if (h == NULL) {
+            h = dlopen("libcuda.so.1", RTLD_NOW);
+        }
+        if (h == NULL) {
+            snprintf(fastar_drv.err, sizeof fastar_drv.err, "libcuda.so.1 not found: %s", dlerror());
+        } else {
+            *(void **)&fastar_drv.cuModuleLoadData = dlsym(h, "cuModuleLoadData");
+            *(void **)&fastar_drv.cuModuleGetFunction = dlsym(h, "cuModuleGetFunction");
+            *(void **)&fastar_drv.cuLaunchKernel = dlsym(h, "cuLaunchKernel");
+            *(void **)&fastar_drv.cuGetErrorString = dlsym(h, "cuGetErrorString");
+            *(void **)&fastar_drv.cuLaunchKernelEx = dlsym(h, "cuLaunchKernelEx");
+            *(void **)&fastar_drv.cuDeviceGet = dlsym(h, "cuDeviceGet");
+            *(void **)&fastar_drv.cuDeviceGetAttribute = dlsym(h, "cuDeviceGetAttribute");
+            if (!fastar_drv.cuModuleLoadData || !fastar_drv.cuModuleGetFunction || !fastar_drv.cuLaunchKernel ||
+                !fastar_drv.cuGetErrorString) {
+                snprintf(fastar_drv.err, sizeof fastar_drv.err, "libcuda.so.1 lacks the module calls");
+            }
+        }
+        fastar_drv.tried = 1; /* after every symbol: nobody sees a half-filled table */
+    }
+    if (fastar_drv.err[0]) {
+        snprintf(why, n, "%s", fastar_drv.err);
+        return -1;
+    }
+    return 0;
+}
+
+const char *
+fastar_cu_error(CUresult r)
+{
+    const char *s = NULL;
+    if (fastar_drv.cuGetErrorString == NULL || fastar_drv.cuGetErrorString(r, &s) != 0 || s == NULL) {
+        return "unknown CUDA driver error";
+    }
+    return s;
+}
+
+#ifdef PYCCL_FATBIN_PATH
+static int load_kernels_locked(int device, char *why, size_t n);
+#endif
+
+/* The kernels of `device` (current), loaded once; -1 with `why`. */
+static int
+load_kernels(int device, char *why, size_t n)
+{
+#ifndef PYCCL_FATBIN_PATH
+    (void)device;
+    snprintf(why, n, "pyccl was built without nvcc, so its kernels are not compiled in");
+    return -1;
+#else
+    if (device < 0 || device >= MAX_DEVICES) {
+        snprintf(why, n, "device index %d is out of pyccl's range", device);
+        return -1;
+    }
+    pthread_mutex_lock(&load_mu);
+    int rc = load_kernels_locked(device, why, n);
+    pthread_mutex_unlock(&load_mu);
+    return rc;
+#endif
+}
+
+#ifdef PYCCL_FATBIN_PATH
+static int
+load_kernels_locked(int device, char *why, size_t n)
+{
+    if (fastar_devs[device].state == 1) {
+        return 0;
+    }
+    if (load_driver(why, n) < 0) {
+        return -1;
+    }
+    CUmodule mod;
+    CUresult r = fastar_drv.cuModuleLoadData(&mod, pyccl_ar_fatbin);
+    if (r != 0) {
+        snprintf(why, n, "loading the kernels on cuda:%d failed: %s (no code for this GPU?)",
+                 device, fastar_cu_error(r));
+        return -1;
+    }
+    for (int k = 0; k < K_COUNT; k++) {
+        char name[64];
+        if (k == K_PROBE) {
+            snprintf(name, sizeof name, "pyccl_ar_probe");
+        } else {
+            snprintf(name, sizeof name, "pyccl_ar_%d_%s_%s", k / (K_NTYPES * K_NOPS),
+                     type_names[(k / K_NOPS) % K_NTYPES], op_names[k % K_NOPS]);
+        }
+        r = fastar_drv.cuModuleGetFunction(&fastar_devs[device].fn[k], mod, name);
+        if (r != 0) {
+            snprintf(why, n, "kernel %s missing: %s", name, fastar_cu_error(r));
+            return -1;
+        }
+    }
+    fastar_devs[device].state = 1;
+    return 0;
+}
+#endif
+
+/* Whether `device` can overlap a kernel's launch with the previous kernel
+ * on its stream (programmatic dependent launch: compute capability 9.0 and
+ * a driver with cuLaunchKernelEx). */
+static int
+pdl_supported(int device)
+{
+    int dev, major = 0;
+    return fastar_drv.cuLaunchKernelEx != NULL && fastar_drv.cuDeviceGet != NULL &&
+           fastar_drv.cuDeviceGetAttribute != NULL && fastar_drv.cuDeviceGet(&dev, device) == 0 &&
+           fastar_drv.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                                    dev) == 0 &&
+           major >= 9;
+}
+
+/* Every ready communicator's stop word, so that interpreter exit can release
+ * kernels still waiting for peers.  A list (no limit on how many), changed
+ * under live_mu: the set-up adds to it without the GIL. */
+static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
+static pyccl_fastar *live_head;
+
+static void
+live_add(pyccl_fastar *f)
+{
+    pthread_mutex_lock(&live_mu);
+    f->prev = NULL;
+    f->next = live_head;
+    if (live_head != NULL) {
+        live_head->prev = f;
+    }
+    live_head = f;
+    f->in_live = 1;
+    pthread_mutex_unlock(&live_mu);
+}
+
+static void
+live_remove(pyccl_fastar *f)
+{
+    pthread_mutex_lock(&live_mu);
+    if (f->in_live) {
+        if (f->prev != NULL) {
+            f->prev->next = f->next;
+        } else {
+            live_head = f->next;
+        }
+        if (f->next != NULL) {
+            f->next->prev = f->prev;
+        }
+        f->prev = f->next = NULL;
+        f->in_live = 0;
+    }
+    pthread_mutex_unlock(&live_mu);
+}
+
+/* The kernels of c that wait for peers give up now (they poll this
+ * host-mapped word); the communicator's own kernels are unusable afterwards. */
+void
+pyccl_fastar_stop(pyccl_comm *c)
+{
+    pyccl_fastar *f = c->fastar;
+    if (f != NULL && f->host_err != NULL) {
+        *(volatile int *)f->host_err = 2;
+    }
+}
+
+void
+pyccl_fastar_stop_all(void)
+{
+    pthread_mutex_lock(&live_mu);
+    for (pyccl_fastar *f = live_head; f != NULL; f = f->next) {
+        if (f->host_err != NULL) {
+            *(volatile int *)f->host_err = 2;
+        }
+    }
+    pthread_mutex_unlock(&live_mu);
+}
+
+static uint64_t
+host_id(void)
+{
+    char buf[512] = "";
+    gethostname(buf, 256);
+    FILE *fp = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (fp != NULL) {
+        size_t len = strlen(buf);
+        if (fgets(buf + len, (int)(sizeof buf - len), fp) == NULL) {
+            buf[len] = '\0';
+        }
+        fclose(fp);
+    }
+    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
+    for (const char *p = buf; *p; p++) {
+        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+    }
+    return h;
+}
+
+/* What each rank tells the others at set-up (NCCL all_gather of the bytes). */
+typedef struct {
+    cudaIpcMemHandle_t handle;
+    char busid[32];
+    uint64_t host;
+    uint64_t half;
+    uint64_t ll_max;
+    uint64_t one_max, two_max; /* auto's thresholds: ranks that disagree would pick
+                                  different kernels (or NCCL) for one call and hang */
+    int32_t pid;
+    int32_t ok;
+    int32_t blocks;
+    int32_t threads;
+    uint32_t magic;
+    char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 40 - 20];
+} fa_record;
+_Static_assert(sizeof(fa_record) == 256, "fa_record: 256 bytes, the same on every rank");
+
+
+double
+fastar_mono(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* A communicator made with timeout= is NCCL's non-blocking kind: a call may
+ * return ncclInProgress and finish later.  ncclInProgress back when the
+ * deadline (monotonic s, 0: none) passed (the caller fails the
+ * communicator: its peers did not come). */
+static ncclResult_t
+settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r, double deadline)
+{
+    while (r == ncclInProgress && a->ncclCommGetAsyncError) {
+        if (a->ncclCommGetAsyncError(comm, &r) != ncclSuccess) {
+            return ncclInternalError;
+        }
+        if (r == ncclInProgress) {
+            if (deadline > 0 && fastar_mono() > deadline) {
+                return ncclInProgress;
+            }
+            usleep(20);
+        }
+    }
+    return r;
+}
+
+/* cudaStreamSynchronize, bounded by the set-up's deadline (a peer that
+ * never comes leaves the NCCL kernel waiting): ncclInProgress past it. */
+static ncclResult_t
+sync_stream(const pyccl_api *a, cudaStream_t s, double deadline)
+{
+    if (deadline <= 0 || a->cudaStreamQuery == NULL) {
+        return a->cudaStreamSynchronize(s) == cudaSuccess ? ncclSuccess : ncclUnhandledCudaError;
+    }
+    for (;;) {
+        cudaError_t e = a->cudaStreamQuery(s);
+        if (e == cudaSuccess) {
+            return ncclSuccess;
+        }
+        if (e != cudaErrorNotReady) {
+            return ncclUnhandledCudaError;
+        }
+        if (fastar_mono() > deadline) {
+            return ncclInProgress;
+        }
+        usleep(20);
+    }
+}
+
+/* One NCCL collective of the set-up or of destroy's barrier (all_gather of
+ * bytes, or all_reduce MIN of ints), made and settled under the lock that
+ * abort() and the watchdog take before they touch the handle, so neither
+ * frees it under the call; the wait for its kernel happens outside that
+ * lock, where an abort can end it.  ncclInvalidUsage with f->gone set when
+ * the communicator was aborted, failed or destroyed in between. */
+static ncclResult_t
+held_call(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int gather, const void *send,
+          void *recv, size_t count, cudaStream_t s)
+{
+    ncclComm_t comm;
+    pthread_mutex_t *held = pyccl_comm_hold(c, &comm);
+    if (held == NULL) {
+        f->gone = 1;
+        return ncclInvalidUsage;
+    }
+    ncclResult_t r = gather ? a->ncclAllGather(send, recv, count, ncclUint8, comm, s)
+                            : a->ncclAllReduce(send, recv, count, ncclInt32, ncclMin, comm, s);
+    r = settle(a, comm, r, f->deadline);
+    if (r != ncclSuccess && r != ncclInProgress && a->ncclGetLastError) {
+        snprintf(f->last, sizeof f->last, "%s", a->ncclGetLastError(comm));
+    }
+    pthread_mutex_unlock(held);
+    if (r == ncclSuccess) {
+        r = sync_stream(a, s, f->deadline);
+    }
+    return r;
+}
+
+/* NCCL all_reduce(MIN) of one int through `dev` (a device int), synchronous.
+ * Also the barrier of the set-up and of destroy. */
+static ncclResult_t
+agree(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int *dev, int *value, cudaStream_t s)
+{
+    if (a->cudaMemcpy(dev, value, sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess) {
+        return ncclUnhandledCudaError;
+    }
+    ncclResult_t r = held_call(a, f, c, 0, dev, dev, 1, s);
+    if (r != ncclSuccess) {
+        return r;
+    }
+    if (a->cudaMemcpy(value, dev, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) {
+        return ncclUnhandledCudaError;
+    }
+    return ncclSuccess;
+}
+
+/* Wait until the last kernel launched on f's region has finished (an event
+ * after it, polled: unrelated work on the device is not waited for, as
+ * cudaDeviceSynchronize would).  Its waits on peers end by themselves once
+ * they arrived or the stop word is set. */
+static void
+wait_launched(const pyccl_api *a, pyccl_fastar *f)
+{
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (!f->launched || f->order == NULL ||
+        a->cudaStreamIsCapturing(f->last_stream, &cs) != cudaSuccess ||
+        cs != cudaStreamCaptureStatusNone || /* a record would join the capture */
+        a->cudaEventRecord(f->order, f->last_stream) != cudaSuccess) {
+        a->cudaGetLastError();
+        return;
+    }
+    while (a->cudaEventQuery(f->order) == cudaErrorNotReady) {
+        usleep(20);
+    }
+    a->cudaGetLastError();
+}
+
+/* Close the peers' regions mapped here and free what no other process sees
+ * (the event, the host word); this rank's region only with `free_base`, when
+ * no peer can still have it mapped (before the exchange, or after a barrier
+ * that follows every rank's close): freeing exported memory that an
+ * importer still maps is undefined, so it is kept (leaked) otherwise. */
+static void
+free_local(const pyccl_api *a, pyccl_fastar *f, int free_base)
+{
+    for (int r = 0; r < PYCCL_AR_MAX_RANKS; r++) {
+        if (r != f->rank && f->peer[r] != NULL && a->cudaIpcCloseMemHandle) {
+            a->cudaIpcCloseMemHandle(f->peer[r]);
+        }
+        f->peer[r] = NULL;
+    }
+    if (f->order != NULL && a->cudaEventDestroy) {
+        a->cudaEventDestroy(f->order);
+    }
+    f->order = NULL;
+    if (f->base != NULL && free_base) {
+        a->cudaFree(f->base);
+    }
+    f->base = NULL;
+    if (f->host_err != NULL && a->cudaFreeHost) {
+        a->cudaFreeHost(f->host_err);
+    }
+    f->host_err = NULL;
+}
+
+
+/* This rank's region, host word and ordering event; 0 when any failed
+ * (with the reason; nothing kept then). */
+static int
+alloc_local(const pyccl_api *a, pyccl_fastar *f, size_t total, cudaIpcMemHandle_t *handle,
+            char *busid, size_t busid_len)
+{
+    cudaError_t e = a->cudaMalloc((void **)&f->base, total);
+    if (e == cudaSuccess) {
+        /* all of it, the LL lines too: cudaMalloc often returns a destroyed
+         * communicator's region, whose flags a new epoch 1 would accept */
+        e = a->cudaMemset(f->base, 0, total);
+    }
+    if (e == cudaSuccess) {
+        e = a->cudaIpcGetMemHandle(handle, f->base);
+    }
+    if (e == cudaSuccess) {
+        e = a->cudaHostAlloc((void **)&f->host_err, sizeof(int), cudaHostAllocMapped);
+    }
+    if (e == cudaSuccess) {
+        e = a->cudaDeviceGetPCIBusId(busid, (int)busid_len, f->device);
+    }
+    if (e == cudaSuccess && a->cudaEventCreateWithFlags) {
+        e = a->cudaEventCreateWithFlags(&f->order, cudaEventDisableTiming);
+    }
+    if (e != cudaSuccess) {
+        WHY("setting up %zu bytes of peer memory on cuda:%d failed: %s", total, f->device,
+            a->cudaGetErrorString(e));
+        a->cudaGetLastError();
+        free_local(a, f, 1);
+        return 0;
+    }
+    *f->host_err = 0;
+    return 1;
+}
+
+/* Why rank p's record rules the kernels out for everyone (a reason written,
+ * 0), or 1. */
+static int
+check_record(pyccl_fastar *f, const fa_record *all, const fa_record *mine, int p)
+{
+    const int me = f->rank;
+    if (!all[p].ok) {
+        WHY("rank %d cannot use them", p);
+    } else if (all[p].host != mine->host) {
+        WHY("rank %d is on another host", p);
+    } else if (p != me && all[p].pid == mine->pid) {
+        WHY("ranks %d and %d share a process (CUDA IPC works between processes)", me, p);
+    } else if (p != me && strcmp(all[p].busid, mine->busid) == 0) {
+        WHY("ranks %d and %d share GPU %s", me, p, mine->busid);
+    } else if (all[p].half != all[0].half || all[p].ll_max != all[0].ll_max ||
+               all[p].blocks != all[0].blocks || all[p].threads != all[0].threads) {
+        WHY("ranks disagree on PYCCL_AR_BUFFER_MB / PYCCL_AR_LL_MAX / PYCCL_AR_BLOCKS / "
+            "PYCCL_AR_THREADS");
+    } else if (all[p].one_max != all[0].one_max || all[p].two_max != all[0].two_max) {
+        WHY("ranks disagree on PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX (rank %d: %llu / "
+            "%llu bytes, rank 0: %llu / %llu)", p, (unsigned long long)all[p].one_max,
+            (unsigned long long)all[p].two_max, (unsigned long long)all[0].one_max,
+            (unsigned long long)all[0].two_max);
+    } else {
+        return 1;
+    }
+    return 0;
+}
+
+/* Map every peer's region (1), or say why not (0). */
+static int
+map_peers(const pyccl_api *a, pyccl_fastar *f, const fa_record *all)
+{
+    for (int p = 0; p < f->nranks; p++) {
+        if (p == f->rank) {
+            f->peer[p] = f->base;
+            continue;
+        }
+        int pd = -1, can = 1;
+        if (a->cudaDeviceGetByPCIBusId && a->cudaDeviceCanAccessPeer &&
+            a->cudaDeviceGetByPCIBusId(&pd, all[p].busid) == cudaSuccess) {
+            if (a->cudaDeviceCanAccessPeer(&can, f->device, pd) != cudaSuccess) {
+                can = 0;
+            }
+        }
+        a->cudaGetLastError(); /* a peer GPU this process does not see is fine */
+        if (!can) {
+            WHY("cuda:%d has no peer access to cuda:%d (rank %d)", f->device, pd, p);
+            return 0;
+        }
+        void *ptr = NULL;
+        cudaError_t e = a->cudaIpcOpenMemHandle(&ptr, all[p].handle,
+                                                cudaIpcMemLazyEnablePeerAccess);
+        if (e != cudaSuccess) {
+            WHY("mapping rank %d's memory failed: %s", p, a->cudaGetErrorString(e));
+            a->cudaGetLastError();
+            return 0;
+        }
+        f->peer[p] = ptr;
+    }
+    return 1;
+}
+
+/* The probe: stage 0 writes into every peer; the agreement is the barrier
+ * before stage 1 reads back.  Returns the NCCL result of the agreements;
+ * *ok says whether every rank's probe passed. */
+static ncclResult_t
+probe(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int *flag, uint32_t magic,
+      cudaStream_t s, int *ok)
+{
+    pyccl_ar_params prm;
+    memset(&prm, 0, sizeof prm);
+    for (int p = 0; p < f->nranks; p++) {
+        prm.base[p] = f->peer[p];
+    }
+    prm.out = flag + 4;
+    prm.rank = f->rank;
+    prm.nranks = f->nranks;
+    prm.magic = magic;
+    CUfunction fn = fastar_devs[f->device].fn[K_PROBE];
+    int zero = 0, stage = 0;
+    void *args[] = {&prm, &stage};
+    int okp = 1;
+    if (a->cudaMemcpy(flag + 4, &zero, sizeof zero, cudaMemcpyHostToDevice) != cudaSuccess ||
+        fastar_drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
+        a->cudaStreamSynchronize(s) != cudaSuccess) {
+        okp = 0;
+    }
+    ncclResult_t r = agree(a, f, c, flag, &okp, s);
+    if (r != ncclSuccess) {
+        return r;
+    }
+    int failed = 0;
+    if (okp) {
+        stage = 1;
+        if (fastar_drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
+            a->cudaStreamSynchronize(s) != cudaSuccess ||
+            a->cudaMemcpy(&failed, flag + 4, sizeof failed, cudaMemcpyDeviceToHost) !=
+                cudaSuccess) {
+            okp = 0;
+            WHY("the peer-memory probe kernel failed");
+        } else if (failed) {
+            okp = 0;
+            WHY("the write-then-read probe failed with peer mask 0x%x", failed);
+        }
+    } else {
+        WHY("the peer-memory probe could not run on every rank");
+    }
+    a->cudaGetLastError();
+    if ((r = agree(a, f, c, flag, &okp, s)) != ncclSuccess) {
+        return r;
+    }
+    if (!okp && f->reason[0] == '\0') {
+        WHY("the write-then-read probe failed on another rank");
+    }
+    *ok = okp;
+    return ncclSuccess;
+}
+
+/* Collective.  Called without the GIL, current device = the comm's, f's
+ * setup_mu held.  Returns the NCCL result of the exchange (a failure there
+ * is the caller's error; f->gone: the communicator was aborted meanwhile);
+ * f->state says whether the kernels are usable. */
+ncclResult_t
+fastar_setup(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, cudaStream_t s)
+{
+    const int n = f->nranks, me = f->rank;
+    int ok = 1;
+    fa_record mine;
+    memset(&mine, 0, sizeof mine);
+    const char *off = getenv("PYCCL_DISABLE_OWN_KERNELS");
+    if (off != NULL && *off != '\0' && strcmp(off, "0") != 0) {
+        ok = 0;
+        WHY("PYCCL_DISABLE_OWN_KERNELS is set");
+    } else if (n < 2 || n > PYCCL_AR_MAX_RANKS) {
+        ok = 0;
+        WHY("the own kernels serve 2 to %d ranks, this communicator has %d",
+            PYCCL_AR_MAX_RANKS, n);
+    } else if (load_kernels(f->device, f->reason, sizeof f->reason) < 0) {
+        ok = 0;
+    } else if (f->pdl && !pdl_supported(f->device)) {
+        f->pdl = 0;
+    }
+    /* the exchange's scratch first: without it this rank could not join
+     * the exchange, and its peers would wait for it */
+    char *dev = NULL;
+    const size_t scratch = (size_t)n * sizeof(fa_record) + 64;
+    if (a->cudaMalloc((void **)&dev, scratch) != cudaSuccess) {
+        a->cudaGetLastError();
+        return ncclSystemError;
+    }
+    size_t total = PYCCL_AR_DATA_OFF + 2 * f->half + 2 * (size_t)n * 2 * f->ll_max;
+    if (ok) {
+        ok = alloc_local(a, f, total, &mine.handle, mine.busid, sizeof mine.busid);
+    }
+    mine.host = host_id();
+    mine.half = f->half;
+    mine.ll_max = f->ll_max;
+    mine.one_max = f->one_max;
+    mine.two_max = f->two_max;
+    mine.pid = (int32_t)getpid();
+    mine.ok = ok;
+    mine.blocks = f->blocks;
+    mine.threads = f->threads;
+    mine.magic = (uint32_t)(host_id() ^ (uint64_t)getpid() * 2654435761u);
+
+    /* exchange: n records + one int for agreements, in one scratch buffer */
+    fa_record *all = NULL;
+    ncclResult_t r = ncclSuccess;
+    int exchanged = 0; /* peers may have this rank's handle from here on */
+    int *flag = (int *)(dev + (size_t)n * sizeof(fa_record));
+    if ((all = malloc((size_t)n * sizeof(fa_record))) == NULL) {
+        r = ncclSystemError;
+        goto out;
+    }
+    if (a->cudaMemcpy(dev + (size_t)me * sizeof(fa_record), &mine, sizeof mine,
+                      cudaMemcpyHostToDevice) != cudaSuccess) {
+        r = ncclUnhandledCudaError;
+        goto out;
+    }
+    exchanged = 1;
+    r = held_call(a, f, c, 1, dev + (size_t)me * sizeof(fa_record), dev, sizeof(fa_record), s);
+    if (r != ncclSuccess) {
+        goto out;
+    }
+    if (a->cudaMemcpy(all, dev, (size_t)n * sizeof(fa_record), cudaMemcpyDeviceToHost) !=
+            cudaSuccess) {
+        r = ncclUnhandledCudaError;
+        goto out;
+    }
+    for (int p = 0; p < n && ok; p++) {
+        ok = check_record(f, all, &mine, p);
+    }
+    if (ok) {
+        ok = map_peers(a, f, all);
+    }
+    /* everyone mapped everyone, or nobody goes on */
+    if ((r = agree(a, f, c, flag, &ok, s)) != ncclSuccess) {
+        goto out;
+    }
+    if (!ok) {
+        if (f->reason[0] == '\0') {
+            WHY("another rank could not map its peers");
+        }
+    } else if ((r = probe(a, f, c, flag, all[0].magic, s, &ok)) != ncclSuccess) {
+        goto out;
+    }
+    if (!ok) {
+        /* every rank (all know it is off now) closes its mappings, then a
+         * barrier: no importer is left when the regions are freed */
+        char *base = f->base;
+        f->base = NULL;
+        free_local(a, f, 0);
+        int one = 1;
+        if ((r = agree(a, f, c, flag, &one, s)) == ncclSuccess && base != NULL) {
+            a->cudaFree(base);
+        }
+        /* when the barrier failed the region is kept (leaked) */
+    }
+out:
+    if (r != ncclInProgress) { /* a timed-out NCCL kernel may still use it */
+        a->cudaFree(dev);
+    }
+    free(all);
+    if (r != ncclSuccess) {
+        ok = 0;
+        WHY(f->gone ? "the communicator was aborted during the set-up"
+                    : "the set-up exchange failed");
+    }
+    if (ok) {
+        f->state = FA_READY;
+        f->reason[0] = '\0';
+        live_add(f);
+    } else {
+        f->state = FA_OFF;
+        /* once exchanged, a peer may have mapped this region (and on a time-out
+         * an NCCL kernel of the exchange may still be queued): keep it */
+        free_local(a, f, !exchanged);
+    }
+    return r;
+}
+
+
+/* Make `device` current on this thread (its primary context too, which the
+ * driver-API launch needs); *prev gets the device to restore. */
+int
+fastar_enter_device(const pyccl_api *a, int device, int *prev)
+{
+    static _Thread_local int bound = -1;
+    if (a->cudaGetDevice(prev) != cudaSuccess) {
+        return -1;
+    }
+    if (*prev != device || bound != device) {
+        if (a->cudaSetDevice(device) != cudaSuccess) {
+            return -1;
+        }
+        bound = device;
+    }
+    return 0;
+}
+
+void
+pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective)
+{
+    pyccl_fastar *f = c->fastar;
+    if (f == NULL || c->setups > 0) {
+        /* a set-up in flight (abort() from another thread) cleans up after
+         * itself; the rest goes with the communicator */
+        return;
+    }
+    c->fastar = NULL;
+    live_remove(f);
+    const pyccl_api *a = &st->api;
+    if (f->state == FA_READY && !st->exiting && a->loaded) {
+        /* Peers may read this rank's region until they closed their mapping:
+         * free it only after a barrier that follows every rank's close (bounded
+         * by the timeout where there is one).  Without it (abort, garbage
+         * collection, a peer that did not come) the region is kept (leaked). */
+        int prev;
+        Py_BEGIN_ALLOW_THREADS
+        if (fastar_enter_device(a, f->device, &prev) == 0) {
+            wait_launched(a, f); /* they poll the host word free_local frees */
+            char *base = f->base;
+            f->base = NULL;
+            free_local(a, f, 0);
+            int freed = 0;
+            if (collective) {
+                int *dev = NULL, ok = 1;
+                f->deadline = f->timeout > 0 ? fastar_mono() + f->timeout : 0;
+                if (a->cudaMalloc((void **)&dev, sizeof(int)) == cudaSuccess) {
+                    ncclResult_t r = agree(a, f, c, dev, &ok, NULL);
+                    freed = r == ncclSuccess;
+                    if (r != ncclInProgress) { /* else its kernel may still use it */
+                        a->cudaFree(dev);
+                    }
+                }
+                a->cudaGetLastError();
+            }
+            if (freed) {
+                a->cudaFree(base);
+            }
+            if (prev != f->device) {
+                a->cudaSetDevice(prev);
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    pthread_mutex_destroy(&f->setup_mu);
+    PyMem_RawFree(f);
+}

@@ -1,0 +1,119 @@
+/* What the two files of pyccl's own all-reduce share (fastar.c, the calls;
+ * fastar_setup.c, loading the kernels and a communicator's set-up and
+ * release), and no other file includes.  Hidden from other shared objects. */
+#ifndef PYCCL_FASTAR_SETUP_H
+#define PYCCL_FASTAR_SETUP_H
+
+#include "pyccl.h"
+#include "kernels/fastar_abi.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#pragma GCC visibility push(hidden)
+
+/* ---------------- the driver API, declared here (no cuda.h) ---------------- */
+
+typedef int CUresult;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
+/* cuLaunchKernelEx's configuration, as cuda.h (12.0 and later) lays it out */
+typedef struct {
+    int id;                      /* CUlaunchAttributeID */
+    char pad[4];
+    union {
+        char pad[64];
+        int i;
+    } value;
+} cu_launch_attr;
+typedef struct {
+    unsigned grid[3], block[3], shared_bytes;
+    cudaStream_t stream;
+    cu_launch_attr *attrs;
+    unsigned nattrs;
+} cu_launch_config;
+_Static_assert(sizeof(cu_launch_attr) == 72, "CUlaunchAttribute is 72 bytes");
+_Static_assert(sizeof(cu_launch_config) == 56, "CUlaunchConfig is 56 bytes");
+#define CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION 6
+#define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
+typedef struct {
+    int tried;
+    char err[200];
+    CUresult (*cuModuleLoadData)(CUmodule *, const void *);
+    CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
+    CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
+                               unsigned, unsigned, unsigned, cudaStream_t, void **,
+                               void **);
+    CUresult (*cuGetErrorString)(CUresult, const char **);
+    /* optional: programmatic dependent launch (driver 12.0+, sm_90+) */
+    CUresult (*cuLaunchKernelEx)(const cu_launch_config *, CUfunction, void **, void **);
+    CUresult (*cuDeviceGet)(int *, int);
+    CUresult (*cuDeviceGetAttribute)(int *, int, int);
+} fastar_driver;
+
+/* kernels: [0 one-shot LL, 1 one-shot, 2 two-shot][dtype][op], then the probe */
+enum { K_F32, K_F16, K_BF16, K_I32, K_NTYPES };
+enum { K_SUM, K_MAX, K_MIN, K_NOPS };
+#define K_PROBE (3 * K_NTYPES * K_NOPS)
+#define K_COUNT (K_PROBE + 1)
+
+#define MAX_DEVICES 64
+typedef struct {
+    int state; /* 0 untried, 1 loaded, -1 failed */
+    CUfunction fn[K_COUNT];
+} fastar_device;
+
+/* The driver table and the kernels loaded per device (fastar_setup.c). */
+extern fastar_driver fastar_drv;
+extern fastar_device fastar_devs[MAX_DEVICES];
+
+
+enum { FA_UNTRIED = 0, FA_READY = 1, FA_OFF = -1 };
+
+typedef struct pyccl_fastar {
+    int state;
+    char reason[400];
+    int logged;
+    char *base;                         /* this rank's region (cudaMalloc) */
+    char *peer[PYCCL_AR_MAX_RANKS];     /* every rank's region here; [rank] = base */
+    int *host_err;                      /* pinned, device-visible */
+    size_t half;
+    size_t one_max, two_max;            /* auto thresholds, read once */
+    size_t ll_max;                      /* one-shot sizes up to this use the LL kernel */
+    int blocks, threads;
+    int pdl;                            /* launch with programmatic stream serialization */
+    cudaStream_t last_stream;           /* the stream of the previous launch */
+    int launched;
+    cudaEvent_t order;                  /* orders a launch after the previous one on another stream */
+    int rank, nranks, device;
+    double timeout;                     /* seconds a wait may take; 0 = forever */
+    double kernel_timeout;              /* the kernels' deadline */
+    unsigned skew_ns;                   /* PYCCL_AR_DEBUG_SKEW_NS (testing) */
+    double deadline;                    /* the set-up's (monotonic s); 0: none */
+    int gone;                           /* the set-up found the communicator aborted */
+    char last[512];                     /* ncclGetLastError after a failed set-up call */
+    pthread_mutex_t setup_mu;           /* one set-up at a time on a communicator */
+    struct pyccl_fastar *prev, *next;   /* in the live list, under live_mu */
+    int in_live;
+} pyccl_fastar;
+
+
+#define WHY(...) snprintf(f->reason, sizeof f->reason, __VA_ARGS__)
+
+/* The driver's text for an error code. */
+const char *fastar_cu_error(CUresult r);
+/* Monotonic seconds. */
+double fastar_mono(void);
+/* Make `device` current on this thread (its primary context too, which the
+ * driver-API launch needs); *prev gets the device to restore. */
+int fastar_enter_device(const pyccl_api *a, int device, int *prev);
+/* Collective.  Called without the GIL, current device = the comm's, f's
+ * setup_mu held, f->deadline set.  Returns the NCCL result of the exchange
+ * (a failure there is the caller's error; f->gone: the communicator was
+ * aborted meanwhile); f->state says whether the kernels are usable. */
+ncclResult_t fastar_setup(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, cudaStream_t s);
+
+#pragma GCC visibility pop
+
+#endif
