@@ -28,7 +28,7 @@ def expect(exc, text, fn, *args):
 
 
 def counts():
-    return {k: get(k) for k in ("registered", "windows", "mem_live", "reg_calls", "dereg_calls", "cumem_held")}
+    return {k: get(k) for k in ("registered", "windows", "nccl_mem_live", "reg_calls", "dereg_calls", "cumem_held")}
 
 
 def comm(timeout=None, device=0):
@@ -44,7 +44,7 @@ NOT_CUMEM = ("register_window: the tensor's memory was not allocated with cuMem 
 def lifecycle():
     """register/close/with, windows, refusals with exact messages, refcounts, destroy, abort, GC."""
     buf = _C._nccl_mem_alloc(64, 0)
-    assert get("mem_live") == 1 and buf.nbytes == 64 and buf.device == 0 and buf.ptr != 0
+    assert get("nccl_mem_live") == 1 and buf.nbytes == 64 and buf.device == 0 and buf.ptr != 0
     cai = buf.__cuda_array_interface__
     assert cai == {"version": 3, "shape": (64,), "typestr": "|u1", "data": (buf.ptr, False),
                    "strides": None, "stream": None}, cai
@@ -171,10 +171,10 @@ def lifecycle():
     c4.destroy()
 
     # the buffer: freed with ncclMemFree once the last reference goes
-    assert get("mem_live") == 1
+    assert get("nccl_mem_live") == 1
     del buf, h, h2, w, w1, r1, r2, a1
     gc.collect()
-    assert get("mem_live") == 0, get("mem_live")
+    assert get("nccl_mem_live") == 0, get("nccl_mem_live")
     clean()
     return {"type_errors": type_msgs}
 
@@ -212,7 +212,7 @@ def timed():
     c2.destroy()
     del buf, h, w, r, e
     gc.collect()
-    assert get("mem_live") == 0
+    assert get("nccl_mem_live") == 0
     clean()
     return took
 
@@ -251,9 +251,9 @@ def allocation_errors():
     expect(TypeError, "cannot create 'pyccl.Registration' instances", pyccl.Registration)
     b = _C._nccl_mem_alloc(8, 1)
     assert b.device == 1 and fake.cudaSetDevice(0) == 0
-    assert get("mem_live") == 1
+    assert get("nccl_mem_live") == 1
     del b
-    assert get("mem_live") == 0
+    assert get("nccl_mem_live") == 0
     clean()
     return "ok"
 

@@ -91,7 +91,7 @@ static __thread int group_nops;
     X(concurrent) X(events_live) X(event_records) X(event_queries)          \
     X(capture_mode_calls) X(capture_violations) X(stream_syncs) X(splits)   \
     X(redops) X(module_error) X(no_p2p)                                     \
-    X(mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)         \
+    X(nccl_mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)    \
     X(dereg_calls) X(reg_delay) X(reg_hang) X(cumem_held)
 #define DECL(k) static double k;
 KEYS(DECL)
@@ -916,7 +916,7 @@ ncclMemAlloc(void **ptr, size_t size)
             mem[i].p = calloc(1, size);
             mem[i].n = size;
             *ptr = mem[i].p;
-            mem_live++;
+            nccl_mem_live++;
             mem_allocs++;
             pthread_mutex_unlock(&mu);
             return ncclSuccess;
@@ -934,7 +934,7 @@ ncclMemFree(void *ptr)
         if (mem[i].p == ptr && ptr != NULL) {
             free(mem[i].p);
             mem[i].p = NULL;
-            mem_live--;
+            nccl_mem_live--;
             pthread_mutex_unlock(&mu);
             return ncclSuccess;
         }
