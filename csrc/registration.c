@@ -79,7 +79,12 @@ nccl_call(const pyccl_api *a, ncclComm_t comm, int kind, void *ptr, size_t n,
     case 2: r = a->ncclCommDeregister(comm, *handle); break;
     default: r = a->ncclCommWindowDeregister(comm, (ncclWindow_t)*handle); break;
     }
-    while (r == ncclInProgress && a->ncclCommGetAsyncError != NULL) {
+    /* Polled after ncclSuccess too: on a non-blocking communicator NCCL 2.28.9's
+     * ncclCommWindowRegister returns ncclSuccess with the communicator's state
+     * still ncclInProgress (seen on an H100), and the next call on it then
+     * fails ("Attempt to use communicator before the previous operation
+     * returned ncclSuccess").  On a blocking one the state is final: one call. */
+    while ((r == ncclInProgress || r == ncclSuccess) && a->ncclCommGetAsyncError != NULL) {
         ncclResult_t e = ncclSuccess;
         ncclResult_t q = a->ncclCommGetAsyncError(comm, &e);
         if (q != ncclSuccess) {
