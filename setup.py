@@ -69,7 +69,7 @@ KERNEL_SRC = "csrc/kernels/allreduce.cu"
 # Turing (T4, sm_75) to Blackwell; the PTX of the last is JIT-compiled on newer GPUs.  A GPU
 # none of these fits (an older one) fails to load the kernels and uses NCCL, saying why once.
 DEFAULT_ARCHS = "75;80;90;100;120"
-KERNEL_DEPS = [KERNEL_SRC, "csrc/kernels/fastar_abi.h"]
+KERNEL_DEPS = [KERNEL_SRC, "csrc/kernels/ar_abi.h"]
 
 
 def _nvcc():
@@ -80,7 +80,7 @@ def _nvcc():
 
 
 class BuildExt(build_ext):
-    """Compile csrc/kernels/*.cu into a fatbin that fastar.c embeds
+    """Compile csrc/kernels/*.cu into a fatbin that ar.c embeds
     (.incbin), when nvcc is there.  Without nvcc the extension is built
     without its own kernels (all_reduce then always uses NCCL);
     PYCCL_REQUIRE_KERNELS=1 makes that an error."""

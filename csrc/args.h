@@ -2,7 +2,7 @@
  * methods and bindings, bounded ints, the unique id.  Each raises TypeError /
  * ValueError naming the operation and the argument, with the value seen.
  * (Two readers live elsewhere for now: pyccl_read_timeout in watchdog.c and
- * pyccl_read_algo in fastar.c.)  Hidden visibility: calls from the other
+ * pyccl_read_algo in ar.c.)  Hidden visibility: calls from the other
  * files of the extension are direct, as a static function's would be. */
 #ifndef PYCCL_ARGS_H
 #define PYCCL_ARGS_H

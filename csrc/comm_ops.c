@@ -459,7 +459,7 @@ pyccl_comm_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     if (!made) { /* premul_sum ops are NCCL's */
-        int done = pyccl_fastar_all_reduce(x.st, x.c, x.op, algo, &t, &o, redop, s);
+        int done = pyccl_ar_all_reduce(x.st, x.c, x.op, algo, &t, &o, redop, s);
         if (done != 0) {
             return done < 0 ? NULL : Py_NewRef(Py_None);
         }

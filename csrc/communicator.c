@@ -47,7 +47,7 @@ destroy_comm(pyccl_state *st, pyccl_comm *c, int may_raise)
      * every rank's destroy(); after abort() or on garbage collection no
      * barrier can be had, and only the exported region is kept) */
     pyccl_release_registrations(st, c, st->exiting || !st->api.loaded);
-    pyccl_fastar_release(st, c, c->comm != NULL && may_raise);
+    pyccl_ar_release(st, c, c->comm != NULL && may_raise);
     ncclComm_t comm = c->comm;
     void *scratch = c->scratch;
     ncclResult_t r = ncclSuccess;
@@ -384,7 +384,7 @@ static PyObject *
 comm_get_ar_info(PyObject *self, void *Py_UNUSED(closure))
 {
     pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
-    return st == NULL ? NULL : pyccl_fastar_info(st, (pyccl_comm *)self);
+    return st == NULL ? NULL : pyccl_ar_info(st, (pyccl_comm *)self);
 }
 
 static PyObject *
@@ -399,7 +399,7 @@ comm_ar_epoch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                      nargs);
         return NULL;
     }
-    return pyccl_fastar_epoch(st, (pyccl_comm *)self, nargs ? args[0] : NULL);
+    return pyccl_ar_epoch(st, (pyccl_comm *)self, nargs ? args[0] : NULL);
 }
 
 /* abort(): pyccl's own kernels waiting for peers return first, then the
@@ -407,13 +407,13 @@ comm_ar_epoch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
 {
-    pyccl_fastar_stop((pyccl_comm *)self);
+    pyccl_ar_stop((pyccl_comm *)self);
     PyObject *res = pyccl_comm_abort(self, NULL);
     pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
     if (res != NULL && st != NULL) {
         /* the own kernels returned (the stop word): what they held goes now,
          * but the exported region (a peer may still map it) */
-        pyccl_fastar_release(st, (pyccl_comm *)self, 0);
+        pyccl_ar_release(st, (pyccl_comm *)self, 0);
         /* the handle is gone: so are its registrations */
         pyccl_release_registrations(st, (pyccl_comm *)self, 2);
     }

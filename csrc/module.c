@@ -43,7 +43,7 @@ at_exit(PyObject *m, PyObject *Py_UNUSED(ignored))
 {
     pyccl_state *st = PyModule_GetState(m);
     st->exiting = 1;
-    pyccl_fastar_stop_all(); /* own kernels still waiting for peers return */
+    pyccl_ar_stop_all(); /* own kernels still waiting for peers return */
     pyccl_watchdog_at_exit(st);
     Py_RETURN_NONE;
 }

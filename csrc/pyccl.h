@@ -99,7 +99,7 @@ ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win);
     X(cudaFree) X(cudaEventCreateWithFlags) X(cudaEventRecord)              \
     X(cudaEventQuery) X(cudaEventDestroy) X(cudaStreamIsCapturing)          \
     X(cudaThreadExchangeStreamCaptureMode)
-/* For pyccl's own all-reduce (fastar.c); NULL turns it off with a reason. */
+/* For pyccl's own all-reduce (ar.c); NULL turns it off with a reason. */
 #define PYCCL_CUDART_OPTIONAL(X)                                            \
     X(cudaIpcGetMemHandle) X(cudaIpcOpenMemHandle) X(cudaIpcCloseMemHandle) \
     X(cudaMemset) X(cudaMemcpy) X(cudaHostAlloc) X(cudaFreeHost)            \
@@ -292,7 +292,7 @@ typedef struct {
     cudaStream_t last_stream;
     cudaStream_t *streams;   /* PyMem_Malloc'd */
     int nstreams;
-    struct pyccl_fastar *fastar; /* own all-reduce state (fastar.c), NULL until first use */
+    struct pyccl_ar *ar; /* own all-reduce state (ar.c), NULL until first use */
     /* Held around every NCCL call on `comm` of a communicator without a
      * watch (a watch's own mutex serves the others): NCCL communicators are
      * not thread-safe.  Taken with the GIL released (pyccl_comm_lock waits
@@ -330,7 +330,7 @@ extern PyType_Spec pyccl_buffer_spec;
 PyObject *pyccl_mem_alloc(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *pyccl_mem_pool_functions(PyObject *m, PyObject *unused);
 
-/* ---- fastar.c: pyccl's own all-reduce kernels ---- */
+/* ---- ar.c: pyccl's own all-reduce kernels ---- */
 
 typedef enum { PYCCL_ALGO_AUTO, PYCCL_ALGO_NCCL, PYCCL_ALGO_ONESHOT, PYCCL_ALGO_TWOSHOT } pyccl_algo;
 /* all_reduce's algo= argument (None: auto). */
@@ -338,21 +338,21 @@ int pyccl_read_algo(const char *op, PyObject *obj, pyccl_algo *out);
 /* Run t -> o on the own kernels when `algo` and the arguments allow: 1 when
  * enqueued, 0 when NCCL should do it, -1 with an exception.  Collective on
  * the first call that qualifies (it sets up peer memory). */
-int pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op,
+int pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op,
                             pyccl_algo algo, const pyccl_tensor *t,
                             const pyccl_tensor *o, int redop, cudaStream_t s);
 /* Free what the own kernels hold on c (also after abort(): the stop word
  * ended their waits).  `collective`: every rank is destroying c together, so
  * the exported region is freed behind a barrier (bounded by c's timeout);
  * otherwise it is kept.  Nothing while a set-up of c is in flight. */
-void pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective);
-PyObject *pyccl_fastar_info(pyccl_state *st, pyccl_comm *c);
-PyObject *pyccl_fastar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value);
+void pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective);
+PyObject *pyccl_ar_info(pyccl_state *st, pyccl_comm *c);
+PyObject *pyccl_ar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value);
 /* Make c's kernels that wait for peers give up now (abort); all of them (exit). */
-void pyccl_fastar_stop(pyccl_comm *c);
-void pyccl_fastar_stop_all(void);
+void pyccl_ar_stop(pyccl_comm *c);
+void pyccl_ar_stop_all(void);
 /* Whether the kernels were compiled in (setup.py found nvcc). */
-int pyccl_fastar_built(void);
+int pyccl_ar_built(void);
 
 /* ---- clique.c: several ranks in one process ---- */
 /* Borrowed tuple of n communicators over `devices`, created once. */

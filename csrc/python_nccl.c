@@ -733,9 +733,9 @@ nccl_group_end(PyObject *m, PyObject *Py_UNUSED(ignored))
 }
 
 static PyObject *
-fastar_built(PyObject *m, PyObject *Py_UNUSED(ignored))
+ar_built(PyObject *m, PyObject *Py_UNUSED(ignored))
 {
-    return PyBool_FromLong(pyccl_fastar_built());
+    return PyBool_FromLong(pyccl_ar_built());
 }
 
 PyMethodDef pyccl_nccl_methods[] = {
@@ -744,7 +744,7 @@ PyMethodDef pyccl_nccl_methods[] = {
      "_nccl_init_ranks(world_size, unique_id, ranks, devices) -> [Communicator]"},
     {"_nccl_group_start", nccl_group_start, METH_NOARGS, "ncclGroupStart()"},
     {"_nccl_group_end", nccl_group_end, METH_NOARGS, "ncclGroupEnd()"},
-    {"_fastar_built", fastar_built, METH_NOARGS,
+    {"_ar_built", ar_built, METH_NOARGS,
      "Whether pyccl's own all-reduce kernels were compiled in (nvcc at build time)."},
     {"_nccl_version", nccl_version, METH_NOARGS,
      "NCCL version code of the loaded library (e.g. 22809)."},

@@ -756,7 +756,7 @@ pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
 
 /* For a caller that talks to NCCL without the GIL between waits that
  * another thread's abort() or the watchdog may end (the own kernels' set-up,
- * fastar.c): take the lock that abort() and the watchdog take before they
+ * ar.c): take the lock that abort() and the watchdog take before they
  * touch the handle (c's own without a timeout, the watch's with one) and
  * give the handle.  NULL, with nothing held, once the communicator was
  * aborted, failed or destroyed.  The lock is held for one NCCL call and

@@ -295,7 +295,7 @@ class Fuzz:
         C = pyccl._C
         name = self.pick("_nccl_all_reduce", "_nccl_reduce", "_nccl_broadcast", "_nccl_all_gather",
                          "_nccl_reduce_scatter", "_nccl_init_rank", "_nccl_init_ranks", "_nccl_unique_id",
-                         "_nccl_version", "_nccl_version_suffix", "_read_timeout", "_fastar_built",
+                         "_nccl_version", "_nccl_version_suffix", "_read_timeout", "_ar_built",
                          "_library_paths", "group")
         if name == "group":
             desc, inner = self.call()

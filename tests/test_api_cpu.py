@@ -137,4 +137,4 @@ def test_all_reduce_info_without_a_gpu():
     """The own-kernel settings are readable on the type; a Communicator is needed for state."""
     prop = pyccl.Communicator.all_reduce_info
     assert "oneshot_max" in prop.__doc__ and "twoshot_max" in prop.__doc__ and "pdl" in prop.__doc__
-    assert isinstance(pyccl._C._fastar_built(), bool)
+    assert isinstance(pyccl._C._ar_built(), bool)

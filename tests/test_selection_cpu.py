@@ -22,7 +22,7 @@ import pyccl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-if not pyccl._C._fastar_built():
+if not pyccl._C._ar_built():
     pytest.skip("pyccl was built without nvcc: no kernels to choose", allow_module_level=True)
 
 

@@ -25,31 +25,31 @@ KERNEL = "csrc/kernels/allreduce.cu"
 FAULTS = [
     dict(name="drop griddepcontrol.wait", tier="gpu", file=KERNEL, edits=[(
         '    asm volatile("griddepcontrol.wait;" ::: "memory");\n', '')],
-        tests=["tests/test_fastar_gpu.py", "-k", "chained or another_stream"]),
+        tests=["tests/test_ar_gpu.py", "-k", "chained or another_stream"]),
     dict(name="accumulate 16-bit types in 16 bits", tier="gpu3", file=KERNEL, edits=[(
         "                acc[i] = combine<OP>(acc[i], Acc<T>::in(v[r].e[i]));\n",
         "                acc[i] = Acc<T>::in(Acc<T>::out(combine<OP>(acc[i], Acc<T>::in(v[r].e[i]))));\n")],
-        tests=["tests/test_fastar_gpu.py", "-k", "rank_order or random_data"]),
+        tests=["tests/test_ar_gpu.py", "-k", "rank_order or random_data"]),
     dict(name="reverse the rank order on rank 1", tier="gpu3", file=KERNEL, edits=[(
         "    A acc[N];\n#pragma unroll\n    for (int i = 0; i < N; i++) {\n        acc[i] = Acc<T>::in(v[0].e[i]);\n",
         "    if (p.rank == 1) {\n        for (int a = 0, b = p.nranks - 1; a < b; a++, b--) {\n"
         "            uint4 t = v[a].u; v[a].u = v[b].u; v[b].u = t;\n        }\n    }\n"
         "    A acc[N];\n#pragma unroll\n    for (int i = 0; i < N; i++) {\n        acc[i] = Acc<T>::in(v[0].e[i]);\n")],
-        tests=["tests/test_fastar_gpu.py", "-k", "rank_order or random_data"]),
+        tests=["tests/test_ar_gpu.py", "-k", "rank_order or random_data"]),
     dict(name="skip the tail of a size not a multiple of 16 bytes", tier="gpu", file=KERNEL, edits=[(
         "    for (size_t i = threadIdx.x; i < n; i += blockDim.x) {\n"
         "        const size_t off = data_off + vbytes + i * sizeof(T);\n",
         "    for (size_t i = threadIdx.x; i < n && 0; i += blockDim.x) {\n"
         "        const size_t off = data_off + vbytes + i * sizeof(T);\n")],
-        tests=["tests/test_fastar_gpu.py", "-k", "random_data"]),
-    dict(name="skip clearing the LL area", tier="gpu", file="csrc/fastar_setup.c", edits=[(
+        tests=["tests/test_ar_gpu.py", "-k", "random_data"]),
+    dict(name="skip clearing the LL area", tier="gpu", file="csrc/ar_setup.c", edits=[(
         "        e = a->cudaMemset(f->base, 0, total);\n",
         "        e = a->cudaMemset(f->base, 0, PYCCL_AR_DATA_OFF);\n")],
-        tests=["tests/test_fastar_gpu.py", "-k", "exact_every or ten_communicators"]),
-    dict(name="wait on the wrong stream", tier="gpu", file="csrc/fastar.c", edits=[(
+        tests=["tests/test_ar_gpu.py", "-k", "exact_every or ten_communicators"]),
+    dict(name="wait on the wrong stream", tier="gpu", file="csrc/ar.c", edits=[(
         "                a->cudaStreamWaitEvent(s, f->order, 0);\n",
         "                a->cudaStreamWaitEvent(f->last_stream, f->order, 0);\n")],
-        tests=["tests/test_fastar_gpu.py", "-k", "another_stream"]),
+        tests=["tests/test_ar_gpu.py", "-k", "another_stream"]),
     dict(name="skip the liveness check after argument parsing (wait)", tier="cpu", file="csrc/watch_life.c",
          edits=[('    if (st == NULL || pyccl_comm_alive(st, "wait", c) < 0) {\n',
                  '    if (st == NULL) {\n')],
@@ -63,7 +63,7 @@ FAULTS = [
          "        wt->ts = PyEval_SaveThread();\n",
          "        int r = PyErr_CheckSignals();\n")],
         tests=["tests/test_timeout_cpu.py"]),
-    dict(name="leak the peer buffer on destroy", tier="cpu", file="csrc/fastar_setup.c", edits=[(
+    dict(name="leak the peer buffer on destroy", tier="cpu", file="csrc/ar_setup.c", edits=[(
         "            if (freed) {\n                a->cudaFree(base);\n            }\n",
         "            (void)freed;\n            (void)base; /* MUTANT: never freed */\n")],
         tests=["tests/test_selection_cpu.py", "-k", "ten_communicators"]),

@@ -12,7 +12,7 @@
 #   GPU_CHECK_WHEEL=0 leaves out the offline `pip wheel` build; GPU_CHECK_PYTEST_S caps pytest (500 s).
 # PYCCL_EXPECT_GPUS defaults to the GPU count nvidia-smi shows: every skip short of a test
 # needing more GPUs than that is a failure (set it yourself to override).
-# Writes env.txt, build.log, pytest.log, quick.txt, fastar.txt/json (bench.txt, bench.json,
+# Writes env.txt, build.log, pytest.log, quick.txt, ar.txt/json (bench.txt, bench.json,
 # perf.png, host.txt with --bench) under $OUT (or ./gpu-out).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -92,6 +92,6 @@ G=$($PY -c 'import torch; print(torch.cuda.device_count())')
 } 2>&1 | tee "$OUT/quick.txt"
 if [ "$G" -ge 2 ]; then
   timeout 200 $PY -m pyccl.bench -g "$G" -b 8 -e 16M -f 4 -n 100 --algos nccl,oneshot,twoshot,auto \
-      --json "$OUT/fastar.json" --no-progress 2>&1 | tee "$OUT/fastar.txt"
+      --json "$OUT/ar.json" --no-progress 2>&1 | tee "$OUT/ar.txt"
 fi
 exit $rc

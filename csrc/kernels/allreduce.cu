@@ -4,7 +4,7 @@
 // driver API (cuModuleLoadData), so the extension links no CUDA library.
 // The only C++ of the project; everything the host sees is extern "C".
 //
-// Each rank owns one registered region (layout in fastar_abi.h) that every
+// Each rank owns one registered region (layout in ar_abi.h) that every
 // other rank has mapped.  A call is:
 //   1. copy the input into this rank's data half (eager and graph mode alike:
 //      no separate memcpy launch);
@@ -31,7 +31,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include "fastar_abi.h"
+#include "ar_abi.h"
 
 namespace {
 
@@ -70,7 +70,7 @@ __device__ __forceinline__ uint64_t now_ns()
 }
 
 // Programmatic dependent launch (sm_90 and newer).  The host launches the
-// kernels with programmatic stream serialization (fastar.c, PYCCL_AR_PDL), so
+// kernels with programmatic stream serialization (ar.c, PYCCL_AR_PDL), so
 // this grid may be scheduled while the previous kernel on the stream still
 // runs.  griddepcontrol.wait returns once that kernel has completed and its
 // memory operations are visible, so nothing may touch memory before it (the
@@ -554,7 +554,7 @@ template <typename T, int OP> __device__ void oneshot_ll(const pyccl_ar_params &
 } // namespace
 
 // extern "C" entry points pyccl_ar_<variant>_<type>_<op>: variant 0 one-shot LL,
-// 1 one-shot, 2 two-shot (the names fastar.c looks up)
+// 1 one-shot, 2 two-shot (the names ar.c looks up)
 #define PYCCL_AR_KERNEL(variant, body, bound, tname, T, opname, OP)                           \
     extern "C" __global__ void __launch_bounds__(bound)                                        \
         pyccl_ar_##variant##_##tname##_##opname(const __grid_constant__ pyccl_ar_params p)     \

@@ -1087,7 +1087,7 @@ ncclCommWindowDeregister(ncclComm_t c, fwin *win)
 
 #ifdef FAKE_PEER_MEMORY
 /* ---------------- peer memory, and the driver's module calls ----------------
- * What the own kernels' set-up (csrc/fastar.c) needs before it launches
+ * What the own kernels' set-up (csrc/ar.c) needs before it launches
  * anything.  Device memory is host memory; an IPC handle carries the
  * pointer.  `module_error` makes cuModuleLoadData fail with that code (209
  * is CUDA_ERROR_NO_BINARY_FOR_GPU: no kernel image for this GPU), `no_p2p`
@@ -1361,7 +1361,7 @@ cuModuleGetFunction(void **fn, void *mod, const char *name)
     return 0;
 }
 
-#include "../../csrc/kernels/fastar_abi.h"
+#include "../../csrc/kernels/ar_abi.h"
 
 /* What the kernels do, done at once on the host (device memory is host
  * memory here): the set-up's write-then-read probe across the ranks'

@@ -1,4 +1,4 @@
-"""One rank of a short own-kernel run, for compute-sanitizer: child_fastar.py RANK WORLD UID_HEX."""
+"""One rank of a short own-kernel run, for compute-sanitizer: child_ar.py RANK WORLD UID_HEX."""
 import sys
 
 import torch
@@ -20,7 +20,7 @@ def main():
                 torch.cuda.synchronize()
                 assert torch.equal(x.cpu(), want), (algo, count, dtype)
     comm.destroy()
-    print("FASTAR CHILD OK", flush=True)
+    print("AR CHILD OK", flush=True)
 
 
 if __name__ == "__main__":

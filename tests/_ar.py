@@ -152,7 +152,7 @@ SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: about 0.1 s at 2 GHz
 
 def two_streams(comm):
     """Own-kernel calls on two streams, no user sync between: the second must wait for the
-    first (fastar.c's order event).  Rank 0's first call is held ~0.1 s behind a sleep on
+    first (ar.c's order event).  Rank 0's first call is held ~0.1 s behind a sleep on
     its stream, so without that wait its second call would run first and meet the peers'
     first call (the epoch is read on the GPU): both results would mix x with y."""
     W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"

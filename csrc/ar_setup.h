@@ -1,11 +1,11 @@
-/* What the two files of pyccl's own all-reduce share (fastar.c, the calls;
- * fastar_setup.c, loading the kernels and a communicator's set-up and
+/* What the two files of pyccl's own all-reduce share (ar.c, the calls;
+ * ar_setup.c, loading the kernels and a communicator's set-up and
  * release), and no other file includes.  Hidden from other shared objects. */
-#ifndef PYCCL_FASTAR_SETUP_H
-#define PYCCL_FASTAR_SETUP_H
+#ifndef PYCCL_AR_SETUP_H
+#define PYCCL_AR_SETUP_H
 
 #include "pyccl.h"
-#include "kernels/fastar_abi.h"
+#include "kernels/ar_abi.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -50,7 +50,7 @@ typedef struct {
     CUresult (*cuLaunchKernelEx)(const cu_launch_config *, CUfunction, void **, void **);
     CUresult (*cuDeviceGet)(int *, int);
     CUresult (*cuDeviceGetAttribute)(int *, int, int);
-} fastar_driver;
+} ar_driver;
 
 /* kernels: [0 one-shot LL, 1 one-shot, 2 two-shot][dtype][op], then the probe */
 enum { K_F32, K_F16, K_BF16, K_I32, K_NTYPES };
@@ -62,16 +62,16 @@ enum { K_SUM, K_MAX, K_MIN, K_NOPS };
 typedef struct {
     int state; /* 0 untried, 1 loaded, -1 failed */
     CUfunction fn[K_COUNT];
-} fastar_device;
+} ar_device;
 
-/* The driver table and the kernels loaded per device (fastar_setup.c). */
-extern fastar_driver fastar_drv;
-extern fastar_device fastar_devs[MAX_DEVICES];
+/* The driver table and the kernels loaded per device (ar_setup.c). */
+extern ar_driver ar_drv;
+extern ar_device ar_devs[MAX_DEVICES];
 
 
 enum { FA_UNTRIED = 0, FA_READY = 1, FA_OFF = -1 };
 
-typedef struct pyccl_fastar {
+typedef struct pyccl_ar {
     int state;
     char reason[400];
     int logged;
@@ -94,25 +94,25 @@ typedef struct pyccl_fastar {
     int gone;                           /* the set-up found the communicator aborted */
     char last[512];                     /* ncclGetLastError after a failed set-up call */
     pthread_mutex_t setup_mu;           /* one set-up at a time on a communicator */
-    struct pyccl_fastar *prev, *next;   /* in the live list, under live_mu */
+    struct pyccl_ar *prev, *next;   /* in the live list, under live_mu */
     int in_live;
-} pyccl_fastar;
+} pyccl_ar;
 
 
 #define WHY(...) snprintf(f->reason, sizeof f->reason, __VA_ARGS__)
 
 /* The driver's text for an error code. */
-const char *fastar_cu_error(CUresult r);
+const char *ar_cu_error(CUresult r);
 /* Monotonic seconds. */
-double fastar_mono(void);
+double ar_mono(void);
 /* Make `device` current on this thread (its primary context too, which the
  * driver-API launch needs); *prev gets the device to restore. */
-int fastar_enter_device(const pyccl_api *a, int device, int *prev);
+int ar_enter_device(const pyccl_api *a, int device, int *prev);
 /* Collective.  Called without the GIL, current device = the comm's, f's
  * setup_mu held, f->deadline set.  Returns the NCCL result of the exchange
  * (a failure there is the caller's error; f->gone: the communicator was
  * aborted meanwhile); f->state says whether the kernels are usable. */
-ncclResult_t fastar_setup(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, cudaStream_t s);
+ncclResult_t ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s);
 
 #pragma GCC visibility pop
 

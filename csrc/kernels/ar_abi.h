@@ -1,8 +1,8 @@
-/* What the host (csrc/fastar.c) and the all-reduce kernels (allreduce.cu)
+/* What the host (csrc/ar.c) and the all-reduce kernels (allreduce.cu)
  * agree on: the layout of each rank's registered region and the kernels'
  * single by-value parameter.  Plain C, included by both sides. */
-#ifndef PYCCL_FASTAR_ABI_H
-#define PYCCL_FASTAR_ABI_H
+#ifndef PYCCL_AR_ABI_H
+#define PYCCL_AR_ABI_H
 
 #define PYCCL_AR_MAX_RANKS 8
 #define PYCCL_AR_MAX_BLOCKS 64

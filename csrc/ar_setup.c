@@ -5,13 +5,13 @@
  * fatbin that is embedded here and loaded with the CUDA driver API, found the
  * same way as NCCL (dlopen, nothing linked).  The set-up happens once per
  * communicator, collectively, at the first all_reduce of a supported dtype
- * and op, of any size (fastar.c decides when): a region per rank, CUDA IPC
+ * and op, of any size (ar.c decides when): a region per rank, CUDA IPC
  * handles and every rank's settings exchanged by an NCCL all_gather on the
  * communicator itself, peers mapped, a real write-then-read probe across
  * every pair, and an agreement (NCCL MIN) so that either every rank uses the
  * kernels or none does.  Release frees what it made: the exported region
  * behind a barrier of every rank, or kept where no barrier can be had. */
-#include "fastar_setup.h"
+#include "ar_setup.h"
 
 #include <dlfcn.h>
 #include <stdlib.h>
@@ -31,7 +31,7 @@ extern const unsigned char pyccl_ar_fatbin[] __asm__("pyccl_ar_fatbin");
 #endif
 
 int
-pyccl_fastar_built(void)
+pyccl_ar_built(void)
 {
 #ifdef PYCCL_FATBIN_PATH
     return 1;
@@ -44,50 +44,50 @@ pyccl_fastar_built(void)
  * driver is): filled once, under load_mu, by the first set-up that needs
  * them, which runs without the GIL, so two set-ups on two threads may race. */
 static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
-fastar_driver fastar_drv;
+ar_driver ar_drv;
 
 static const char *const type_names[K_NTYPES] = {"f32", "f16", "bf16", "i32"};
 static const char *const op_names[K_NOPS] = {"sum", "max", "min"};
-fastar_device fastar_devs[MAX_DEVICES];
+ar_device ar_devs[MAX_DEVICES];
 
 /* Under load_mu. */
 static int
 load_driver(char *why, size_t n)
 {
-    if (!fastar_drv.tried) {
+    if (!ar_drv.tried) {
         void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
         if (h == NULL) {
             h = dlopen("libcuda.so.1", RTLD_NOW);
         }
         if (h == NULL) {
-            snprintf(fastar_drv.err, sizeof fastar_drv.err, "libcuda.so.1 not found: %s", dlerror());
+            snprintf(ar_drv.err, sizeof ar_drv.err, "libcuda.so.1 not found: %s", dlerror());
         } else {
-            *(void **)&fastar_drv.cuModuleLoadData = dlsym(h, "cuModuleLoadData");
-            *(void **)&fastar_drv.cuModuleGetFunction = dlsym(h, "cuModuleGetFunction");
-            *(void **)&fastar_drv.cuLaunchKernel = dlsym(h, "cuLaunchKernel");
-            *(void **)&fastar_drv.cuGetErrorString = dlsym(h, "cuGetErrorString");
-            *(void **)&fastar_drv.cuLaunchKernelEx = dlsym(h, "cuLaunchKernelEx");
-            *(void **)&fastar_drv.cuDeviceGet = dlsym(h, "cuDeviceGet");
-            *(void **)&fastar_drv.cuDeviceGetAttribute = dlsym(h, "cuDeviceGetAttribute");
-            if (!fastar_drv.cuModuleLoadData || !fastar_drv.cuModuleGetFunction || !fastar_drv.cuLaunchKernel ||
-                !fastar_drv.cuGetErrorString) {
-                snprintf(fastar_drv.err, sizeof fastar_drv.err, "libcuda.so.1 lacks the module calls");
+            *(void **)&ar_drv.cuModuleLoadData = dlsym(h, "cuModuleLoadData");
+            *(void **)&ar_drv.cuModuleGetFunction = dlsym(h, "cuModuleGetFunction");
+            *(void **)&ar_drv.cuLaunchKernel = dlsym(h, "cuLaunchKernel");
+            *(void **)&ar_drv.cuGetErrorString = dlsym(h, "cuGetErrorString");
+            *(void **)&ar_drv.cuLaunchKernelEx = dlsym(h, "cuLaunchKernelEx");
+            *(void **)&ar_drv.cuDeviceGet = dlsym(h, "cuDeviceGet");
+            *(void **)&ar_drv.cuDeviceGetAttribute = dlsym(h, "cuDeviceGetAttribute");
+            if (!ar_drv.cuModuleLoadData || !ar_drv.cuModuleGetFunction || !ar_drv.cuLaunchKernel ||
+                !ar_drv.cuGetErrorString) {
+                snprintf(ar_drv.err, sizeof ar_drv.err, "libcuda.so.1 lacks the module calls");
             }
         }
-        fastar_drv.tried = 1; /* after every symbol: nobody sees a half-filled table */
+        ar_drv.tried = 1; /* after every symbol: nobody sees a half-filled table */
     }
-    if (fastar_drv.err[0]) {
-        snprintf(why, n, "%s", fastar_drv.err);
+    if (ar_drv.err[0]) {
+        snprintf(why, n, "%s", ar_drv.err);
         return -1;
     }
     return 0;
 }
 
 const char *
-fastar_cu_error(CUresult r)
+ar_cu_error(CUresult r)
 {
     const char *s = NULL;
-    if (fastar_drv.cuGetErrorString == NULL || fastar_drv.cuGetErrorString(r, &s) != 0 || s == NULL) {
+    if (ar_drv.cuGetErrorString == NULL || ar_drv.cuGetErrorString(r, &s) != 0 || s == NULL) {
         return "unknown CUDA driver error";
     }
     return s;
@@ -121,17 +121,17 @@ load_kernels(int device, char *why, size_t n)
 static int
 load_kernels_locked(int device, char *why, size_t n)
 {
-    if (fastar_devs[device].state == 1) {
+    if (ar_devs[device].state == 1) {
         return 0;
     }
     if (load_driver(why, n) < 0) {
         return -1;
     }
     CUmodule mod;
-    CUresult r = fastar_drv.cuModuleLoadData(&mod, pyccl_ar_fatbin);
+    CUresult r = ar_drv.cuModuleLoadData(&mod, pyccl_ar_fatbin);
     if (r != 0) {
         snprintf(why, n, "loading the kernels on cuda:%d failed: %s (no code for this GPU?)",
-                 device, fastar_cu_error(r));
+                 device, ar_cu_error(r));
         return -1;
     }
     for (int k = 0; k < K_COUNT; k++) {
@@ -142,13 +142,13 @@ load_kernels_locked(int device, char *why, size_t n)
             snprintf(name, sizeof name, "pyccl_ar_%d_%s_%s", k / (K_NTYPES * K_NOPS),
                      type_names[(k / K_NOPS) % K_NTYPES], op_names[k % K_NOPS]);
         }
-        r = fastar_drv.cuModuleGetFunction(&fastar_devs[device].fn[k], mod, name);
+        r = ar_drv.cuModuleGetFunction(&ar_devs[device].fn[k], mod, name);
         if (r != 0) {
-            snprintf(why, n, "kernel %s missing: %s", name, fastar_cu_error(r));
+            snprintf(why, n, "kernel %s missing: %s", name, ar_cu_error(r));
             return -1;
         }
     }
-    fastar_devs[device].state = 1;
+    ar_devs[device].state = 1;
     return 0;
 }
 #endif
@@ -160,9 +160,9 @@ static int
 pdl_supported(int device)
 {
     int dev, major = 0;
-    return fastar_drv.cuLaunchKernelEx != NULL && fastar_drv.cuDeviceGet != NULL &&
-           fastar_drv.cuDeviceGetAttribute != NULL && fastar_drv.cuDeviceGet(&dev, device) == 0 &&
-           fastar_drv.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+    return ar_drv.cuLaunchKernelEx != NULL && ar_drv.cuDeviceGet != NULL &&
+           ar_drv.cuDeviceGetAttribute != NULL && ar_drv.cuDeviceGet(&dev, device) == 0 &&
+           ar_drv.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
                                     dev) == 0 &&
            major >= 9;
 }
@@ -171,10 +171,10 @@ pdl_supported(int device)
  * kernels still waiting for peers.  A list (no limit on how many), changed
  * under live_mu: the set-up adds to it without the GIL. */
 static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
-static pyccl_fastar *live_head;
+static pyccl_ar *live_head;
 
 static void
-live_add(pyccl_fastar *f)
+live_add(pyccl_ar *f)
 {
     pthread_mutex_lock(&live_mu);
     f->prev = NULL;
@@ -188,7 +188,7 @@ live_add(pyccl_fastar *f)
 }
 
 static void
-live_remove(pyccl_fastar *f)
+live_remove(pyccl_ar *f)
 {
     pthread_mutex_lock(&live_mu);
     if (f->in_live) {
@@ -209,19 +209,19 @@ live_remove(pyccl_fastar *f)
 /* The kernels of c that wait for peers give up now (they poll this
  * host-mapped word); the communicator's own kernels are unusable afterwards. */
 void
-pyccl_fastar_stop(pyccl_comm *c)
+pyccl_ar_stop(pyccl_comm *c)
 {
-    pyccl_fastar *f = c->fastar;
+    pyccl_ar *f = c->ar;
     if (f != NULL && f->host_err != NULL) {
         *(volatile int *)f->host_err = 2;
     }
 }
 
 void
-pyccl_fastar_stop_all(void)
+pyccl_ar_stop_all(void)
 {
     pthread_mutex_lock(&live_mu);
-    for (pyccl_fastar *f = live_head; f != NULL; f = f->next) {
+    for (pyccl_ar *f = live_head; f != NULL; f = f->next) {
         if (f->host_err != NULL) {
             *(volatile int *)f->host_err = 2;
         }
@@ -269,7 +269,7 @@ _Static_assert(sizeof(fa_record) == 256, "fa_record: 256 bytes, the same on ever
 
 
 double
-fastar_mono(void)
+ar_mono(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -288,7 +288,7 @@ settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r, double deadline)
             return ncclInternalError;
         }
         if (r == ncclInProgress) {
-            if (deadline > 0 && fastar_mono() > deadline) {
+            if (deadline > 0 && ar_mono() > deadline) {
                 return ncclInProgress;
             }
             usleep(20);
@@ -313,7 +313,7 @@ sync_stream(const pyccl_api *a, cudaStream_t s, double deadline)
         if (e != cudaErrorNotReady) {
             return ncclUnhandledCudaError;
         }
-        if (fastar_mono() > deadline) {
+        if (ar_mono() > deadline) {
             return ncclInProgress;
         }
         usleep(20);
@@ -327,7 +327,7 @@ sync_stream(const pyccl_api *a, cudaStream_t s, double deadline)
  * lock, where an abort can end it.  ncclInvalidUsage with f->gone set when
  * the communicator was aborted, failed or destroyed in between. */
 static ncclResult_t
-held_call(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int gather, const void *send,
+held_call(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, int gather, const void *send,
           void *recv, size_t count, cudaStream_t s)
 {
     ncclComm_t comm;
@@ -352,7 +352,7 @@ held_call(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int gather, const 
 /* NCCL all_reduce(MIN) of one int through `dev` (a device int), synchronous.
  * Also the barrier of the set-up and of destroy. */
 static ncclResult_t
-agree(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int *dev, int *value, cudaStream_t s)
+agree(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, int *dev, int *value, cudaStream_t s)
 {
     if (a->cudaMemcpy(dev, value, sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess) {
         return ncclUnhandledCudaError;
@@ -372,7 +372,7 @@ agree(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int *dev, int *value, 
  * cudaDeviceSynchronize would).  Its waits on peers end by themselves once
  * they arrived or the stop word is set. */
 static void
-wait_launched(const pyccl_api *a, pyccl_fastar *f)
+wait_launched(const pyccl_api *a, pyccl_ar *f)
 {
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     if (!f->launched || f->order == NULL ||
@@ -394,7 +394,7 @@ wait_launched(const pyccl_api *a, pyccl_fastar *f)
  * that follows every rank's close): freeing exported memory that an
  * importer still maps is undefined, so it is kept (leaked) otherwise. */
 static void
-free_local(const pyccl_api *a, pyccl_fastar *f, int free_base)
+free_local(const pyccl_api *a, pyccl_ar *f, int free_base)
 {
     for (int r = 0; r < PYCCL_AR_MAX_RANKS; r++) {
         if (r != f->rank && f->peer[r] != NULL && a->cudaIpcCloseMemHandle) {
@@ -420,7 +420,7 @@ free_local(const pyccl_api *a, pyccl_fastar *f, int free_base)
 /* This rank's region, host word and ordering event; 0 when any failed
  * (with the reason; nothing kept then). */
 static int
-alloc_local(const pyccl_api *a, pyccl_fastar *f, size_t total, cudaIpcMemHandle_t *handle,
+alloc_local(const pyccl_api *a, pyccl_ar *f, size_t total, cudaIpcMemHandle_t *handle,
             char *busid, size_t busid_len)
 {
     cudaError_t e = a->cudaMalloc((void **)&f->base, total);
@@ -455,7 +455,7 @@ alloc_local(const pyccl_api *a, pyccl_fastar *f, size_t total, cudaIpcMemHandle_
 /* Why rank p's record rules the kernels out for everyone (a reason written,
  * 0), or 1. */
 static int
-check_record(pyccl_fastar *f, const fa_record *all, const fa_record *mine, int p)
+check_record(pyccl_ar *f, const fa_record *all, const fa_record *mine, int p)
 {
     const int me = f->rank;
     if (!all[p].ok) {
@@ -483,7 +483,7 @@ check_record(pyccl_fastar *f, const fa_record *all, const fa_record *mine, int p
 
 /* Map every peer's region (1), or say why not (0). */
 static int
-map_peers(const pyccl_api *a, pyccl_fastar *f, const fa_record *all)
+map_peers(const pyccl_api *a, pyccl_ar *f, const fa_record *all)
 {
     for (int p = 0; p < f->nranks; p++) {
         if (p == f->rank) {
@@ -519,7 +519,7 @@ map_peers(const pyccl_api *a, pyccl_fastar *f, const fa_record *all)
  * before stage 1 reads back.  Returns the NCCL result of the agreements;
  * *ok says whether every rank's probe passed. */
 static ncclResult_t
-probe(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int *flag, uint32_t magic,
+probe(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, int *flag, uint32_t magic,
       cudaStream_t s, int *ok)
 {
     pyccl_ar_params prm;
@@ -531,12 +531,12 @@ probe(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int *flag, uint32_t ma
     prm.rank = f->rank;
     prm.nranks = f->nranks;
     prm.magic = magic;
-    CUfunction fn = fastar_devs[f->device].fn[K_PROBE];
+    CUfunction fn = ar_devs[f->device].fn[K_PROBE];
     int zero = 0, stage = 0;
     void *args[] = {&prm, &stage};
     int okp = 1;
     if (a->cudaMemcpy(flag + 4, &zero, sizeof zero, cudaMemcpyHostToDevice) != cudaSuccess ||
-        fastar_drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
+        ar_drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
         a->cudaStreamSynchronize(s) != cudaSuccess) {
         okp = 0;
     }
@@ -547,7 +547,7 @@ probe(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int *flag, uint32_t ma
     int failed = 0;
     if (okp) {
         stage = 1;
-        if (fastar_drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
+        if (ar_drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL) != 0 ||
             a->cudaStreamSynchronize(s) != cudaSuccess ||
             a->cudaMemcpy(&failed, flag + 4, sizeof failed, cudaMemcpyDeviceToHost) !=
                 cudaSuccess) {
@@ -576,7 +576,7 @@ probe(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, int *flag, uint32_t ma
  * is the caller's error; f->gone: the communicator was aborted meanwhile);
  * f->state says whether the kernels are usable. */
 ncclResult_t
-fastar_setup(const pyccl_api *a, pyccl_fastar *f, pyccl_comm *c, cudaStream_t s)
+ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
 {
     const int n = f->nranks, me = f->rank;
     int ok = 1;
@@ -698,7 +698,7 @@ out:
 /* Make `device` current on this thread (its primary context too, which the
  * driver-API launch needs); *prev gets the device to restore. */
 int
-fastar_enter_device(const pyccl_api *a, int device, int *prev)
+ar_enter_device(const pyccl_api *a, int device, int *prev)
 {
     static _Thread_local int bound = -1;
     if (a->cudaGetDevice(prev) != cudaSuccess) {
@@ -714,15 +714,15 @@ fastar_enter_device(const pyccl_api *a, int device, int *prev)
 }
 
 void
-pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective)
+pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
 {
-    pyccl_fastar *f = c->fastar;
+    pyccl_ar *f = c->ar;
     if (f == NULL || c->setups > 0) {
         /* a set-up in flight (abort() from another thread) cleans up after
          * itself; the rest goes with the communicator */
         return;
     }
-    c->fastar = NULL;
+    c->ar = NULL;
     live_remove(f);
     const pyccl_api *a = &st->api;
     if (f->state == FA_READY && !st->exiting && a->loaded) {
@@ -732,7 +732,7 @@ pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective)
          * collection, a peer that did not come) the region is kept (leaked). */
         int prev;
         Py_BEGIN_ALLOW_THREADS
-        if (fastar_enter_device(a, f->device, &prev) == 0) {
+        if (ar_enter_device(a, f->device, &prev) == 0) {
             wait_launched(a, f); /* they poll the host word free_local frees */
             char *base = f->base;
             f->base = NULL;
@@ -740,7 +740,7 @@ pyccl_fastar_release(pyccl_state *st, pyccl_comm *c, int collective)
             int freed = 0;
             if (collective) {
                 int *dev = NULL, ok = 1;
-                f->deadline = f->timeout > 0 ? fastar_mono() + f->timeout : 0;
+                f->deadline = f->timeout > 0 ? ar_mono() + f->timeout : 0;
                 if (a->cudaMalloc((void **)&dev, sizeof(int)) == cudaSuccess) {
                     ncclResult_t r = agree(a, f, c, dev, &ok, NULL);
                     freed = r == ncclSuccess;

@@ -2,11 +2,11 @@
  *
  * Decides per call whether the own kernels run (algo=, dtype, op, size,
  * group, capture), has the communicator set up on the first call that may
- * use them (fastar_setup.c), and launches one kernel per call on the
+ * use them (ar_setup.c), and launches one kernel per call on the
  * caller's stream (graph capture works: the kernels keep their epochs on the
  * device).  Where anything is missing the reason is kept
  * (comm.all_reduce_info) and logged once, and NCCL does the work. */
-#include "fastar_setup.h"
+#include "ar_setup.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -83,7 +83,7 @@ algo_name(pyccl_algo a)
 }
 
 static void
-log_once(pyccl_fastar *f)
+log_once(pyccl_ar *f)
 {
     if (f->logged || getenv("PYCCL_QUIET")) {
         return;
@@ -113,7 +113,7 @@ kernel_op(int redop)
 /* The settings of c's kernels, from the environment and c's timeout (every
  * rank must see the same values; the set-up checks the ones that matter). */
 static void
-read_settings(pyccl_fastar *f, const pyccl_comm *c)
+read_settings(pyccl_ar *f, const pyccl_comm *c)
 {
     f->rank = c->rank;
     f->nranks = c->size;
@@ -139,27 +139,27 @@ read_settings(pyccl_fastar *f, const pyccl_comm *c)
     f->pdl = (int)env_long("PYCCL_AR_PDL", 1, 0, 1);
 }
 
-static pyccl_fastar *
-fastar_of(pyccl_comm *c)
+static pyccl_ar *
+ar_of(pyccl_comm *c)
 {
-    if (c->fastar == NULL) {
-        pyccl_fastar *f = PyMem_RawCalloc(1, sizeof *f);
+    if (c->ar == NULL) {
+        pyccl_ar *f = PyMem_RawCalloc(1, sizeof *f);
         if (f == NULL) {
             PyErr_NoMemory();
             return NULL;
         }
         read_settings(f, c);
         pthread_mutex_init(&f->setup_mu, NULL);
-        c->fastar = f;
+        c->ar = f;
     }
-    return c->fastar;
+    return c->ar;
 }
 
 /* The peers did not come within the timeout (`where`: during the set-up, or
  * in a kernel): the own kernels are off, the communicator is failed, and
  * the call raises (NcclTimeoutError, or RuntimeError if it was alive). */
 static int
-timed_out(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const char *where)
+timed_out(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const char *where)
 {
     char msg[400], t[32];
     pyccl_fmt_seconds(t, sizeof t, f->timeout);
@@ -168,7 +168,7 @@ timed_out(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const
              "was aborted",
              op, f->rank, f->nranks, t, where);
     f->state = FA_OFF;
-    pyccl_fastar_stop(c);
+    pyccl_ar_stop(c);
     pyccl_comm_mark_failed(c, msg);
     if (pyccl_comm_alive(st, op, c) == 0) {
         PyErr_SetString(PyExc_RuntimeError, msg);
@@ -179,7 +179,7 @@ timed_out(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const
 /* The collective set-up of c's kernels, GIL released, one at a time per
  * communicator; f->state says the outcome.  -1 with an exception. */
 static int
-set_up(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, cudaStream_t s)
+set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t s)
 {
     const pyccl_api *a = &st->api;
     int prev, ran = 0;
@@ -192,13 +192,13 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, cudaStre
     pthread_mutex_lock(&f->setup_mu);
     if (f->state == FA_UNTRIED) {
         ran = 1;
-        f->deadline = f->timeout > 0 ? fastar_mono() + f->timeout : 0;
+        f->deadline = f->timeout > 0 ? ar_mono() + f->timeout : 0;
         f->gone = 0;
         f->last[0] = '\0';
-        if (fastar_enter_device(a, f->device, &prev) < 0) {
+        if (ar_enter_device(a, f->device, &prev) < 0) {
             r = ncclUnhandledCudaError;
         } else {
-            r = fastar_setup(a, f, c, s);
+            r = ar_setup(a, f, c, s);
             if (prev != f->device) {
                 a->cudaSetDevice(prev);
             }
@@ -233,7 +233,7 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, cudaStre
  * t -> o on stream s, ordered after c's previous one; 1, or -1 with an
  * exception. */
 static int
-launch(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const pyccl_tensor *t,
+launch(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const pyccl_tensor *t,
        const pyccl_tensor *o, size_t nbytes, int variant, int k, cudaStream_t s)
 {
     const pyccl_api *a = &st->api;
@@ -255,7 +255,7 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const py
     int prev;
     CUresult r = 0;
     int bad_device = 0;
-    if (fastar_enter_device(a, f->device, &prev) < 0) {
+    if (ar_enter_device(a, f->device, &prev) < 0) {
         bad_device = 1;
     } else {
         if (f->launched && s != f->last_stream) {
@@ -284,7 +284,7 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const py
             per = (per + 31) & ~(size_t)31;
             threads = per < threads ? (unsigned)per : threads;
         }
-        CUfunction fn = fastar_devs[f->device].fn[k];
+        CUfunction fn = ar_devs[f->device].fn[k];
         if (f->pdl) {
             /* the kernels begin with griddepcontrol.wait (allreduce.cu) */
             cu_launch_attr attr;
@@ -292,9 +292,9 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const py
             attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attr.value.i = 1;
             cu_launch_config cfg = {{(unsigned)f->blocks, 1, 1}, {threads, 1, 1}, 0, s, &attr, 1};
-            r = fastar_drv.cuLaunchKernelEx(&cfg, fn, args, NULL);
+            r = ar_drv.cuLaunchKernelEx(&cfg, fn, args, NULL);
         } else {
-            r = fastar_drv.cuLaunchKernel(fn, (unsigned)f->blocks, 1, 1, threads, 1, 1, 0, s, args, NULL);
+            r = ar_drv.cuLaunchKernel(fn, (unsigned)f->blocks, 1, 1, threads, 1, 1, 0, s, args, NULL);
         }
         if (prev != f->device) {
             a->cudaSetDevice(prev);
@@ -302,7 +302,7 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const py
     }
     if (bad_device || r != 0) {
         PyErr_Format(st->CudaError, "%s: launching pyccl's all-reduce kernel on cuda:%d failed: %s",
-                     op, f->device, bad_device ? "cannot make the device current" : fastar_cu_error(r));
+                     op, f->device, bad_device ? "cannot make the device current" : ar_cu_error(r));
         return -1;
     }
     /* as an NCCL call would be: watched with a timeout, else noted for wait() */
@@ -310,7 +310,7 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_fastar *f, const char *op, const py
 }
 
 int
-pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo algo,
+pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo algo,
                         const pyccl_tensor *t, const pyccl_tensor *o, int redop,
                         cudaStream_t s)
 {
@@ -357,7 +357,7 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
     }
     /* the struct is made (without any GPU work) on the first call that gets
      * here, so the settings from the environment are read once */
-    pyccl_fastar *f = fastar_of(c);
+    pyccl_ar *f = ar_of(c);
     if (f == NULL) {
         return -1;
     }
@@ -436,11 +436,11 @@ pyccl_fastar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
 }
 
 PyObject *
-pyccl_fastar_info(pyccl_state *st, pyccl_comm *c)
+pyccl_ar_info(pyccl_state *st, pyccl_comm *c)
 {
     (void)st;
-    pyccl_fastar unset; /* before the set-up call: what it would read */
-    pyccl_fastar *f = c->fastar;
+    pyccl_ar unset; /* before the set-up call: what it would read */
+    pyccl_ar *f = c->ar;
     if (f == NULL) {
         memset(&unset, 0, sizeof unset);
         read_settings(&unset, c);
@@ -450,23 +450,23 @@ pyccl_fastar_info(pyccl_state *st, pyccl_comm *c)
                         : f->state == FA_READY ? "ready"
                                                : "off";
     const char *reason = f->state == FA_OFF     ? f->reason
-                         : pyccl_fastar_built() ? ""
+                         : pyccl_ar_built() ? ""
                                                 : "built without nvcc";
     return Py_BuildValue("{s:s,s:s,s:n,s:n,s:n,s:n,s:i,s:i,s:d,s:O,s:O}", "state", state,
                          "reason", reason, "buffer_bytes", (Py_ssize_t)f->half, "ll_max",
                          (Py_ssize_t)f->ll_max, "oneshot_max", (Py_ssize_t)f->one_max,
                          "twoshot_max", (Py_ssize_t)f->two_max, "blocks", f->blocks, "threads",
                          f->threads, "timeout", f->timeout, "built",
-                         pyccl_fastar_built() ? Py_True : Py_False, "pdl",
+                         pyccl_ar_built() ? Py_True : Py_False, "pdl",
                          f->pdl ? Py_True : Py_False);
 }
 
 /* Testing aid: read or set every block's epoch counter (all ranks alike, with
  * no all_reduce in flight), e.g. just below 2^32 to cross the wrap-around. */
 PyObject *
-pyccl_fastar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value)
+pyccl_ar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value)
 {
-    pyccl_fastar *f = c->fastar;
+    pyccl_ar *f = c->ar;
     if (f == NULL || f->state != FA_READY) {
         PyErr_SetString(PyExc_RuntimeError,
                         "_all_reduce_epoch: the own kernels are not set up on this communicator");
@@ -490,7 +490,7 @@ pyccl_fastar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value)
     int prev;
     cudaError_t e = cudaErrorInvalidDevice;
     Py_BEGIN_ALLOW_THREADS
-    if (fastar_enter_device(a, f->device, &prev) == 0) {
+    if (ar_enter_device(a, f->device, &prev) == 0) {
         e = a->cudaDeviceSynchronize();
         if (e == cudaSuccess) {
             e = value != NULL && value != Py_None

@@ -1,6 +1,6 @@
 """GPU tier of pyccl's own all-reduce kernels (csrc/kernels/allreduce.cu).
 
-2 processes (or every GPU of the machine), one GPU each; each scenario in _fastar.py checks
+2 processes (or every GPU of the machine), one GPU each; each scenario in _ar.py checks
 its own results bitwise and the parent checks what they return.
 """
 import os
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-import _fastar as fa
+import _ar as fa
 from _ranks import _kill_group, run_ranks
 from conftest import gpu_count, needs_gpus
 
@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 needs_kernels = pytest.mark.skipif(
-    not __import__("pyccl")._C._fastar_built(), reason="pyccl was built without nvcc: no own kernels")
+    not __import__("pyccl")._C._ar_built(), reason="pyccl was built without nvcc: no own kernels")
 
 
 @needs_gpus(2)
@@ -185,7 +185,7 @@ def test_compute_sanitizer_clean(tool, tmp_path):
     procs = [subprocess.Popen(
         ["compute-sanitizer", "--tool", tool, "--error-exitcode", "9", "--target-processes", "all",
          "--report-api-errors", "no",
-         sys.executable, os.path.join(HERE, "child_fastar.py"), str(r), "2", uid],
+         sys.executable, os.path.join(HERE, "child_ar.py"), str(r), "2", uid],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True) for r in range(2)]
     outs = []
@@ -199,7 +199,7 @@ def test_compute_sanitizer_clean(tool, tmp_path):
                 p.wait(10)
     for r, (p, out) in enumerate(zip(procs, outs)):
         (tmp_path / f"rank{r}.txt").write_text(out)
-        assert p.returncode == 0 and "FASTAR CHILD OK" in out, f"rank {r} rc={p.returncode}:\n{out[-3000:]}"
+        assert p.returncode == 0 and "AR CHILD OK" in out, f"rank {r} rc={p.returncode}:\n{out[-3000:]}"
         # API errors are NCCL's own probing of kernel images (cudaFuncGetAttributes at init);
         # what counts here is device-side memory and shared-memory race reports
         assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out[-3000:]
