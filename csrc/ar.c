@@ -192,7 +192,7 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
     pthread_mutex_lock(&f->setup_mu);
     if (f->state == FA_UNTRIED) {
         ran = 1;
-        f->deadline = f->timeout > 0 ? ar_mono() + f->timeout : 0;
+        f->deadline = f->timeout > 0 ? pyccl_now_s() + f->timeout : 0;
         f->gone = 0;
         f->last[0] = '\0';
         if (ar_enter_device(a, f->device, &prev) < 0) {

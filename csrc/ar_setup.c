@@ -267,36 +267,6 @@ typedef struct {
 } fa_record;
 _Static_assert(sizeof(fa_record) == 256, "fa_record: 256 bytes, the same on every rank");
 
-
-double
-ar_mono(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* A communicator made with timeout= is NCCL's non-blocking kind: a call may
- * return ncclInProgress and finish later.  ncclInProgress back when the
- * deadline (monotonic s, 0: none) passed (the caller fails the
- * communicator: its peers did not come). */
-static ncclResult_t
-settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r, double deadline)
-{
-    while (r == ncclInProgress && a->ncclCommGetAsyncError) {
-        if (a->ncclCommGetAsyncError(comm, &r) != ncclSuccess) {
-            return ncclInternalError;
-        }
-        if (r == ncclInProgress) {
-            if (deadline > 0 && ar_mono() > deadline) {
-                return ncclInProgress;
-            }
-            usleep(20);
-        }
-    }
-    return r;
-}
-
 /* cudaStreamSynchronize, bounded by the set-up's deadline (a peer that
  * never comes leaves the NCCL kernel waiting): ncclInProgress past it. */
 static ncclResult_t
@@ -313,7 +283,7 @@ sync_stream(const pyccl_api *a, cudaStream_t s, double deadline)
         if (e != cudaErrorNotReady) {
             return ncclUnhandledCudaError;
         }
-        if (ar_mono() > deadline) {
+        if (pyccl_now_s() > deadline) {
             return ncclInProgress;
         }
         usleep(20);
@@ -338,7 +308,7 @@ held_call(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, int gather, const void
     }
     ncclResult_t r = gather ? a->ncclAllGather(send, recv, count, ncclUint8, comm, s)
                             : a->ncclAllReduce(send, recv, count, ncclInt32, ncclMin, comm, s);
-    r = settle(a, comm, r, f->deadline);
+    r = pyccl_nccl_settle(a, comm, r, f->deadline);
     if (r != ncclSuccess && r != ncclInProgress && a->ncclGetLastError) {
         snprintf(f->last, sizeof f->last, "%s", a->ncclGetLastError(comm));
     }
@@ -740,7 +710,7 @@ pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
             int freed = 0;
             if (collective) {
                 int *dev = NULL, ok = 1;
-                f->deadline = f->timeout > 0 ? ar_mono() + f->timeout : 0;
+                f->deadline = f->timeout > 0 ? pyccl_now_s() + f->timeout : 0;
                 if (a->cudaMalloc((void **)&dev, sizeof(int)) == cudaSuccess) {
                     ncclResult_t r = agree(a, f, c, dev, &ok, NULL);
                     freed = r == ncclSuccess;

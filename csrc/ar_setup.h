@@ -103,8 +103,6 @@ typedef struct pyccl_ar {
 
 /* The driver's text for an error code. */
 const char *ar_cu_error(CUresult r);
-/* Monotonic seconds. */
-double ar_mono(void);
 /* Make `device` current on this thread (its primary context too, which the
  * driver-API launch needs); *prev gets the device to restore. */
 int ar_enter_device(const pyccl_api *a, int device, int *prev);

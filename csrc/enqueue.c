@@ -10,6 +10,7 @@
 #include "pyccl.h"
 
 #include <stdint.h>
+#include <unistd.h>
 
 /* The next communicator of cs after `after` in address order that has no
  * watch (each once, however often cs repeats it). */
@@ -192,4 +193,27 @@ pyccl_comm_lock(pyccl_comm *c)
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&c->mu);
     Py_END_ALLOW_THREADS
+}
+
+ncclResult_t
+pyccl_nccl_settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r, double deadline)
+{
+    /* ncclSuccess is looked at too: NCCL 2.28.9's ncclCommWindowRegister on a
+     * non-blocking communicator returns it with the state still ncclInProgress
+     * (seen on an H100); on a blocking one the state is final, one call */
+    while ((r == ncclInProgress || r == ncclSuccess) && a->ncclCommGetAsyncError != NULL) {
+        ncclResult_t state = ncclSuccess;
+        if (a->ncclCommGetAsyncError(comm, &state) != ncclSuccess) {
+            return ncclInternalError;
+        }
+        if (state != ncclInProgress) {
+            return state;
+        }
+        r = ncclInProgress;
+        if (deadline > 0 && pyccl_now_s() > deadline) {
+            return ncclInProgress;
+        }
+        usleep(20);
+    }
+    return r;
 }

@@ -9,6 +9,17 @@
 #include <structmember.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <time.h>
+
+/* Monotonic seconds: the clock of every deadline in pyccl (libc only, so
+ * any layer may use it). */
+static inline double
+pyccl_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
 
 /* Python 3.9-3.12 spellings of calls this code uses in their 3.13 form. */
 #if PY_VERSION_HEX < 0x030D0000
@@ -406,6 +417,11 @@ int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
                   pyccl_comm *const *comms, Py_ssize_t ncomms);
 /* The NCCL calls of pyccl_enqueue alone (no GIL handling, no exception):
  * NCCL's result, with ncclGetLastError's text copied into `last` on error. */
+/* Without the GIL, after an NCCL call on comm returned r: on a non-blocking
+ * communicator, poll ncclCommGetAsyncError until the call is done (its
+ * result), or ncclInProgress once `deadline` (monotonic s, 0: none) passed. */
+ncclResult_t pyccl_nccl_settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r,
+                               double deadline);
 ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks,
                                  Py_ssize_t n, int redop, char *last,
                                  size_t last_size);

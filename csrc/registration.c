@@ -53,13 +53,6 @@ unlink_reg(pyccl_reg *r)
     r->open = 0;
 }
 
-static double
-mono_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /* One NCCL registration call on c (GIL released by the caller, c entered):
  * kind 0 register, 1 window register, 2 deregister, 3 window deregister.  On
@@ -79,28 +72,11 @@ nccl_call(const pyccl_api *a, ncclComm_t comm, int kind, void *ptr, size_t n,
     case 2: r = a->ncclCommDeregister(comm, *handle); break;
     default: r = a->ncclCommWindowDeregister(comm, (ncclWindow_t)*handle); break;
     }
-    /* Polled after ncclSuccess too: on a non-blocking communicator NCCL 2.28.9's
-     * ncclCommWindowRegister returns ncclSuccess with the communicator's state
-     * still ncclInProgress (seen on an H100), and the next call on it then
-     * fails ("Attempt to use communicator before the previous operation
-     * returned ncclSuccess").  On a blocking one the state is final: one call. */
-    while ((r == ncclInProgress || r == ncclSuccess) && a->ncclCommGetAsyncError != NULL) {
-        ncclResult_t e = ncclSuccess;
-        ncclResult_t q = a->ncclCommGetAsyncError(comm, &e);
-        if (q != ncclSuccess) {
-            r = q;
-            break;
-        }
-        if (e != ncclInProgress) {
-            r = e;
-            break;
-        }
-        if (mono_s() > deadline) {
-            *late = 1;
-            break;
-        }
-        struct timespec ts = {0, 1000000}; /* 1 ms */
-        nanosleep(&ts, NULL);
+    /* polled after ncclSuccess too: NCCL 2.28.9's window registration
+     * returns it with a non-blocking communicator still in progress */
+    r = pyccl_nccl_settle(a, comm, r, deadline);
+    if (r == ncclInProgress) {
+        *late = 1;
     }
     pyccl_nccl_failed(a, r, comm, last, size);
     return r;
@@ -118,7 +94,7 @@ call_on_comm(pyccl_state *st, const char *op, pyccl_comm *c, int kind, void *ptr
     const pyccl_api *a = &st->api;
     ncclComm_t comm = c->comm;
     double timeout = pyccl_comm_timeout(c);
-    double deadline = timeout > 0 ? mono_s() + timeout : 1e300;
+    double deadline = timeout > 0 ? pyccl_now_s() + timeout : 0; /* 0: none */
     int late = 0;
     char last[PYCCL_LAST_ERROR_SIZE] = "";
     ncclResult_t r;

@@ -84,7 +84,6 @@ int failed_kind(const struct pyccl_watch *w);
 void free_watch(struct pyccl_watch *w);
 void lock_watch(struct pyccl_watch *w);
 struct pyccl_watch * new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout);
-double now_s(void);
 int poll_comm(waiter *wt, const pyccl_api *a, ncclComm_t comm, double deadline, ncclResult_t *res);
 int raise_failure(pyccl_state *st, const char *op, struct pyccl_watch *w);
 cudaError_t record(struct pyccl_watch *w, cudaStream_t s, const char *op);

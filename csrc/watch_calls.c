@@ -143,7 +143,7 @@ poll_in_progress(const pyccl_api *a, waiter *wt, struct pyccl_watch **ws, int nw
         ws[j]->busy++;
         pthread_mutex_unlock(&ws[j]->mu);
     }
-    double t0 = now_s();
+    double t0 = pyccl_now_s();
     for (int j = 0; j < nw && polled == 0; j++) {
         struct pyccl_watch *w = ws[j];
         for (;;) {
@@ -162,7 +162,7 @@ poll_in_progress(const pyccl_api *a, waiter *wt, struct pyccl_watch **ws, int nw
                 }
                 break;
             }
-            if (now_s() > t0 + w->timeout) {
+            if (pyccl_now_s() > t0 + w->timeout) {
                 polled = 1;
                 *which = j;
                 break;
@@ -401,7 +401,7 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
     }
     waiter wt;
     waiter_start(&wt, 1);
-    double t0 = now_s();
+    double t0 = pyccl_now_s();
     for (int i = 0; i < n; i++) {
         struct pyccl_watch *w = g[i].w;
         int first = 1;
@@ -425,7 +425,7 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
                     }
                     break;
                 }
-                if (now_s() > t0 + w->timeout) {
+                if (pyccl_now_s() > t0 + w->timeout) {
                     fail_timeout(w, g[i].op, "its peers");
                     break;
                 }
@@ -493,7 +493,7 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
 {
     int status = 0; /* 1 failed, 2 limit passed, -1 interrupted */
     const char *head_op = op;
-    double start = now_s();
+    double start = pyccl_now_s();
     waiter wt;
     waiter_start(&wt, interruptible);
     pthread_mutex_lock(&w->mu);
@@ -517,7 +517,7 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
         if (w->nq == 0 || w->q[0].seq > target) {
             break;
         }
-        double now = now_s();
+        double now = pyccl_now_s();
         if (now - w->q[0].t > w->timeout && !w->busy && !w->in_group) {
             /* its own deadline: what the watchdog is about to do */
             fail_timeout(w, w->q[0].op, "its peers");
@@ -621,7 +621,7 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
     }
     memcpy(streams, c->streams, (size_t)n * sizeof *streams);
     int device = c->device;
-    double start = now_s();
+    double start = pyccl_now_s();
     waiter wt;
     /* no c->inflight: the handle is not used, and abort() from another
      * thread is how a wait on a communicator without timeout ends early */
@@ -662,7 +662,7 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
         if (!left || e != cudaSuccess) {
             break;
         }
-        if (limit > 0 && now_s() - start > limit) {
+        if (limit > 0 && pyccl_now_s() - start > limit) {
             status = 1;
             break;
         }

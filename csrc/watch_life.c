@@ -44,7 +44,7 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
     waiter_start(&wt, 1);
     got = acquire_all(&wt, &w, 1, 0, &which);
     if (got == 0) {
-        double deadline = now_s() + w->timeout;
+        double deadline = pyccl_now_s() + w->timeout;
         /* NULL config: the child is non-blocking like its parent */
         r = a->ncclCommSplit(w->comm, color, key, slot, NULL);
         if (r == ncclSuccess || r == ncclInProgress) {
@@ -56,7 +56,7 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
                     res = e;
                     break;
                 }
-                if (now_s() > deadline) {
+                if (pyccl_now_s() > deadline) {
                     polled = 1;
                     break;
                 }
@@ -178,7 +178,7 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
             if (a->ncclCommFinalize != NULL) {
                 ncclResult_t r = a->ncclCommFinalize(w->comm);
                 if (r == ncclSuccess || r == ncclInProgress) {
-                    polled = poll_comm(&wt, a, w->comm, now_s() + w->timeout,
+                    polled = poll_comm(&wt, a, w->comm, pyccl_now_s() + w->timeout,
                                        &res);
                 }
                 else {

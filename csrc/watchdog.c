@@ -61,14 +61,6 @@ now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-double
-now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* Make `dev` current for a moment; returns the device to go back to. */
 int
 dev_enter(const pyccl_api *a, int dev)
@@ -227,7 +219,7 @@ record(struct pyccl_watch *w, cudaStream_t s, const char *op)
     }
     if (e == cudaSuccess) {
         w->q[w->nq].ev = ev;
-        w->q[w->nq].t = now_s();
+        w->q[w->nq].t = pyccl_now_s();
         w->q[w->nq].op = op;
         w->q[w->nq].seq = ++w->seq;
         w->nq++;
@@ -383,7 +375,7 @@ watchdog_main(void *arg)
     int device = -1;
     pthread_mutex_lock(&wd->mu);
     while (!wd->stop) {
-        double now = now_s();
+        double now = pyccl_now_s();
         for (struct pyccl_watch *w = wd->head; w != NULL; w = w->next) {
             if (pthread_mutex_trylock(&w->mu) != 0) {
                 force_abort(w, now_ns()); /* in use: unless stuck, next round */
@@ -542,7 +534,7 @@ waiter_start(waiter *wt, int interruptible)
 {
     wt->spins = 0;
     wt->interruptible = interruptible;
-    wt->next_signals = now_s() + PYCCL_SIGNAL_PERIOD;
+    wt->next_signals = pyccl_now_s() + PYCCL_SIGNAL_PERIOD;
     wt->ts = PyEval_SaveThread();
 }
 
@@ -570,7 +562,7 @@ waiter_pause(waiter *wt)
     if (!wt->interruptible) {
         return 0;
     }
-    double now = now_s();
+    double now = pyccl_now_s();
     if (now >= wt->next_signals) {
         wt->next_signals = now + PYCCL_SIGNAL_PERIOD;
         PyEval_RestoreThread(wt->ts);
@@ -763,7 +755,7 @@ poll_comm(waiter *wt, const pyccl_api *a, ncclComm_t comm, double deadline,
             *res = e;
             return 0;
         }
-        if (now_s() > deadline) {
+        if (pyccl_now_s() > deadline) {
             return 1;
         }
         if (waiter_pause(wt) < 0) {
@@ -792,7 +784,7 @@ pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out, int nranks,
     char last[512] = "";
     int polled = 0;
     waiter wt;
-    double deadline = now_s() + timeout;
+    double deadline = pyccl_now_s() + timeout;
     waiter_start(&wt, 1);
     int prev = -1;
     a->cudaGetDevice(&prev);
