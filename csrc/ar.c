@@ -161,12 +161,11 @@ ar_of(pyccl_comm *c)
 static int
 timed_out(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const char *where)
 {
-    char msg[400], t[32];
-    pyccl_fmt_seconds(t, sizeof t, f->timeout);
+    char msg[400];
     snprintf(msg, sizeof msg,
              "%s: rank %d of %d timed out after %s s waiting for its peers%s; the communicator "
              "was aborted",
-             op, f->rank, f->nranks, t, where);
+             op, f->rank, f->nranks, pyccl_secs(f->timeout).s, where);
     f->state = FA_OFF;
     pyccl_ar_stop(c);
     pyccl_comm_mark_failed(c, msg);
@@ -195,14 +194,12 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
         f->deadline = f->timeout > 0 ? pyccl_now_s() + f->timeout : 0;
         f->gone = 0;
         f->last[0] = '\0';
-        if (ar_enter_device(a, f->device, &prev) < 0) {
+        if (pyccl_device_enter(a, f->device, &prev) != cudaSuccess) {
             r = ncclUnhandledCudaError;
         } else {
             r = ar_setup(a, f, c, s);
-            if (prev != f->device) {
-                a->cudaSetDevice(prev);
-            }
         }
+        pyccl_device_leave(a, f->device, prev);
     }
     pthread_mutex_unlock(&f->setup_mu);
     Py_END_ALLOW_THREADS
@@ -255,7 +252,7 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const pyccl_
     int prev;
     CUresult r = 0;
     int bad_device = 0;
-    if (ar_enter_device(a, f->device, &prev) < 0) {
+    if (pyccl_device_enter(a, f->device, &prev) != cudaSuccess) {
         bad_device = 1;
     } else {
         if (f->launched && s != f->last_stream) {
@@ -296,10 +293,8 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const pyccl_
         } else {
             r = ar_drv.cuLaunchKernel(fn, (unsigned)f->blocks, 1, 1, threads, 1, 1, 0, s, args, NULL);
         }
-        if (prev != f->device) {
-            a->cudaSetDevice(prev);
-        }
     }
+    pyccl_device_leave(a, f->device, prev);
     if (bad_device || r != 0) {
         PyErr_Format(st->CudaError, "%s: launching pyccl's all-reduce kernel on cuda:%d failed: %s",
                      op, f->device, bad_device ? "cannot make the device current" : ar_cu_error(r));
@@ -490,7 +485,7 @@ pyccl_ar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value)
     int prev;
     cudaError_t e = cudaErrorInvalidDevice;
     Py_BEGIN_ALLOW_THREADS
-    if (ar_enter_device(a, f->device, &prev) == 0) {
+    if (pyccl_device_enter(a, f->device, &prev) == cudaSuccess) {
         e = a->cudaDeviceSynchronize();
         if (e == cudaSuccess) {
             e = value != NULL && value != Py_None
@@ -499,10 +494,8 @@ pyccl_ar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value)
                     : a->cudaMemcpy(counters, f->base + PYCCL_AR_COUNTER_OFF, sizeof counters,
                                     cudaMemcpyDeviceToHost);
         }
-        if (prev != f->device) {
-            a->cudaSetDevice(prev);
-        }
     }
+    pyccl_device_leave(a, f->device, prev);
     Py_END_ALLOW_THREADS
     if (e != cudaSuccess) {
         pyccl_raise_cuda(st, "_all_reduce_epoch", "cudaMemcpy", e);

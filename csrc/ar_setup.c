@@ -665,24 +665,6 @@ out:
 }
 
 
-/* Make `device` current on this thread (its primary context too, which the
- * driver-API launch needs); *prev gets the device to restore. */
-int
-ar_enter_device(const pyccl_api *a, int device, int *prev)
-{
-    static _Thread_local int bound = -1;
-    if (a->cudaGetDevice(prev) != cudaSuccess) {
-        return -1;
-    }
-    if (*prev != device || bound != device) {
-        if (a->cudaSetDevice(device) != cudaSuccess) {
-            return -1;
-        }
-        bound = device;
-    }
-    return 0;
-}
-
 void
 pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
 {
@@ -702,7 +684,7 @@ pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
          * collection, a peer that did not come) the region is kept (leaked). */
         int prev;
         Py_BEGIN_ALLOW_THREADS
-        if (ar_enter_device(a, f->device, &prev) == 0) {
+        if (pyccl_device_enter(a, f->device, &prev) == cudaSuccess) {
             wait_launched(a, f); /* they poll the host word free_local frees */
             char *base = f->base;
             f->base = NULL;
@@ -723,10 +705,8 @@ pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
             if (freed) {
                 a->cudaFree(base);
             }
-            if (prev != f->device) {
-                a->cudaSetDevice(prev);
-            }
         }
+        pyccl_device_leave(a, f->device, prev);
         Py_END_ALLOW_THREADS
     }
     pthread_mutex_destroy(&f->setup_mu);

@@ -103,9 +103,6 @@ typedef struct pyccl_ar {
 
 /* The driver's text for an error code. */
 const char *ar_cu_error(CUresult r);
-/* Make `device` current on this thread (its primary context too, which the
- * driver-API launch needs); *prev gets the device to restore. */
-int ar_enter_device(const pyccl_api *a, int device, int *prev);
 /* Collective.  Called without the GIL, current device = the comm's, f's
  * setup_mu held, f->deadline set.  Returns the NCCL result of the exchange
  * (a failure there is the caller's error; f->gone: the communicator was

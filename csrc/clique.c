@@ -174,16 +174,10 @@ pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
             goto done;
         }
     }
-    if (pyccl_load(st, op) < 0) {
+    if (pyccl_gpu_count(st, op, &ndev) < 0) {
         goto done;
     }
     const pyccl_api *a = &st->api;
-    cudaError_t ce = a->cudaGetDeviceCount(&ndev);
-    if (ce != cudaSuccess || ndev == 0) {
-        a->cudaGetLastError();
-        PyErr_Format(st->CudaError, "%s: no CUDA GPU is available", op);
-        goto done;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (dv[i] < 0 || dv[i] >= ndev) {
             PyErr_Format(PyExc_ValueError,

@@ -698,13 +698,12 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     pyccl_comm *c = x.c;
     cudaError_t ce = cudaSuccess;
     if (c->scratch == NULL) {
-        int prev = -1;
+        int prev;
         void *mem = NULL;
         Py_BEGIN_ALLOW_THREADS
-        api->cudaGetDevice(&prev);
-        api->cudaSetDevice(c->device);
+        pyccl_device_enter(api, c->device, &prev);
         ce = api->cudaMalloc(&mem, sizeof(float));
-        api->cudaSetDevice(prev);
+        pyccl_device_leave(api, c->device, prev);
         Py_END_ALLOW_THREADS
         if (ce != cudaSuccess) {
             pyccl_raise_cuda(x.st, "barrier", "cudaMalloc", ce);
@@ -739,11 +738,10 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     /* The legacy default stream (0) means the current device's: make that
      * the communicator's device while waiting. */
     Py_BEGIN_ALLOW_THREADS
-    int prev = -1;
-    api->cudaGetDevice(&prev);
-    api->cudaSetDevice(c->device);
+    int prev;
+    pyccl_device_enter(api, c->device, &prev);
     ce = api->cudaStreamSynchronize(s);
-    api->cudaSetDevice(prev);
+    pyccl_device_leave(api, c->device, prev);
     Py_END_ALLOW_THREADS
     if (ce != cudaSuccess) {
         pyccl_raise_cuda(x.st, "barrier", "cudaStreamSynchronize", ce);

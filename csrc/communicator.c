@@ -77,11 +77,10 @@ destroy_comm(pyccl_state *st, pyccl_comm *c, int may_raise)
         r = a->ncclCommDestroy(comm);
     }
     if (scratch != NULL) {
-        int prev = -1;
-        a->cudaGetDevice(&prev);
-        a->cudaSetDevice(c->device);
+        int prev;
+        pyccl_device_enter(a, c->device, &prev);
         a->cudaFree(scratch);
-        a->cudaSetDevice(prev);
+        pyccl_device_leave(a, c->device, prev);
     }
     Py_END_ALLOW_THREADS
     return r;
@@ -120,19 +119,11 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
                      op, rank, nranks, nranks - 1);
         return NULL;
     }
-    if (pyccl_load(st, op) < 0) {
+    if (pyccl_gpu_count(st, op, &ndev) < 0) {
         return NULL;
     }
     const pyccl_api *a = &st->api;
-    cudaError_t ce = a->cudaGetDeviceCount(&ndev);
-    if (ce != cudaSuccess || ndev == 0) {
-        a->cudaGetLastError(); /* clear the sticky-free error */
-        PyErr_Format(st->CudaError,
-                     "%s: no CUDA GPU is available (cudaGetDeviceCount: %s)",
-                     op, ce != cudaSuccess ? a->cudaGetErrorString(ce)
-                                           : "0 devices");
-        return NULL;
-    }
+    cudaError_t ce;
     if ((ce = a->cudaGetDevice(&prev)) != cudaSuccess) {
         pyccl_raise_cuda(st, op, "cudaGetDevice", ce);
         return NULL;
@@ -273,9 +264,7 @@ comm_destroy(PyObject *self, PyObject *Py_UNUSED(ignored))
         return NULL;
     }
     if (c->pending) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "destroy: the communicator is not ready: it was created "
-                        "inside pyccl.group(), which has not ended yet");
+        pyccl_raise_not_ready("destroy");
         return NULL;
     }
     if (c->inflight > 0) {

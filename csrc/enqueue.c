@@ -187,12 +187,7 @@ pyccl_group_call(pyccl_state *st, int start, char *last, size_t last_size,
 void
 pyccl_comm_lock(pyccl_comm *c)
 {
-    if (pthread_mutex_trylock(&c->mu) == 0) {
-        return;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&c->mu);
-    Py_END_ALLOW_THREADS
+    pyccl_lock_released(&c->mu);
 }
 
 ncclResult_t

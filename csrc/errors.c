@@ -8,6 +8,7 @@
  * peers) is an NcclError and also a TimeoutError; it adds .timeout. */
 #include "pyccl.h"
 
+#include <stdarg.h>
 #include <string.h>
 
 /* An exception instance of `type` with the attributes; steals msg. */
@@ -156,14 +157,16 @@ pyccl_failure_exception(pyccl_state *st, const char *op, int kind, int code,
 
 /* "5.0", "0.25": seconds as a person would write them (as Python prints a
  * float), the same in every timeout message. */
-void
-pyccl_fmt_seconds(char *buf, size_t n, double s)
+pyccl_secs_text
+pyccl_secs(double s)
 {
-    snprintf(buf, n, "%.1f", s);
+    pyccl_secs_text t;
+    snprintf(t.s, sizeof t.s, "%.1f", s);
     /* else the shortest digits that give s back, as Python's repr */
-    for (int digits = 1; digits <= 17 && strtod(buf, NULL) != s; digits++) {
-        snprintf(buf, n, "%.*g", digits, s);
+    for (int digits = 1; digits <= 17 && strtod(t.s, NULL) != s; digits++) {
+        snprintf(t.s, sizeof t.s, "%.*g", digits, s);
     }
+    return t;
 }
 
 int
@@ -176,4 +179,15 @@ pyccl_raise_failure(pyccl_state *st, const char *op, int kind, int code,
         Py_DECREF(exc);
     }
     return -1;
+}
+
+int
+pyccl_raise_timeout(pyccl_state *st, const char *op, double limit, const char *fmt, ...)
+{
+    char reason[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(reason, sizeof reason, fmt, ap);
+    va_end(ap);
+    return pyccl_raise_failure(st, op, PYCCL_FAIL_TIMEOUT, 0, reason, limit);
 }

@@ -158,6 +158,24 @@ pyccl_nccl_version(pyccl_state *st, const char *op)
 }
 
 int
+pyccl_gpu_count(pyccl_state *st, const char *op, int *ndev)
+{
+    if (pyccl_load(st, op) < 0) {
+        return -1;
+    }
+    const pyccl_api *a = &st->api;
+    *ndev = 0;
+    cudaError_t ce = a->cudaGetDeviceCount(ndev);
+    if (ce != cudaSuccess || *ndev == 0) {
+        a->cudaGetLastError(); /* clear the sticky-free error */
+        PyErr_Format(st->CudaError, "%s: no CUDA GPU is available (cudaGetDeviceCount: %s)", op,
+                     ce != cudaSuccess ? a->cudaGetErrorString(ce) : "0 devices");
+        return -1;
+    }
+    return 0;
+}
+
+int
 pyccl_need_nccl(pyccl_state *st, const char *op, const void *fn,
                 const char *call, const char *needed)
 {

@@ -82,11 +82,7 @@ pyccl_mem_alloc(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     }
     const pyccl_api *a = &st->api;
     int ndev = 0;
-    cudaError_t ce = a->cudaGetDeviceCount(&ndev);
-    if (ce != cudaSuccess || ndev == 0) {
-        a->cudaGetLastError(); /* clear the sticky-free error */
-        PyErr_Format(st->CudaError, "empty: no CUDA GPU is available (cudaGetDeviceCount: %s)",
-                     ce != cudaSuccess ? a->cudaGetErrorString(ce) : "0 devices");
+    if (pyccl_gpu_count(st, "empty", &ndev) < 0) {
         return NULL;
     }
     if (device < 0 || device >= ndev) {

@@ -21,6 +21,19 @@ pyccl_now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* Lock mu with the GIL held: the GIL is released only while waiting for it,
+ * so a thread holding mu that needs the GIL cannot deadlock with us. */
+static inline void
+pyccl_lock_released(pthread_mutex_t *mu)
+{
+    if (pthread_mutex_trylock(mu) == 0) {
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(mu);
+    Py_END_ALLOW_THREADS
+}
+
 /* Python 3.9-3.12 spellings of calls this code uses in their 3.13 form. */
 #if PY_VERSION_HEX < 0x030D0000
 #define Py_IsFinalizing() _Py_IsFinalizing()
@@ -195,6 +208,10 @@ typedef struct {
 int pyccl_load(pyccl_state *st, const char *op);
 /* The NCCL version code of the loaded library, loading it if needed. */
 int pyccl_nccl_version(pyccl_state *st, const char *op);
+/* The number of CUDA devices in *ndev, loading the libraries if needed; -1
+ * with CudaError "<op>: no CUDA GPU is available (cudaGetDeviceCount: ...)"
+ * when there is none. */
+int pyccl_gpu_count(pyccl_state *st, const char *op, int *ndev);
 /* 0 when `fn` (an optional NCCL call, named `call`) was resolved; else -1
  * with RuntimeError "<op>: needs NCCL >= <needed> for <call>; the loaded
  * NCCL is <x.y.z>".  NCCL must be loaded. */
@@ -202,8 +219,13 @@ int pyccl_need_nccl(pyccl_state *st, const char *op, const void *fn,
                     const char *call, const char *needed);
 
 /* ---- errors.c ---- */
-/* Seconds for messages: "5.0", "0.25" (as Python prints a float). */
-void pyccl_fmt_seconds(char *buf, size_t n, double s);
+/* Seconds for messages: "5.0", "0.25" (as Python prints a float), as
+ * `pyccl_secs(t).s` inside a call's arguments (C11: the array lives to the
+ * end of the full expression). */
+typedef struct {
+    char s[32];
+} pyccl_secs_text;
+pyccl_secs_text pyccl_secs(double s);
 /* Room for ncclGetLastError's text, as the bindings keep it. */
 #define PYCCL_LAST_ERROR_SIZE 512
 /* An NCCL call returned r: when it failed, copy ncclGetLastError(comm)
@@ -220,6 +242,12 @@ void pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
                       cudaError_t err);
 
 /* ---- tensor.c ---- */
+/* The one device guard, without the GIL: make `device` current on this
+ * thread (its primary context too, which a driver-API launch needs) and put
+ * the device to go back to in *prev (-1: none known).  cudaSuccess when
+ * `device` is current.  pyccl_device_leave goes back (also after a failure). */
+cudaError_t pyccl_device_enter(const pyccl_api *a, int device, int *prev);
+void pyccl_device_leave(const pyccl_api *a, int device, int prev);
 /* st with torch looked up; NULL with RuntimeError once the interpreter tears
  * the module down. */
 pyccl_state *pyccl_state_ready(pyccl_state *st);
@@ -493,6 +521,9 @@ pthread_mutex_t *pyccl_comm_hold(pyccl_comm *c, ncclComm_t *comm);
 int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
 /* -1 with RuntimeError when c was destroyed (or is pending, or failed). */
 int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
+/* RuntimeError "<op>: the communicator is not ready: it was created inside
+ * pyccl.group(), which has not ended yet"; always -1. */
+int pyccl_raise_not_ready(const char *op);
 /* Fill in rank and size of a communicator created inside a group (NCCL
  * knows them only once the group ended). */
 int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
@@ -551,5 +582,9 @@ PyObject *pyccl_failure_exception(pyccl_state *st, const char *op, int kind,
 /* Raise that exception; always -1. */
 int pyccl_raise_failure(pyccl_state *st, const char *op, int kind, int code,
                         const char *reason, double timeout);
+/* pyccl_raise_failure(PYCCL_FAIL_TIMEOUT) after `limit` seconds, the reason
+ * printed from fmt; always -1. */
+int pyccl_raise_timeout(pyccl_state *st, const char *op, double limit,
+                        const char *fmt, ...);
 
 #endif /* PYCCL_H */

@@ -105,12 +105,11 @@ call_on_comm(pyccl_state *st, const char *op, pyccl_comm *c, int kind, void *ptr
     c->inflight--;
     pyccl_comm_leave(c);
     if (late) {
-        char secs[32], reason[256];
-        pyccl_fmt_seconds(secs, sizeof secs, timeout);
+        char reason[256];
         snprintf(reason, sizeof reason,
                  "%s: rank %d of %d timed out after %s s waiting for its peers; the "
                  "communicator was aborted",
-                 op, c->rank, c->size, secs);
+                 op, c->rank, c->size, pyccl_secs(timeout).s);
         pyccl_comm_mark_failed(c, reason);
         if (pyccl_watch_check(st, op, c) == 0) {
             PyErr_SetString(PyExc_RuntimeError, reason);
@@ -226,9 +225,8 @@ exchange(call_ctx *x, cudaStream_t s, const int64_t mine[2], int64_t *all)
         return -1;
     }
     Py_BEGIN_ALLOW_THREADS
-    int prev = -1;
-    a->cudaGetDevice(&prev);
-    a->cudaSetDevice(c->device);
+    int prev;
+    pyccl_device_enter(a, c->device, &prev);
     ce = a->cudaMalloc((void **)&dev, rec * (size_t)c->size);
     if (ce == cudaSuccess) {
         what = "cudaMemcpy";
@@ -238,7 +236,7 @@ exchange(call_ctx *x, cudaStream_t s, const int64_t mine[2], int64_t *all)
         what = "cudaDeviceSynchronize"; /* the copy is done before s reads it */
         ce = a->cudaDeviceSynchronize();
     }
-    a->cudaSetDevice(prev);
+    pyccl_device_leave(a, c->device, prev);
     Py_END_ALLOW_THREADS
     if (ce != cudaSuccess) {
         pyccl_raise_cuda(st, x->op, what, ce);
@@ -263,9 +261,8 @@ exchange(call_ctx *x, cudaStream_t s, const int64_t mine[2], int64_t *all)
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    int prev = -1;
-    a->cudaGetDevice(&prev);
-    a->cudaSetDevice(c->device);
+    int prev;
+    pyccl_device_enter(a, c->device, &prev);
     what = "cudaStreamSynchronize";
     ce = a->cudaStreamSynchronize(s);
     if (ce == cudaSuccess) {
@@ -273,7 +270,7 @@ exchange(call_ctx *x, cudaStream_t s, const int64_t mine[2], int64_t *all)
         ce = a->cudaMemcpy(all, dev, rec * (size_t)c->size, cudaMemcpyDeviceToHost);
     }
     a->cudaFree(dev);
-    a->cudaSetDevice(prev);
+    pyccl_device_leave(a, c->device, prev);
     Py_END_ALLOW_THREADS
     if (ce != cudaSuccess) {
         pyccl_raise_cuda(st, x->op, what, ce);
@@ -283,11 +280,10 @@ exchange(call_ctx *x, cudaStream_t s, const int64_t mine[2], int64_t *all)
 error:
     if (dev != NULL) {
         Py_BEGIN_ALLOW_THREADS
-        int prev = -1;
-        a->cudaGetDevice(&prev);
-        a->cudaSetDevice(c->device);
+        int prev;
+        pyccl_device_enter(a, c->device, &prev);
         a->cudaFree(dev);
-        a->cudaSetDevice(prev);
+        pyccl_device_leave(a, c->device, prev);
         Py_END_ALLOW_THREADS
     }
     return -1;

@@ -11,6 +11,35 @@
 #include <limits.h>
 #include <string.h>
 
+cudaError_t
+pyccl_device_enter(const pyccl_api *a, int device, int *prev)
+{
+    /* the device this thread last made current through here: a thread that
+     * never set one may still read `device` from cudaGetDevice (0 by
+     * default) while the driver has no context current on it */
+    static _Thread_local int bound = -1;
+    if (a->cudaGetDevice(prev) != cudaSuccess) {
+        a->cudaGetLastError();
+        *prev = -1;
+    }
+    if (*prev == device && bound == device) {
+        return cudaSuccess;
+    }
+    cudaError_t e = a->cudaSetDevice(device);
+    if (e == cudaSuccess) {
+        bound = device;
+    }
+    return e;
+}
+
+void
+pyccl_device_leave(const pyccl_api *a, int device, int prev)
+{
+    if (prev >= 0 && prev != device) {
+        a->cudaSetDevice(prev);
+    }
+}
+
 /* fp8 reductions need NCCL's native fp8 types (NCCL 2.24); torch sends fp8
  * as uint8 and so sums bytes. */
 #define PYCCL_NCCL_FP8 22400

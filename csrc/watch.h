@@ -73,8 +73,6 @@ typedef struct {
 
 void call_begin(struct pyccl_watch *w);
 int call_end(struct pyccl_watch *w, const char *op);
-int dev_enter(const pyccl_api *a, int dev);
-void dev_leave(const pyccl_api *a, int dev, int prev);
 void fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...);
 void fail_cuda(struct pyccl_watch *w, const char *op, cudaError_t e);
 void fail_interrupted(struct pyccl_watch *w, const char *op);

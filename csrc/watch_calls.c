@@ -92,9 +92,10 @@ acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room,
             if (need_room && w->nq >= 8) {
                 /* keep the queue short: the finished head, in stream order */
                 const char *bad_op = NULL;
-                int prev = dev_enter(w->api, w->device);
+                int prev;
+                pyccl_device_enter(w->api, w->device, &prev);
                 cudaError_t e = retire(w, w->nq >= PYCCL_MAX_PENDING, &bad_op);
-                dev_leave(w->api, w->device, prev);
+                pyccl_device_leave(w->api, w->device, prev);
                 if (e != cudaSuccess) {
                     fail_cuda(w, bad_op, e);
                     *which = i;
@@ -505,9 +506,10 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
         }
         if (w->nq > 0) {
             const char *bad_op = NULL;
-            int prev = dev_enter(w->api, w->device);
+            int prev;
+            pyccl_device_enter(w->api, w->device, &prev);
             cudaError_t e = retire(w, 1, &bad_op);
-            dev_leave(w->api, w->device, prev);
+            pyccl_device_leave(w->api, w->device, prev);
             if (e != cudaSuccess) {
                 fail_cuda(w, bad_op, e);
                 status = 1;
@@ -540,17 +542,13 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
     pthread_mutex_unlock(&w->mu);
     waiter_finish(&wt);
     if (status == 2) {
-        char t[32], own[32];
-        pyccl_fmt_seconds(t, sizeof t, limit);
-        pyccl_fmt_seconds(own, sizeof own, w->timeout);
-        char reason[400];
-        snprintf(reason, sizeof reason,
-                 "rank %d of %d: the work enqueued on the communicator (the "
-                 "oldest unfinished: %s) did not finish within %s s; the "
-                 "communicator's own timeout of %s s has not passed, so it was "
-                 "not aborted",
-                 w->rank, w->size, head_op, t, own);
-        return pyccl_raise_failure(st, op, PYCCL_FAIL_TIMEOUT, 0, reason, limit);
+        return pyccl_raise_timeout(st, op, limit,
+                                   "rank %d of %d: the work enqueued on the communicator (the "
+                                   "oldest unfinished: %s) did not finish within %s s; the "
+                                   "communicator's own timeout of %s s has not passed, so it "
+                                   "was not aborted",
+                                   w->rank, w->size, head_op, pyccl_secs(limit).s,
+                                   pyccl_secs(w->timeout).s);
     }
     return status;
 }
@@ -626,7 +624,8 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
     /* no c->inflight: the handle is not used, and abort() from another
      * thread is how a wait on a communicator without timeout ends early */
     waiter_start(&wt, 1);
-    int prev = dev_enter(a, device);
+    int prev;
+    pyccl_device_enter(a, device, &prev);
     for (int i = 0; i < n && e == cudaSuccess; i++) {
         enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
         if (a->cudaStreamIsCapturing(streams[i], &cs) != cudaSuccess ||
@@ -639,7 +638,7 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
             e = a->cudaEventRecord(evs[i], streams[i]);
         }
     }
-    dev_leave(a, device, prev);
+    pyccl_device_leave(a, device, prev);
     while (e == cudaSuccess) {
         int left = 0;
         enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
@@ -671,13 +670,13 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
             break;
         }
     }
-    prev = dev_enter(a, device);
+    pyccl_device_enter(a, device, &prev);
     for (int i = 0; i < n; i++) {
         if (evs[i] != NULL) {
             a->cudaEventDestroy(evs[i]);
         }
     }
-    dev_leave(a, device, prev);
+    pyccl_device_leave(a, device, prev);
     waiter_finish(&wt);
     PyMem_RawFree(streams);
     PyMem_RawFree(evs);
@@ -689,15 +688,11 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
         return -1;
     }
     if (status > 0) {
-        char t[32];
-        pyccl_fmt_seconds(t, sizeof t, limit);
-        char reason[300];
-        snprintf(reason, sizeof reason,
-                 "rank %d of %d: the work enqueued on the communicator did not "
-                 "finish within %s s; it has no timeout of its own, so it was "
-                 "not aborted",
-                 c->rank, c->size, t);
-        return pyccl_raise_failure(st, op, PYCCL_FAIL_TIMEOUT, 0, reason, limit);
+        return pyccl_raise_timeout(st, op, limit,
+                                   "rank %d of %d: the work enqueued on the communicator did "
+                                   "not finish within %s s; it has no timeout of its own, so it "
+                                   "was not aborted",
+                                   c->rank, c->size, pyccl_secs(limit).s);
     }
     return 0;
 }

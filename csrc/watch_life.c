@@ -259,9 +259,7 @@ pyccl_comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
         return NULL;
     }
     if (c->pending) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "abort: the communicator is not ready: it was created "
-                        "inside pyccl.group(), which has not ended yet");
+        pyccl_raise_not_ready("abort");
         return NULL;
     }
     struct pyccl_watch *w = c->watch;

@@ -61,29 +61,6 @@ now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* Make `dev` current for a moment; returns the device to go back to. */
-int
-dev_enter(const pyccl_api *a, int dev)
-{
-    int prev = -1;
-    if (a->cudaGetDevice(&prev) != cudaSuccess) {
-        a->cudaGetLastError();
-        prev = -1;
-    }
-    if (prev != dev) {
-        a->cudaSetDevice(dev);
-    }
-    return prev;
-}
-
-void
-dev_leave(const pyccl_api *a, int dev, int prev)
-{
-    if (prev >= 0 && prev != dev) {
-        a->cudaSetDevice(prev);
-    }
-}
-
 int
 failed_kind(const struct pyccl_watch *w)
 {
@@ -162,14 +139,15 @@ drop_events(struct pyccl_watch *w)
     if (w->nq == 0 && w->npool == 0) {
         return;
     }
-    int prev = dev_enter(a, w->device);
+    int prev;
+    pyccl_device_enter(a, w->device, &prev);
     for (int i = 0; i < w->nq; i++) {
         a->cudaEventDestroy(w->q[i].ev);
     }
     for (int i = 0; i < w->npool; i++) {
         a->cudaEventDestroy(w->pool[i]);
     }
-    dev_leave(a, w->device, prev);
+    pyccl_device_leave(a, w->device, prev);
     w->nq = w->npool = 0;
 }
 
@@ -182,7 +160,8 @@ record(struct pyccl_watch *w, cudaStream_t s, const char *op)
     cudaError_t e;
     cudaEvent_t ev = NULL;
     /* Stream 0 is the current device's legacy stream. */
-    int prev = dev_enter(a, w->device);
+    int prev;
+    pyccl_device_enter(a, w->device, &prev);
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     if (a->cudaStreamIsCapturing(s, &cs) != cudaSuccess) {
         /* Another thread captures in global mode: treat as capturing. */
@@ -225,7 +204,7 @@ record(struct pyccl_watch *w, cudaStream_t s, const char *op)
         w->nq++;
     }
 out:
-    dev_leave(a, w->device, prev);
+    pyccl_device_leave(a, w->device, prev);
     return e;
 }
 
@@ -274,13 +253,11 @@ call_end(struct pyccl_watch *w, const char *op)
     }
     __atomic_store_n(&w->call_since, 0, __ATOMIC_RELEASE);
     __atomic_store_n(&w->comm, NULL, __ATOMIC_RELEASE); /* the watchdog aborted it */
-    char t[32];
-    pyccl_fmt_seconds(t, sizeof t, w->timeout);
     fail(w, PYCCL_FAIL_TIMEOUT, 0,
          "%s: rank %d of %d timed out after %s s waiting for its peers (the "
          "call itself was stuck in NCCL or CUDA, e.g. behind a full launch "
          "queue); the communicator was aborted",
-         op, w->rank, w->size, t);
+         op, w->rank, w->size, pyccl_secs(w->timeout).s);
     return 1;
 }
 
@@ -308,12 +285,10 @@ force_abort(struct pyccl_watch *w, int64_t now)
 void
 fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for)
 {
-    char t[32];
-    pyccl_fmt_seconds(t, sizeof t, w->timeout);
     fail(w, PYCCL_FAIL_TIMEOUT, 0,
          "%s: rank %d of %d timed out after %s s waiting for %s; the "
          "communicator was aborted",
-         op, w->rank, w->size, t, waiting_for);
+         op, w->rank, w->size, pyccl_secs(w->timeout).s, waiting_for);
 }
 
 void
@@ -645,16 +620,22 @@ pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c)
 }
 
 int
+pyccl_raise_not_ready(const char *op)
+{
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: the communicator is not ready: it was created inside "
+                 "pyccl.group(), which has not ended yet", op);
+    return -1;
+}
+
+int
 pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
 {
     if (c->watch != NULL && pyccl_watch_check(st, op, c) < 0) {
         return -1; /* timed out or aborted */
     }
     if (c->pending) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "%s: the communicator is not ready: it was created inside "
-                     "pyccl.group(), which has not ended yet", op);
-        return -1;
+        return pyccl_raise_not_ready(op);
     }
     if (c->comm == NULL) {
         PyErr_Format(PyExc_RuntimeError,
@@ -684,10 +665,7 @@ pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c)
         return -1;
     }
     if (size <= 0) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "%s: the communicator is not ready: it was created inside "
-                     "pyccl.group(), which has not ended yet", op);
-        return -1;
+        return pyccl_raise_not_ready(op);
     }
     c->rank = rank;
     c->size = size;
@@ -698,12 +676,7 @@ pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c)
 void
 lock_watch(struct pyccl_watch *w)
 {
-    if (pthread_mutex_trylock(&w->mu) == 0) {
-        return;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&w->mu);
-    Py_END_ALLOW_THREADS
+    pyccl_lock_released(&w->mu);
 }
 
 int
@@ -786,13 +759,12 @@ pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out, int nranks,
     waiter wt;
     double deadline = pyccl_now_s() + timeout;
     waiter_start(&wt, 1);
-    int prev = -1;
-    a->cudaGetDevice(&prev);
-    ce = a->cudaSetDevice(device);
+    int prev;
+    ce = pyccl_device_enter(a, device, &prev);
     if (ce == cudaSuccess) {
         /* NCCL's init thread keeps the device current at this call. */
         r = a->ncclCommInitRankConfig(&comm, nranks, *uid, rank, &config);
-        a->cudaSetDevice(prev);
+        pyccl_device_leave(a, device, prev);
         if (r == ncclSuccess || r == ncclInProgress) {
             polled = comm != NULL ? poll_comm(&wt, a, comm, deadline, &res) : 0;
         }
@@ -816,15 +788,11 @@ pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out, int nranks,
         return -1; /* KeyboardInterrupt (or a handler's exception) */
     }
     if (polled > 0) {
-        char t[32];
-        pyccl_fmt_seconds(t, sizeof t, timeout);
-        char reason[400];
-        snprintf(reason, sizeof reason,
-                 "rank %d of %d timed out after %s s waiting for its peers to "
-                 "join (every rank must call it with the same unique_id and "
-                 "world_size); the communicator was aborted",
-                 rank, nranks, t);
-        return pyccl_raise_failure(st, op, PYCCL_FAIL_TIMEOUT, 0, reason, timeout);
+        return pyccl_raise_timeout(st, op, timeout,
+                                   "rank %d of %d timed out after %s s waiting for its peers "
+                                   "to join (every rank must call it with the same unique_id "
+                                   "and world_size); the communicator was aborted",
+                                   rank, nranks, pyccl_secs(timeout).s);
     }
     if (res != ncclSuccess) {
         pyccl_raise_nccl(st, op, res, last);
@@ -892,9 +860,10 @@ pyccl_watchdog_at_exit(pyccl_state *st)
         if (!w->failed && w->comm != NULL && !w->busy && !w->in_group &&
             !w->closing && w->nq > 0) {
             const char *bad_op = NULL;
-            int prev = dev_enter(w->api, w->device);
+            int prev;
+            pyccl_device_enter(w->api, w->device, &prev);
             retire(w, 1, &bad_op);
-            dev_leave(w->api, w->device, prev);
+            pyccl_device_leave(w->api, w->device, prev);
             if (w->nq > 0) {
                 fail(w, PYCCL_FAIL_ABORTED, 0,
                      "%s: rank %d of %d: unfinished at interpreter exit; the "
