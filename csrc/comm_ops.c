@@ -346,12 +346,7 @@ ops_finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop,
     }
     if (n > 0) {
         x->c->inflight++; /* another thread's destroy() must wait for this */
-        if (x->c->watch != NULL) {
-            rc = pyccl_enqueue_timed(x->st, x->op, tasks, n, redop, &x->c, 1);
-        }
-        else if ((rc = pyccl_comm_note_stream(x->c, tasks[0].stream)) == 0) {
-            rc = pyccl_enqueue(x->st, x->op, tasks, n, redop, NULL, &x->c, 1);
-        }
+        rc = pyccl_submit(x->st, x->op, tasks, n, redop, NULL, &x->c, 1);
         x->c->inflight--;
     }
     if (made) {
@@ -718,36 +713,38 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     }
     pyccl_task tk;
     ops_task(&tk, PYCCL_ALL_REDUCE, c->scratch, c->scratch, 1, ncclFloat32, 0, &x, s);
-    if (c->watch != NULL) {
-        /* enqueue and wait like any call on it: bounded, interruptible */
-        c->inflight++;
-        int rc = pyccl_enqueue_timed(x.st, "barrier", &tk, 1, ncclSum, &c, 1);
-        c->inflight--;
-        if (rc < 0 || pyccl_watch_wait(x.st, "barrier", c,
-                                       pyccl_comm_timeout(c)) < 0) {
-            return NULL;
-        }
-        Py_RETURN_NONE;
-    }
     c->inflight++;
-    int rc = pyccl_enqueue(x.st, "barrier", &tk, 1, ncclSum, NULL, &c, 1);
+    int rc = pyccl_submit(x.st, "barrier", &tk, 1, ncclSum, NULL, &c, 1);
     c->inflight--;
-    if (rc < 0) {
-        return NULL;
-    }
-    /* The legacy default stream (0) means the current device's: make that
-     * the communicator's device while waiting. */
-    Py_BEGIN_ALLOW_THREADS
-    int prev;
-    pyccl_device_enter(api, c->device, &prev);
-    ce = api->cudaStreamSynchronize(s);
-    pyccl_device_leave(api, c->device, prev);
-    Py_END_ALLOW_THREADS
-    if (ce != cudaSuccess) {
-        pyccl_raise_cuda(x.st, "barrier", "cudaStreamSynchronize", ce);
+    if (rc < 0 || ops_wait_call(&x, s) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+int
+ops_wait_call(call_ctx *x, cudaStream_t s)
+{
+    pyccl_comm *c = x->c;
+    const pyccl_api *a = &x->st->api;
+    if (c->watch != NULL) {
+        /* like any call on it: bounded, interruptible */
+        return pyccl_watch_wait(x->st, x->op, c, pyccl_comm_timeout(c));
+    }
+    /* The legacy default stream (0) means the current device's: make that
+     * the communicator's device while waiting. */
+    cudaError_t ce;
+    Py_BEGIN_ALLOW_THREADS
+    int prev;
+    pyccl_device_enter(a, c->device, &prev);
+    ce = a->cudaStreamSynchronize(s);
+    pyccl_device_leave(a, c->device, prev);
+    Py_END_ALLOW_THREADS
+    if (ce != cudaSuccess) {
+        pyccl_raise_cuda(x->st, x->op, "cudaStreamSynchronize", ce);
+        return -1;
+    }
+    return 0;
 }
 
 /* all_reduce_coalesced(tensors, op=SUM, *, algo=None): pack, one collective,

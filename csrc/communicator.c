@@ -310,30 +310,18 @@ comm_repr(PyObject *self)
                                 failed ? " aborted" : c->comm ? "" : " destroyed");
 }
 
+/* rank and size (closure: the attribute's name), which a communicator made
+ * inside pyccl.group() knows only once the group ended. */
 static PyObject *
-comm_get_rank(PyObject *self, void *Py_UNUSED(closure))
+comm_get_rank_or_size(PyObject *self, void *closure)
 {
+    const char *what = closure;
+    pyccl_comm *c = (pyccl_comm *)self;
     pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
-    if (st == NULL || pyccl_comm_refresh(st, "rank", (pyccl_comm *)self) < 0) {
+    if (st == NULL || pyccl_comm_refresh(st, what, c) < 0) {
         return NULL;
     }
-    return PyLong_FromLong(((pyccl_comm *)self)->rank);
-}
-
-static PyObject *
-comm_get_size(PyObject *self, void *Py_UNUSED(closure))
-{
-    pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
-    if (st == NULL || pyccl_comm_refresh(st, "size", (pyccl_comm *)self) < 0) {
-        return NULL;
-    }
-    return PyLong_FromLong(((pyccl_comm *)self)->size);
-}
-
-static PyObject *
-comm_get_device(PyObject *self, void *Py_UNUSED(closure))
-{
-    return PyLong_FromLong(((pyccl_comm *)self)->device);
+    return PyLong_FromLong(what[0] == 'r' ? c->rank : c->size);
 }
 
 /* The handle while usable: not once the watchdog aborted it (then the
@@ -561,9 +549,8 @@ comm_get_name(PyObject *self, void *closure)
 }
 
 static PyGetSetDef comm_getset[] = {
-    {"rank", comm_get_rank, NULL, "This communicator's rank.", NULL},
-    {"size", comm_get_size, NULL, "Number of ranks.", NULL},
-    {"device", comm_get_device, NULL, "CUDA device index.", NULL},
+    {"rank", comm_get_rank_or_size, NULL, "This communicator's rank.", "rank"},
+    {"size", comm_get_rank_or_size, NULL, "Number of ranks.", "size"},
     {"name", comm_get_name, NULL,
      "A name unique in this process ('pyccl.Communicator.<n>'), by which the "
      "torch custom ops torch.ops.pyccl.* (pyccl.ops) find this communicator.",
@@ -586,6 +573,7 @@ static PyGetSetDef comm_getset[] = {
 static PyMemberDef comm_members[] = {
     {"__weaklistoffset__", Py_T_PYSSIZET, offsetof(pyccl_comm, weakreflist),
      Py_READONLY, NULL},
+    {"device", Py_T_INT, offsetof(pyccl_comm, device), Py_READONLY, "CUDA device index."},
     {NULL, 0, 0, 0, NULL},
 };
 

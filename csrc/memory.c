@@ -154,17 +154,6 @@ buffer_get_ptr(PyObject *self, void *Py_UNUSED(closure))
     return PyLong_FromVoidPtr(((nccl_buffer *)self)->ptr);
 }
 
-static PyObject *
-buffer_get_nbytes(PyObject *self, void *Py_UNUSED(closure))
-{
-    return PyLong_FromLongLong(((nccl_buffer *)self)->nbytes);
-}
-
-static PyObject *
-buffer_get_device(PyObject *self, void *Py_UNUSED(closure))
-{
-    return PyLong_FromLong(((nccl_buffer *)self)->device);
-}
 
 static PyObject *
 buffer_repr(PyObject *self)
@@ -178,15 +167,20 @@ static PyGetSetDef buffer_getset[] = {
     {"__cuda_array_interface__", buffer_cai, NULL,
      "The memory as a 1-D uint8 array (version 3).", NULL},
     {"ptr", buffer_get_ptr, NULL, "The device address (int).", NULL},
-    {"nbytes", buffer_get_nbytes, NULL, "Bytes asked for.", NULL},
-    {"device", buffer_get_device, NULL, "CUDA device index.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef buffer_members[] = {
+    {"nbytes", Py_T_LONGLONG, offsetof(nccl_buffer, nbytes), Py_READONLY, "Bytes asked for."},
+    {"device", Py_T_INT, offsetof(nccl_buffer, device), Py_READONLY, "CUDA device index."},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PyType_Slot buffer_slots[] = {
     {Py_tp_dealloc, buffer_dealloc},
     {Py_tp_repr, buffer_repr},
     {Py_tp_getset, buffer_getset},
+    {Py_tp_members, buffer_members},
     {Py_tp_doc,
      "Device memory from ncclMemAlloc, freed with ncclMemFree when the last "
      "reference goes (pyccl.empty() wraps it in a torch.Tensor, which holds one)."},

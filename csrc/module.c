@@ -142,6 +142,49 @@ library_paths(PyObject *m, PyObject *Py_UNUSED(ignored))
     return r;
 }
 
+/* A PyObject * field of the state, by its offset. */
+static PyObject **
+state_slot(pyccl_state *st, size_t off)
+{
+    return (PyObject **)((char *)st + off);
+}
+
+/* The attribute names looked up on every call, interned once. */
+static const struct {
+    size_t off;
+    const char *text;
+} interned[] = {
+    {offsetof(pyccl_state, s_is_cuda), "is_cuda"},
+    {offsetof(pyccl_state, s_layout), "layout"},
+    {offsetof(pyccl_state, s_dtype), "dtype"},
+    {offsetof(pyccl_state, s_is_contiguous), "is_contiguous"},
+    {offsetof(pyccl_state, s_numel), "numel"},
+    {offsetof(pyccl_state, s_get_device), "get_device"},
+    {offsetof(pyccl_state, s_data_ptr), "data_ptr"},
+    {offsetof(pyccl_state, s_cuda_stream), "cuda_stream"},
+    {offsetof(pyccl_state, s_device_index), "device_index"},
+    {offsetof(pyccl_state, s_itemsize), "itemsize"},
+    {offsetof(pyccl_state, s_device), "device"},
+    {offsetof(pyccl_state, s_cai), "__cuda_array_interface__"},
+    {offsetof(pyccl_state, s_shape), "shape"},
+    {offsetof(pyccl_state, s_typestr), "typestr"},
+    {offsetof(pyccl_state, s_data), "data"},
+    {offsetof(pyccl_state, s_strides), "strides"},
+    {offsetof(pyccl_state, s_premul), "premul_scalar"},
+};
+
+/* What the state holds that can be part of a reference cycle: visited by the
+ * garbage collector, cleared first (the cliques before all: their
+ * communicators see st->exiting). */
+static const size_t visited[] = {
+    offsetof(pyccl_state, cliques),          offsetof(pyccl_state, pending_splits),
+    offsetof(pyccl_state, comm_names),       offsetof(pyccl_state, NcclError),
+    offsetof(pyccl_state, CudaError),        offsetof(pyccl_state, NcclTimeoutError),
+    offsetof(pyccl_state, CommunicatorType), offsetof(pyccl_state, NcclBufferType),
+    offsetof(pyccl_state, RegistrationType), offsetof(pyccl_state, Tensor),
+    offsetof(pyccl_state, Stream),
+};
+
 static int
 module_exec(PyObject *m)
 {
@@ -211,28 +254,12 @@ module_exec(PyObject *m)
         PyErr_NoMemory();
         return -1;
     }
-#define INTERN(field, text)                                                   \
-    if ((st->field = PyUnicode_InternFromString(text)) == NULL) {             \
-        return -1;                                                            \
+    for (size_t i = 0; i < sizeof interned / sizeof interned[0]; i++) {
+        if ((*state_slot(st, interned[i].off) = PyUnicode_InternFromString(interned[i].text)) ==
+            NULL) {
+            return -1;
+        }
     }
-    INTERN(s_is_cuda, "is_cuda")
-    INTERN(s_layout, "layout")
-    INTERN(s_dtype, "dtype")
-    INTERN(s_is_contiguous, "is_contiguous")
-    INTERN(s_numel, "numel")
-    INTERN(s_get_device, "get_device")
-    INTERN(s_data_ptr, "data_ptr")
-    INTERN(s_cuda_stream, "cuda_stream")
-    INTERN(s_device_index, "device_index")
-    INTERN(s_itemsize, "itemsize")
-    INTERN(s_device, "device")
-    INTERN(s_cai, "__cuda_array_interface__")
-    INTERN(s_shape, "shape")
-    INTERN(s_typestr, "typestr")
-    INTERN(s_data, "data")
-    INTERN(s_strides, "strides")
-    INTERN(s_premul, "premul_scalar")
-#undef INTERN
     if (PyModule_AddIntConstant(m, "SUM", ncclSum) < 0 ||
         PyModule_AddIntConstant(m, "PROD", ncclProd) < 0 ||
         PyModule_AddIntConstant(m, "MAX", ncclMax) < 0 ||
@@ -268,17 +295,9 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     if (st == NULL) {
         return 0;
     }
-    Py_VISIT(st->NcclError);
-    Py_VISIT(st->CudaError);
-    Py_VISIT(st->NcclTimeoutError);
-    Py_VISIT(st->CommunicatorType);
-    Py_VISIT(st->NcclBufferType);
-    Py_VISIT(st->RegistrationType);
-    Py_VISIT(st->cliques);
-    Py_VISIT(st->pending_splits);
-    Py_VISIT(st->comm_names);
-    Py_VISIT(st->Tensor);
-    Py_VISIT(st->Stream);
+    for (size_t i = 0; i < sizeof visited / sizeof visited[0]; i++) {
+        Py_VISIT(*state_slot(st, visited[i]));
+    }
     return 0;
 }
 
@@ -294,41 +313,19 @@ module_clear(PyObject *m)
     st->exiting = 1;
     st->torch_ready = 0;
     st->last_clique = NULL;
-    Py_CLEAR(st->cliques);
-    Py_CLEAR(st->pending_splits);
-    Py_CLEAR(st->comm_names);
-    Py_CLEAR(st->NcclError);
-    Py_CLEAR(st->CudaError);
-    Py_CLEAR(st->NcclTimeoutError);
-    Py_CLEAR(st->CommunicatorType);
-    Py_CLEAR(st->NcclBufferType);
-    Py_CLEAR(st->RegistrationType);
+    for (size_t i = 0; i < sizeof visited / sizeof visited[0]; i++) {
+        Py_CLEAR(*state_slot(st, visited[i]));
+    }
     Py_CLEAR(st->nccl_candidates);
     Py_CLEAR(st->cudart_candidates);
-    Py_CLEAR(st->Tensor);
-    Py_CLEAR(st->Stream);
     Py_CLEAR(st->strided);
     Py_CLEAR(st->current_raw_stream);
     for (int i = 0; i < PYCCL_NDTYPES; i++) {
         Py_CLEAR(st->dtypes[i]);
     }
-    Py_CLEAR(st->s_is_cuda);
-    Py_CLEAR(st->s_layout);
-    Py_CLEAR(st->s_dtype);
-    Py_CLEAR(st->s_is_contiguous);
-    Py_CLEAR(st->s_numel);
-    Py_CLEAR(st->s_get_device);
-    Py_CLEAR(st->s_data_ptr);
-    Py_CLEAR(st->s_cuda_stream);
-    Py_CLEAR(st->s_device_index);
-    Py_CLEAR(st->s_itemsize);
-    Py_CLEAR(st->s_device);
-    Py_CLEAR(st->s_cai);
-    Py_CLEAR(st->s_shape);
-    Py_CLEAR(st->s_typestr);
-    Py_CLEAR(st->s_data);
-    Py_CLEAR(st->s_strides);
-    Py_CLEAR(st->s_premul);
+    for (size_t i = 0; i < sizeof interned / sizeof interned[0]; i++) {
+        Py_CLEAR(*state_slot(st, interned[i].off));
+    }
     return 0;
 }
 

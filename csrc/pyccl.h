@@ -76,6 +76,9 @@ PyErr_SetRaisedException(PyObject *exc)
                   PyException_GetTraceback(exc));
 }
 #define Py_T_PYSSIZET T_PYSSIZET
+#define Py_T_LONGLONG T_LONGLONG
+#define Py_T_INT T_INT
+#define Py_T_OBJECT_EX T_OBJECT_EX
 #define Py_READONLY READONLY
 #endif
 
@@ -536,11 +539,12 @@ int pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out,
  * returns -1 on failure. */
 int pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
                        double timeout);
-/* pyccl_enqueue for tasks on communicators of which some have a watch
- * (comms: the communicators of the tasks, repeats allowed). */
-int pyccl_enqueue_timed(pyccl_state *st, const char *op,
-                        const pyccl_task *tasks, Py_ssize_t n, int redop,
-                        pyccl_comm *const *comms, Py_ssize_t ncomms);
+/* THE way to enqueue NCCL work: the tasks on `comms` (their communicators,
+ * repeats allowed; NULL and 0 for a clique's, which `serialize` covers):
+ * under the watch when one of them has a timeout, else pyccl_enqueue; the
+ * streams of communicators without a timeout noted for wait(). */
+int pyccl_submit(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize_t n, int redop,
+                 PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms);
 /* The outermost pyccl.group() of this thread ended with NCCL result r:
  * poll and track the watched communicators used inside it.  -1 with an
  * exception. */

@@ -497,28 +497,12 @@ enqueue_call(nccl_call *x)
     for (Py_ssize_t i = 0; have_comms && i < n; i++) {
         call_comm(x, i)->inflight++;
     }
-    int timed = 0;
-    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-        pyccl_comm *c = call_comm(x, i);
-        timed |= c->watch != NULL;
-        if (c->watch == NULL && pyccl_comm_note_stream(c, tasks[i].stream) < 0) {
-            timed = -1;
-        }
-    }
-    if (timed < 0) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            call_comm(x, i)->inflight--;
-        }
-        return -1;
-    }
     /* Two threads on one clique would interleave their groups differently
      * on each device and deadlock: clique calls are serialized. */
     pyccl_comm *const *comms =
         have_comms ? (pyccl_comm *const *)PySequence_Fast_ITEMS(x->comms) : NULL;
-    int rc = timed ? pyccl_enqueue_timed(st, op, tasks, n, x->redop, comms, n)
-                   : pyccl_enqueue(st, op, tasks, n, x->redop,
-                                   have_comms ? NULL : st->clique_call_lock,
-                                   comms, have_comms ? n : 0);
+    int rc = pyccl_submit(st, op, tasks, n, x->redop, have_comms ? NULL : st->clique_call_lock,
+                          comms, have_comms ? n : 0);
     for (Py_ssize_t i = 0; have_comms && i < n; i++) {
         call_comm(x, i)->inflight--;
     }

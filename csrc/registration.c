@@ -244,31 +244,17 @@ exchange(call_ctx *x, cudaStream_t s, const int64_t mine[2], int64_t *all)
     }
     pyccl_task tk;
     ops_task(&tk, PYCCL_ALL_GATHER, dev + rec * (size_t)c->rank, dev, rec, ncclUint8, 0, x, s);
-    int rc;
     c->inflight++;
-    if (c->watch != NULL) {
-        rc = pyccl_enqueue_timed(st, x->op, &tk, 1, ncclSum, &c, 1);
-        c->inflight--;
-        if (rc < 0 || pyccl_watch_wait(st, x->op, c, pyccl_comm_timeout(c)) < 0) {
-            goto error;
-        }
-    }
-    else {
-        rc = pyccl_enqueue(st, x->op, &tk, 1, ncclSum, NULL, &c, 1);
-        c->inflight--;
-        if (rc < 0) {
-            goto error;
-        }
+    int rc = pyccl_submit(st, x->op, &tk, 1, ncclSum, NULL, &c, 1);
+    c->inflight--;
+    if (rc < 0 || ops_wait_call(x, s) < 0) {
+        goto error;
     }
     Py_BEGIN_ALLOW_THREADS
     int prev;
     pyccl_device_enter(a, c->device, &prev);
-    what = "cudaStreamSynchronize";
-    ce = a->cudaStreamSynchronize(s);
-    if (ce == cudaSuccess) {
-        what = "cudaMemcpy";
-        ce = a->cudaMemcpy(all, dev, rec * (size_t)c->size, cudaMemcpyDeviceToHost);
-    }
+    what = "cudaMemcpy";
+    ce = a->cudaMemcpy(all, dev, rec * (size_t)c->size, cudaMemcpyDeviceToHost);
     a->cudaFree(dev);
     pyccl_device_leave(a, c->device, prev);
     Py_END_ALLOW_THREADS
@@ -595,34 +581,18 @@ reg_get_tensor(PyObject *self, void *Py_UNUSED(closure))
     return Py_NewRef(((pyccl_reg *)self)->tensor);
 }
 
+/* closed (closure NULL) and window: the two flags, as bools */
 static PyObject *
-reg_get_closed(PyObject *self, void *Py_UNUSED(closure))
+reg_get_flag(PyObject *self, void *closure)
 {
-    return PyBool_FromLong(!((pyccl_reg *)self)->open);
-}
-
-static PyObject *
-reg_get_window(PyObject *self, void *Py_UNUSED(closure))
-{
-    return PyBool_FromLong(((pyccl_reg *)self)->window);
-}
-
-static PyObject *
-reg_get_nbytes(PyObject *self, void *Py_UNUSED(closure))
-{
-    return PyLong_FromLongLong(((pyccl_reg *)self)->nbytes);
+    pyccl_reg *r = (pyccl_reg *)self;
+    return PyBool_FromLong(closure == NULL ? !r->open : r->window);
 }
 
 static PyObject *
 reg_get_data_ptr(PyObject *self, void *Py_UNUSED(closure))
 {
     return PyLong_FromVoidPtr(((pyccl_reg *)self)->ptr);
-}
-
-static PyObject *
-reg_get_comm(PyObject *self, void *Py_UNUSED(closure))
-{
-    return Py_NewRef((PyObject *)((pyccl_reg *)self)->comm);
 }
 
 static PyObject *
@@ -649,14 +619,19 @@ static PyGetSetDef reg_getset[] = {
      "NCCL's registration handle or ncclWindow_t, as an int (RuntimeError once "
      "closed or its communicator is gone).", NULL},
     {"tensor", reg_get_tensor, NULL, "The registered tensor (kept alive while open).", NULL},
-    {"closed", reg_get_closed, NULL,
+    {"closed", reg_get_flag, NULL,
      "True after close(), or once its communicator was destroyed or aborted.", NULL},
-    {"window", reg_get_window, NULL,
-     "True for register_window()'s handles, False for register()'s.", NULL},
-    {"nbytes", reg_get_nbytes, NULL, "Bytes registered.", NULL},
+    {"window", reg_get_flag, NULL,
+     "True for register_window()'s handles, False for register()'s.", "window"},
     {"data_ptr", reg_get_data_ptr, NULL, "The address registered (int).", NULL},
-    {"communicator", reg_get_comm, NULL, "The Communicator it was registered with.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef reg_members[] = {
+    {"nbytes", Py_T_LONGLONG, offsetof(pyccl_reg, nbytes), Py_READONLY, "Bytes registered."},
+    {"communicator", Py_T_OBJECT_EX, offsetof(pyccl_reg, comm), Py_READONLY,
+     "The Communicator it was registered with."},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PyType_Slot reg_slots[] = {
@@ -665,6 +640,7 @@ static PyType_Slot reg_slots[] = {
     {Py_tp_repr, reg_repr},
     {Py_tp_methods, reg_methods},
     {Py_tp_getset, reg_getset},
+    {Py_tp_members, reg_members},
     {Py_tp_doc,
      "A buffer registered with a communicator (Communicator.register) or a "
      "symmetric window (Communicator.register_window). close() or a `with` "

@@ -243,53 +243,130 @@ settle_watches(const pyccl_api *a, const char *op, const pyccl_task *tasks, Py_s
     return rec_err;
 }
 
+/* The distinct watches of a call's communicators, in lock order, each with
+ * the communicator it came from and whether this call is the first of the
+ * thread's open group on it. */
+typedef struct {
+    struct pyccl_watch *ws_small[8], **ws;
+    pyccl_comm *owners_small[8], **owners;
+    int fresh_small[8], *fresh;
+    int n;
+} watch_set;
+
+static void
+watch_set_free(watch_set *g)
+{
+    if (g->ws != g->ws_small) {
+        PyMem_Free(g->ws);
+        PyMem_Free(g->owners);
+        PyMem_Free(g->fresh);
+    }
+}
+
+/* -1 with an exception: out of memory, or a communicator already failed. */
+static int
+watch_set_fill(watch_set *g, pyccl_state *st, const char *op, pyccl_comm *const *comms,
+               Py_ssize_t ncomms, int in_group)
+{
+    g->n = 0;
+    g->ws = g->ws_small;
+    g->owners = g->owners_small;
+    g->fresh = g->fresh_small;
+    if (ncomms > 8) {
+        g->ws = PyMem_Calloc((size_t)ncomms, sizeof *g->ws);
+        g->owners = PyMem_Calloc((size_t)ncomms, sizeof *g->owners);
+        g->fresh = PyMem_Calloc((size_t)ncomms, sizeof *g->fresh);
+        if (g->ws == NULL || g->owners == NULL || g->fresh == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < ncomms; i++) {
+        struct pyccl_watch *w = comms[i]->watch;
+        int seen = 0;
+        for (int j = 0; j < g->n; j++) {
+            seen |= g->ws[j] == w;
+        }
+        if (w == NULL || seen) {
+            continue;
+        }
+        if (pyccl_watch_check(st, op, comms[i]) < 0) {
+            return -1;
+        }
+        g->ws[g->n++] = w;
+    }
+    /* one lock order for every thread */
+    qsort(g->ws, (size_t)g->n, sizeof *g->ws, cmp_ptr);
+    for (int j = 0; j < g->n; j++) {
+        for (Py_ssize_t i = 0; i < ncomms; i++) {
+            if (comms[i]->watch == g->ws[j]) {
+                g->owners[j] = comms[i];
+                break;
+            }
+        }
+        g->fresh[j] = in_group && !group_has(g->ws[j]);
+    }
+    return 0;
+}
+
+/* After the calls: raise the failure of the watch that failed first (from
+ * `which` on) and forget the handles the watchdog aborted.  1 when raised. */
+static int
+raise_failed(pyccl_state *st, const char *op, watch_set *g, int which)
+{
+    int raised = 0;
+    for (int k = 0; k < g->n; k++) {
+        int j = (k + which) % g->n; /* the one that failed first, first */
+        if (failed_kind(g->ws[j])) {
+            g->owners[j]->comm = NULL;
+            if (!raised) {
+                raised = 1;
+                raise_failure(st, op, g->ws[j]);
+            }
+        }
+    }
+    return raised;
+}
+
+/* Inside pyccl.group(): remember each communicator's tasks for the group's
+ * end (which the watch then covers).  -1 with MemoryError. */
+static int
+add_to_group(const char *op, watch_set *g, const pyccl_task *tasks, Py_ssize_t n)
+{
+    int rc = 0;
+    for (int j = 0; j < g->n; j++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (tasks[i].comm == g->owners[j]->comm &&
+                group_add((PyObject *)g->owners[j], g->ws[j], tasks[i].stream, op) < 0) {
+                rc = -1;
+            }
+        }
+        if (g->fresh[j] && !group_has(g->ws[j])) {
+            /* out of memory before the entry went in: undo the count */
+            Py_BEGIN_ALLOW_THREADS
+            pthread_mutex_lock(&g->ws[j]->mu);
+            g->ws[j]->in_group--;
+            pthread_mutex_unlock(&g->ws[j]->mu);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    return rc;
+}
+
 int
 pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
                     Py_ssize_t n, int redop, pyccl_comm *const *comms,
                     Py_ssize_t ncomms)
 {
     const pyccl_api *a = &st->api;
-    struct pyccl_watch *ws_small[8], **ws = ws_small;
-    pyccl_comm *owners_small[8], **owners = owners_small;
-    int nw = 0, rc = -1, in_group = pyccl_group_depth() > 0;
-    int *fresh = NULL, fresh_small[8];
-    if (ncomms > 8) {
-        ws = PyMem_Calloc((size_t)ncomms, sizeof *ws);
-        owners = PyMem_Calloc((size_t)ncomms, sizeof *owners);
-        fresh = PyMem_Calloc((size_t)ncomms, sizeof *fresh);
-        if (ws == NULL || owners == NULL || fresh == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
+    int in_group = pyccl_group_depth() > 0, rc = -1;
+    watch_set g;
+    if (watch_set_fill(&g, st, op, comms, ncomms, in_group) < 0) {
+        watch_set_free(&g);
+        return -1;
     }
-    else {
-        fresh = fresh_small;
-    }
-    for (Py_ssize_t i = 0; i < ncomms; i++) {
-        struct pyccl_watch *w = comms[i]->watch;
-        int seen = 0;
-        for (int j = 0; j < nw; j++) {
-            seen |= ws[j] == w;
-        }
-        if (w == NULL || seen) {
-            continue;
-        }
-        if (pyccl_watch_check(st, op, comms[i]) < 0) {
-            goto done;
-        }
-        ws[nw++] = w;
-    }
-    /* one lock order for every thread */
-    qsort(ws, (size_t)nw, sizeof *ws, cmp_ptr);
-    for (int j = 0; j < nw; j++) {
-        for (Py_ssize_t i = 0; i < ncomms; i++) {
-            if (comms[i]->watch == ws[j]) {
-                owners[j] = comms[i];
-                break;
-            }
-        }
-        fresh[j] = in_group && !group_has(ws[j]);
-    }
+    struct pyccl_watch **ws = g.ws;
+    int nw = g.n;
     ncclResult_t r = ncclSuccess;
     char last[512] = "";
     int which = 0, got;
@@ -314,7 +391,7 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
             /* NCCL launches nothing before the group's end */
             r = r == ncclInProgress ? ncclSuccess : r;
             for (int j = 0; j < nw; j++) {
-                ws[j]->in_group += r == ncclSuccess && fresh[j] && !ws[j]->failed;
+                ws[j]->in_group += r == ncclSuccess && g.fresh[j] && !ws[j]->failed;
                 pthread_mutex_unlock(&ws[j]->mu);
             }
         }
@@ -328,60 +405,26 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
     waiter_finish(&wt);
     if (got == 1) {
         raise_failure(st, op, ws[which]);
-        owners[which]->comm = NULL;
-        goto done;
+        g.owners[which]->comm = NULL;
     }
-    if (got < 0 || polled < 0) {
+    else if (got < 0 || polled < 0) {
         for (int j = 0; got == 0 && j < nw; j++) {
-            owners[j]->comm = NULL; /* aborted: interrupted mid-call */
+            g.owners[j]->comm = NULL; /* aborted: interrupted mid-call */
         }
-        goto done; /* the signal handler's exception */
+        /* the signal handler's exception */
     }
-    int raised = 0;
-    for (int k = 0; k < nw; k++) {
-        int j = (k + which) % nw; /* the one that failed first, first */
-        if (failed_kind(ws[j])) {
-            owners[j]->comm = NULL;
-            if (!raised) {
-                raised = 1;
-                raise_failure(st, op, ws[j]);
-            }
+    else if (!raise_failed(st, op, &g, which)) {
+        if (r != ncclSuccess) {
+            pyccl_raise_nccl(st, op, r, last);
         }
-    }
-    if (raised) {
-        goto done;
-    }
-    if (r != ncclSuccess) {
-        pyccl_raise_nccl(st, op, r, last);
-        goto done;
-    }
-    if (rec_err != cudaSuccess) {
-        pyccl_raise_cuda(st, op, "cudaEventRecord", rec_err);
-        goto done;
-    }
-    rc = 0;
-    for (int j = 0; in_group && j < nw; j++) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (tasks[i].comm == owners[j]->comm &&
-                group_add((PyObject *)owners[j], ws[j], tasks[i].stream, op) < 0) {
-                rc = -1;
-            }
+        else if (rec_err != cudaSuccess) {
+            pyccl_raise_cuda(st, op, "cudaEventRecord", rec_err);
         }
-        if (fresh[j] && !group_has(ws[j])) {
-            /* out of memory before the entry went in: undo the count */
-            Py_BEGIN_ALLOW_THREADS
-            pthread_mutex_lock(&ws[j]->mu);
-            ws[j]->in_group--;
-            pthread_mutex_unlock(&ws[j]->mu);
-            Py_END_ALLOW_THREADS
+        else {
+            rc = in_group ? add_to_group(op, &g, tasks, n) : 0;
         }
     }
-done:
-    if (ws != ws_small) {
-        PyMem_Free(ws);
-        PyMem_Free(owners);
-        PyMem_Free(fresh);
-    }
+    watch_set_free(&g);
     return rc;
 }
 
@@ -695,6 +738,27 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
                                    c->rank, c->size, pyccl_secs(limit).s);
     }
     return 0;
+}
+
+int
+pyccl_submit(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize_t n, int redop,
+             PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms)
+{
+    int timed = 0;
+    for (Py_ssize_t j = 0; j < ncomms; j++) {
+        pyccl_comm *c = comms[j];
+        timed |= c->watch != NULL;
+        for (Py_ssize_t i = 0; c->watch == NULL && i < n; i++) {
+            /* for wait(): the streams its work went to */
+            if (tasks[i].comm == c->comm && pyccl_comm_note_stream(c, tasks[i].stream) < 0) {
+                return -1;
+            }
+        }
+    }
+    if (timed) {
+        return pyccl_enqueue_timed(st, op, tasks, n, redop, comms, ncomms);
+    }
+    return pyccl_enqueue(st, op, tasks, n, redop, serialize, comms, ncomms);
 }
 
 int
