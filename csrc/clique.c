@@ -26,6 +26,38 @@ clique_key(const int *devices, Py_ssize_t n)
     return key;
 }
 
+/* comms[i] (rank ranks[i], or i when ranks is NULL, of nranks, on devices[i])
+ * as Communicators in a new tuple or list; each handle wrapped is cleared in
+ * comms[], and on failure (NULL) the others are destroyed. */
+static PyObject *
+wrap_comms(pyccl_state *st, ncclComm_t *comms, const int *ranks, int nranks,
+           const int *devices, Py_ssize_t n, int as_list)
+{
+    PyObject *seq = as_list ? PyList_New(n) : PyTuple_New(n);
+    for (Py_ssize_t i = 0; seq != NULL && i < n; i++) {
+        PyObject *c =
+            pyccl_comm_new(st, comms[i], ranks != NULL ? ranks[i] : (int)i, nranks, devices[i]);
+        if (c == NULL) {
+            Py_CLEAR(seq);
+            break;
+        }
+        comms[i] = NULL; /* owned by c now */
+        if (as_list) {
+            PyList_SET_ITEM(seq, i, c);
+        }
+        else {
+            PyTuple_SET_ITEM(seq, i, c);
+        }
+    }
+    for (Py_ssize_t i = 0; seq == NULL && i < n; i++) {
+        if (comms[i] != NULL) {
+            st->api.ncclCommDestroy(comms[i]);
+            comms[i] = NULL;
+        }
+    }
+    return seq;
+}
+
 PyObject *
 pyccl_clique(pyccl_state *st, const char *op, const int *devices,
              Py_ssize_t n)
@@ -70,19 +102,8 @@ pyccl_clique(pyccl_state *st, const char *op, const int *devices,
         pyccl_raise_nccl(st, op, r, last);
         goto unlock;
     }
-    tuple = PyTuple_New(n);
-    if (tuple == NULL) {
-        goto unlock;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *c = pyccl_comm_new(st, comms[i], (int)i, (int)n, devices[i]);
-        if (c == NULL) {
-            goto unlock;
-        }
-        comms[i] = NULL; /* owned by c now */
-        PyTuple_SET_ITEM(tuple, i, c);
-    }
-    if (PyDict_SetItem(st->cliques, key, tuple) == 0) {
+    tuple = wrap_comms(st, comms, NULL, (int)n, devices, n, 0);
+    if (tuple != NULL && PyDict_SetItem(st->cliques, key, tuple) == 0) {
         found = Py_NewRef(tuple);
     }
 unlock:
@@ -110,6 +131,60 @@ done:
     return found;
 }
 
+/* ranks[i] and devices[i] into rk[i] and dv[i]: ints, ranks distinct and
+ * below nranks.  -1 with the exception naming the entry. */
+static int
+read_members(const char *op, PyObject *ranks, PyObject *devices, Py_ssize_t n, int nranks,
+             int *rk, int *dv)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char rname[32], dname[32];
+        PyOS_snprintf(rname, sizeof rname, "ranks[%zd]", i);
+        PyOS_snprintf(dname, sizeof dname, "devices[%zd]", i);
+        if (pyccl_read_int(op, rname, PySequence_Fast_GET_ITEM(ranks, i), &rk[i]) < 0 ||
+            pyccl_read_int(op, dname, PySequence_Fast_GET_ITEM(devices, i), &dv[i]) < 0) {
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < i; j++) {
+            if (rk[j] == rk[i]) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: rank %d is listed twice (ranks[%zd] and "
+                             "ranks[%zd])", op, rk[i], j, i);
+                return -1;
+            }
+        }
+        if (rk[i] < 0 || rk[i] >= nranks) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: ranks[%zd]=%d is out of range for world_size %d",
+                         op, i, rk[i], nranks);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Without the GIL: rank rk[i] on device dv[i] into comms[i], all in one
+ * NCCL group; NCCL's result (its last error copied into `last`). */
+static ncclResult_t
+init_group(const pyccl_api *a, ncclComm_t *comms, Py_ssize_t n, int nranks,
+           const ncclUniqueId *uid, const int *rk, const int *dv, char *last, size_t last_size)
+{
+    int prev = -1;
+    a->cudaGetDevice(&prev);
+    ncclResult_t r = a->ncclGroupStart();
+    for (Py_ssize_t i = 0; r == ncclSuccess && i < n; i++) {
+        a->cudaSetDevice(dv[i]);
+        r = a->ncclCommInitRank(&comms[i], nranks, *uid, rk[i]);
+    }
+    ncclResult_t r2 = a->ncclGroupEnd();
+    if (r == ncclSuccess) {
+        r = r2;
+    }
+    pyccl_nccl_failed(a, r, NULL, last, last_size);
+    a->cudaSetDevice(prev);
+    return r;
+}
+
 /* Several ranks of one job in this process, one per local device, created in
  * one NCCL group (NCCL requires that when one thread inits several ranks). */
 PyObject *
@@ -117,7 +192,7 @@ pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
                  PyObject *ranks_obj, PyObject *devices_obj)
 {
     const char *op = "init_ranks";
-    int nranks, ndev = 0, prev = -1;
+    int nranks, ndev = 0;
     ncclUniqueId uid;
     PyObject *ranks = NULL, *devices = NULL, *list = NULL;
     int *rk = NULL, *dv = NULL;
@@ -151,33 +226,10 @@ pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
                      op, nranks);
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        char rname[32], dname[32];
-        PyOS_snprintf(rname, sizeof rname, "ranks[%zd]", i);
-        PyOS_snprintf(dname, sizeof dname, "devices[%zd]", i);
-        if (pyccl_read_int(op, rname, PySequence_Fast_GET_ITEM(ranks, i), &rk[i]) < 0 ||
-            pyccl_read_int(op, dname, PySequence_Fast_GET_ITEM(devices, i), &dv[i]) < 0) {
-            goto done;
-        }
-        for (Py_ssize_t j = 0; j < i; j++) {
-            if (rk[j] == rk[i]) {
-                PyErr_Format(PyExc_ValueError,
-                             "%s: rank %d is listed twice (ranks[%zd] and "
-                             "ranks[%zd])", op, rk[i], j, i);
-                goto done;
-            }
-        }
-        if (rk[i] < 0 || rk[i] >= nranks) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: ranks[%zd]=%d is out of range for world_size %d",
-                         op, i, rk[i], nranks);
-            goto done;
-        }
-    }
-    if (pyccl_gpu_count(st, op, &ndev) < 0) {
+    if (read_members(op, ranks, devices, n, nranks, rk, dv) < 0 ||
+        pyccl_gpu_count(st, op, &ndev) < 0) {
         goto done;
     }
-    const pyccl_api *a = &st->api;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (dv[i] < 0 || dv[i] >= ndev) {
             PyErr_Format(PyExc_ValueError,
@@ -186,48 +238,23 @@ pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
             goto done;
         }
     }
-    ncclResult_t r = ncclSuccess, r2;
+    ncclResult_t r;
     char last[PYCCL_LAST_ERROR_SIZE] = "";
     Py_BEGIN_ALLOW_THREADS
-    a->cudaGetDevice(&prev);
-    r = a->ncclGroupStart();
-    for (Py_ssize_t i = 0; r == ncclSuccess && i < n; i++) {
-        a->cudaSetDevice(dv[i]);
-        r = a->ncclCommInitRank(&comms[i], nranks, uid, rk[i]);
-    }
-    r2 = a->ncclGroupEnd();
-    if (r == ncclSuccess) {
-        r = r2;
-    }
-    pyccl_nccl_failed(a, r, NULL, last, sizeof last);
-    a->cudaSetDevice(prev);
+    r = init_group(&st->api, comms, n, nranks, &uid, rk, dv, last, sizeof last);
     Py_END_ALLOW_THREADS
     if (r != ncclSuccess) {
         pyccl_raise_nccl(st, op, r, last);
-        goto done;
-    }
-    list = PyList_New(n);
-    if (list == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *c = pyccl_comm_new(st, comms[i], rk[i], nranks, dv[i]);
-        if (c == NULL) {
-            Py_CLEAR(list);
-            goto done;
-        }
-        comms[i] = NULL;
-        PyList_SET_ITEM(list, i, c);
-    }
-done:
-    if (comms != NULL) {
-        for (Py_ssize_t i = 0; list == NULL && i < PySequence_Fast_GET_SIZE(ranks); i++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
             if (comms[i] != NULL) {
                 st->api.ncclCommDestroy(comms[i]);
             }
         }
-        PyMem_RawFree(comms);
+        goto done;
     }
+    list = wrap_comms(st, comms, rk, nranks, dv, n, 1);
+done:
+    PyMem_RawFree(comms);
     PyMem_Free(rk);
     PyMem_Free(dv);
     Py_XDECREF(ranks);

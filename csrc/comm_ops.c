@@ -546,6 +546,30 @@ pyccl_comm_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     return rooted(self, args, nargs, kwnames, 1);
 }
 
+/* The list forms of all_gather and reduce_scatter: one rooted collective a
+ * rank r as a group, with list[r] on one side and `mine` on the other
+ * (BROADCAST from mine into list[r], REDUCE of list[r] into mine). */
+static PyObject *
+per_rank(call_ctx *x, pyccl_coll coll, void *mine, const pyccl_tensor *list, size_t count,
+         int type, cudaStream_t s, int redop, int made)
+{
+    pyccl_task *tasks = PyMem_Calloc((size_t)x->c->size, sizeof(pyccl_task));
+    if (tasks == NULL) {
+        if (made) {
+            destroy_op(x, redop);
+        }
+        return PyErr_NoMemory();
+    }
+    for (int r = 0; r < x->c->size; r++) {
+        int out = coll == PYCCL_BROADCAST;
+        ops_task(&tasks[r], coll, out ? mine : list[r].ptr, out ? list[r].ptr : mine, count,
+                 type, r, x, s);
+    }
+    PyObject *res = ops_finish(x, tasks, count > 0 ? x->c->size : 0, redop, made);
+    PyMem_Free(tasks);
+    return res;
+}
+
 /* all_gather(input, output, *, stream=None): output is one array of size x
  * input elements, or a list of size arrays (a group of broadcasts). */
 PyObject *
@@ -556,7 +580,6 @@ pyccl_comm_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     PyObject *a[3], *res = NULL, *keep = NULL;
     call_ctx x;
     pyccl_tensor in, out, *list = NULL;
-    pyccl_task *tasks = NULL;
     cudaStream_t s;
     int type;
     size_t count;
@@ -588,18 +611,8 @@ pyccl_comm_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     if (slot_or_apart(&x, "input", &in, "output", NULL, list) < 0) {
         goto done;
     }
-    tasks = PyMem_Calloc((size_t)x.c->size, sizeof(pyccl_task));
-    if (tasks == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (int r = 0; r < x.c->size; r++) {
-        ops_task(&tasks[r], PYCCL_BROADCAST, in.ptr, list[r].ptr, count, type, r,
-             &x, s);
-    }
-    res = ops_finish(&x, tasks, count > 0 ? x.c->size : 0, 0, 0);
+    res = per_rank(&x, PYCCL_BROADCAST, in.ptr, list, count, type, s, 0, 0);
 done:
-    PyMem_Free(tasks);
     PyMem_Free(list);
     Py_XDECREF(keep);
     return res;
@@ -615,7 +628,6 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
     PyObject *a[4], *res = NULL, *keep = NULL;
     call_ctx x;
     pyccl_tensor in, out, *list = NULL;
-    pyccl_task *tasks = NULL;
     cudaStream_t s;
     int type, redop, made = 0;
     int64_t whole;
@@ -653,22 +665,12 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
         made = 0;
         goto done;
     }
-    tasks = PyMem_Calloc((size_t)x.c->size, sizeof(pyccl_task));
-    if (tasks == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (int r = 0; r < x.c->size; r++) {
-        ops_task(&tasks[r], PYCCL_REDUCE, list[r].ptr, out.ptr, count, type, r, &x,
-             s);
-    }
-    res = ops_finish(&x, tasks, count > 0 ? x.c->size : 0, redop, made);
+    res = per_rank(&x, PYCCL_REDUCE, out.ptr, list, count, type, s, redop, made);
     made = 0;
 done:
     if (made) {
         destroy_op(&x, redop);
     }
-    PyMem_Free(tasks);
     PyMem_Free(list);
     Py_XDECREF(keep);
     return res;

@@ -147,47 +147,46 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
     char last[PYCCL_LAST_ERROR_SIZE] = "";
     if (timeout > 0) {
         /* non-blocking, bounded by the timeout, interruptible */
-        if (pyccl_watch_init(st, op, &comm, nranks, &uid, rank, device,
-                             timeout) < 0) {
+        if (pyccl_watch_init(st, op, &comm, nranks, &uid, rank, device, timeout) < 0) {
             return NULL;
         }
-        PyObject *c = pyccl_comm_new(st, comm, rank, nranks, device);
-        if (c == NULL) {
-            Py_BEGIN_ALLOW_THREADS
-            a->ncclCommAbort(comm);
-            Py_END_ALLOW_THREADS
-            return NULL;
-        }
-        if (pyccl_watch_attach(st, op, (pyccl_comm *)c, timeout) < 0) {
-            Py_DECREF(c);
-            return NULL;
-        }
-        return c;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    ce = a->cudaSetDevice(device);
-    if (ce == cudaSuccess) {
-        r = a->ncclCommInitRank(&comm, nranks, uid, rank);
-        pyccl_nccl_failed(a, r, NULL, last, sizeof last);
-        a->cudaSetDevice(prev);
     }
     else {
-        r = ncclSuccess;
-    }
-    Py_END_ALLOW_THREADS
-    if (ce != cudaSuccess) {
-        pyccl_raise_cuda(st, op, "cudaSetDevice", ce);
-        return NULL;
-    }
-    if (r != ncclSuccess) {
-        pyccl_raise_nccl(st, op, r, last);
-        return NULL;
+        Py_BEGIN_ALLOW_THREADS
+        ce = a->cudaSetDevice(device);
+        if (ce == cudaSuccess) {
+            r = a->ncclCommInitRank(&comm, nranks, uid, rank);
+            pyccl_nccl_failed(a, r, NULL, last, sizeof last);
+            a->cudaSetDevice(prev);
+        }
+        else {
+            r = ncclSuccess;
+        }
+        Py_END_ALLOW_THREADS
+        if (ce != cudaSuccess) {
+            pyccl_raise_cuda(st, op, "cudaSetDevice", ce);
+            return NULL;
+        }
+        if (r != ncclSuccess) {
+            pyccl_raise_nccl(st, op, r, last);
+            return NULL;
+        }
     }
     PyObject *c = pyccl_comm_new(st, comm, rank, nranks, device);
     if (c == NULL) {
         Py_BEGIN_ALLOW_THREADS
-        a->ncclCommDestroy(comm);
+        if (timeout > 0) {
+            a->ncclCommAbort(comm);
+        }
+        else {
+            a->ncclCommDestroy(comm);
+        }
         Py_END_ALLOW_THREADS
+        return NULL;
+    }
+    if (timeout > 0 && pyccl_watch_attach(st, op, (pyccl_comm *)c, timeout) < 0) {
+        Py_DECREF(c);
+        return NULL;
     }
     return c;
 }

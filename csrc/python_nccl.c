@@ -515,6 +515,10 @@ collective(PyObject *module, const coll_desc *d, PyObject *inputs_obj,
            PyObject *outputs_obj, PyObject *root_obj, PyObject *redop_obj,
            PyObject *streams_obj, PyObject *comms_obj)
 {
+    if ((d->out_mult_is_n || d->in_mult_is_n) && outputs_obj == Py_None) {
+        PyErr_Format(PyExc_TypeError, "%s: outputs is required", d->op);
+        return NULL;
+    }
     nccl_call x = {.d = d, .op = d->op, .outputs_obj = outputs_obj};
     x.st = get_state(module);
     if (x.st == NULL) {
@@ -583,10 +587,6 @@ nccl_all_gather(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     if (pyccl_check_nargs("_nccl_all_gather", nargs, 4) < 0) {
         return NULL;
     }
-    if (args[1] == Py_None) {
-        PyErr_SetString(PyExc_TypeError, "all_gather: outputs is required");
-        return NULL;
-    }
     return collective(m, &ALL_GATHER, args[0], args[1], NULL, NULL, args[2],
                       args[3]);
 }
@@ -596,10 +596,6 @@ static PyObject *
 nccl_reduce_scatter(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     if (pyccl_check_nargs("_nccl_reduce_scatter", nargs, 5) < 0) {
-        return NULL;
-    }
-    if (args[1] == Py_None) {
-        PyErr_SetString(PyExc_TypeError, "reduce_scatter: outputs is required");
         return NULL;
     }
     return collective(m, &REDUCE_SCATTER, args[0], args[1], NULL, args[2],

@@ -292,21 +292,14 @@ fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for)
 }
 
 void
-fail_nccl(struct pyccl_watch *w, const char *op, ncclResult_t e)
+fail_error(struct pyccl_watch *w, const char *op, int cuda, int code)
 {
-    fail(w, PYCCL_FAIL_NCCL, (int)e,
-         "%s: rank %d of %d: NCCL error %d (%s) while its work ran; the "
+    fail(w, cuda ? PYCCL_FAIL_CUDA : PYCCL_FAIL_NCCL, code,
+         "%s: rank %d of %d: %s error %d (%s) while its work ran; the "
          "communicator was aborted",
-         op, w->rank, w->size, (int)e, w->api->ncclGetErrorString(e));
-}
-
-void
-fail_cuda(struct pyccl_watch *w, const char *op, cudaError_t e)
-{
-    fail(w, PYCCL_FAIL_CUDA, (int)e,
-         "%s: rank %d of %d: CUDA error %d (%s) while its work ran; the "
-         "communicator was aborted",
-         op, w->rank, w->size, (int)e, w->api->cudaGetErrorString(e));
+         op, w->rank, w->size, cuda ? "CUDA" : "NCCL", code,
+         cuda ? w->api->cudaGetErrorString((cudaError_t)code)
+              : w->api->ncclGetErrorString((ncclResult_t)code));
 }
 
 void
