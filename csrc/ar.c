@@ -304,14 +304,12 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const pyccl_
     return pyccl_comm_track(st, op, c, s) < 0 ? -1 : 1;
 }
 
-int
-pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo algo,
-                        const pyccl_tensor *t, const pyccl_tensor *o, int redop,
-                        cudaStream_t s)
+/* Whether the own kernels may take this call at all (kt, ko: the kernel's type
+ * and op): 1 yes, 0 NCCL's, -1 raised (a forced algo that cannot). */
+static int
+eligible(pyccl_comm *c, const char *op, pyccl_algo algo, const pyccl_tensor *t, int redop,
+         int *kt, int *ko)
 {
-    if (algo == PYCCL_ALGO_NCCL || t->numel == 0) {
-        return 0;
-    }
     if (c->size < 2 || c->size > PYCCL_AR_MAX_RANKS) {
         if (algo != PYCCL_ALGO_AUTO) {
             PyErr_Format(PyExc_RuntimeError,
@@ -322,10 +320,9 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
         return 0; /* one rank: NCCL's copy is all there is to do; > 8: NCCL's */
     }
     const int forced = algo != PYCCL_ALGO_AUTO;
-    const int kt = t->dtype >= 0 ? kernel_type(pyccl_dtype_table[t->dtype].nccl) : -1;
-    const int ko = kernel_op(redop);
-    const size_t nbytes = (size_t)t->numel * (size_t)t->itemsize;
-    if (kt < 0 || ko < 0) {
+    *kt = t->dtype >= 0 ? kernel_type(pyccl_dtype_table[t->dtype].nccl) : -1;
+    *ko = kernel_op(redop);
+    if (*kt < 0 || *ko < 0) {
         if (forced) {
             PyObject *name = pyccl_dtype_name(t);
             if (name != NULL) {
@@ -350,6 +347,59 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
         }
         return 0;
     }
+    return 1;
+}
+
+/* The first call that gets here sets the kernels up, on every rank together
+ * (not during a capture).  0 done or off (f->state says which), -1 raised. */
+static int
+set_up_first(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, pyccl_algo algo,
+             int forced, cudaStream_t s)
+{
+    const pyccl_api *a = &st->api;
+    if (f->state == FA_UNTRIED &&
+        (!a->cudaIpcGetMemHandle || !a->cudaIpcOpenMemHandle || !a->cudaIpcCloseMemHandle ||
+         !a->cudaMemset || !a->cudaMemcpy || !a->cudaHostAlloc || !a->cudaFreeHost ||
+         !a->cudaDeviceGetPCIBusId || !a->cudaStreamWaitEvent)) {
+        /* the same runtime on every rank: all of them stop here alike */
+        f->state = FA_OFF;
+        WHY("the loaded CUDA runtime lacks the IPC calls");
+    }
+    if (f->state != FA_UNTRIED) {
+        return 0;
+    }
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (a->cudaStreamIsCapturing && a->cudaStreamIsCapturing(s, &cs) != cudaSuccess) {
+        a->cudaGetLastError();
+    }
+    if (cs != cudaStreamCaptureStatusNone) {
+        if (forced) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "%s: algo='%s' sets up peer memory on its first call, which "
+                         "cannot happen during CUDA graph capture; make one eager call "
+                         "first", op, algo_name(algo));
+            return -1;
+        }
+        return 0; /* still untried: the next eager call sets up */
+    }
+    return set_up(st, c, f, op, s);
+}
+
+int
+pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo algo,
+                        const pyccl_tensor *t, const pyccl_tensor *o, int redop,
+                        cudaStream_t s)
+{
+    if (algo == PYCCL_ALGO_NCCL || t->numel == 0) {
+        return 0;
+    }
+    int kt, ko;
+    int ok = eligible(c, op, algo, t, redop, &kt, &ko);
+    if (ok <= 0) {
+        return ok;
+    }
+    const int forced = algo != PYCCL_ALGO_AUTO;
+    const size_t nbytes = (size_t)t->numel * (size_t)t->itemsize;
     /* the struct is made (without any GPU work) on the first call that gets
      * here, so the settings from the environment are read once */
     pyccl_ar *f = ar_of(c);
@@ -374,33 +424,8 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
             }
         }
     }
-    const pyccl_api *a = &st->api;
-    if (f->state == FA_UNTRIED &&
-        (!a->cudaIpcGetMemHandle || !a->cudaIpcOpenMemHandle || !a->cudaIpcCloseMemHandle ||
-         !a->cudaMemset || !a->cudaMemcpy || !a->cudaHostAlloc || !a->cudaFreeHost ||
-         !a->cudaDeviceGetPCIBusId || !a->cudaStreamWaitEvent)) {
-        /* the same runtime on every rank: all of them stop here alike */
-        f->state = FA_OFF;
-        WHY("the loaded CUDA runtime lacks the IPC calls");
-    }
-    if (f->state == FA_UNTRIED) {
-        enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-        if (a->cudaStreamIsCapturing && a->cudaStreamIsCapturing(s, &cs) != cudaSuccess) {
-            a->cudaGetLastError();
-        }
-        if (cs != cudaStreamCaptureStatusNone) {
-            if (forced) {
-                PyErr_Format(PyExc_RuntimeError,
-                             "%s: algo='%s' sets up peer memory on its first call, which "
-                             "cannot happen during CUDA graph capture; make one eager call "
-                             "first", op, algo_name(algo));
-                return -1;
-            }
-            return 0;
-        }
-        if (set_up(st, c, f, op, s) < 0) {
-            return -1;
-        }
+    if (set_up_first(st, c, f, op, algo, forced, s) < 0) {
+        return -1;
     }
     if (f->state != FA_READY) {
         if (forced) {

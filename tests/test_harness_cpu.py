@@ -206,3 +206,20 @@ def test_an_in_process_hang_ends_pytest_with_stacks(tmp_path):
                      "--rootdir", str(tmp_path), str(tmp_path / "test_hang.py")], 50, env=env, cwd=str(tmp_path))
     assert time.monotonic() - t0 < 40
     assert r.returncode != 0 and "Timeout" in r.stderr and "test_hangs" in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
+def test_every_planted_fault_still_applies():
+    # tools/mutate.sh plants each fault by replacing a text of the code; a refactor that changes
+    # that text would make the fault a no-op (or the run an error) without anyone noticing.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "tools"))
+    try:
+        import _mutate
+    finally:
+        sys.path.pop(0)
+    for fault in _mutate.FAULTS:
+        with open(os.path.join(root, fault["file"])) as f:
+            text = f.read()
+        for old, new in fault["edits"]:
+            assert old != new, fault["name"]
+            assert text.count(old) == 1, (fault["name"], fault["file"], old[:80])

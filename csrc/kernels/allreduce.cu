@@ -314,20 +314,17 @@ __device__ __forceinline__ void end(const pyccl_ar_params &p, uint32_t epoch)
     }
 }
 
-template <typename T, int OP> __device__ void oneshot(const pyccl_ar_params &p)
+// The bodies of the one-shot and two-shot kernels, between begin() and end():
+// this call's epoch, its half of every rank's region at data_off, nvec whole
+// 16-byte vectors.  false: gave up (then the counter must not move).
+template <typename T, int OP>
+__device__ __forceinline__ bool oneshot_body(const pyccl_ar_params &p, uint32_t epoch,
+                                             size_t data_off, size_t nvec, int *gaveup)
 {
-    __shared__ int gaveup;
-    bool stop;
-    const uint32_t epoch = begin(p, &gaveup, &stop);
-    if (stop) {
-        return;
-    }
-    const size_t data_off = PYCCL_AR_DATA_OFF + (size_t)(epoch & 1u) * p.half;
-    const size_t nvec = p.nbytes / 16;
     copy_in<T>(p, p.base[p.rank] + data_off, nvec);
-    if (!block_barrier(p, epoch, 0, &gaveup)) {
+    if (!block_barrier(p, epoch, 0, gaveup)) {
         give_up(p);
-        return;
+        return false;
     }
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t v = (size_t)blockIdx.x * blockDim.x + threadIdx.x; v < nvec; v += stride) {
@@ -336,19 +333,13 @@ template <typename T, int OP> __device__ void oneshot(const pyccl_ar_params &p)
     if (blockIdx.x == 0) {
         reduce_tail<T, OP>(p, data_off, nvec * 16);
     }
-    end(p, epoch);
+    return true;
 }
 
-template <typename T, int OP> __device__ void twoshot(const pyccl_ar_params &p)
+template <typename T, int OP>
+__device__ __forceinline__ bool twoshot_body(const pyccl_ar_params &p, uint32_t epoch,
+                                             size_t data_off, size_t nvec, int *gaveup)
 {
-    __shared__ int gaveup;
-    bool stop;
-    const uint32_t epoch = begin(p, &gaveup, &stop);
-    if (stop) {
-        return;
-    }
-    const size_t data_off = PYCCL_AR_DATA_OFF + (size_t)(epoch & 1u) * p.half;
-    const size_t nvec = p.nbytes / 16;
     char *mine = p.base[p.rank] + data_off;
     // slice r = vectors [r*per, min((r+1)*per, nvec)); within every slice,
     // thread t of block b takes the positions first, first + stride, ... in all
@@ -369,9 +360,9 @@ template <typename T, int OP> __device__ void twoshot(const pyccl_ar_params &p)
         }
     }
     copy_tail<T>(p, mine, nvec);
-    if (!block_barrier(p, epoch, 0, &gaveup)) {
+    if (!block_barrier(p, epoch, 0, gaveup)) {
         give_up(p);
-        return;
+        return false;
     }
     {
         const size_t lo = (size_t)p.rank * per;
@@ -388,9 +379,9 @@ template <typename T, int OP> __device__ void twoshot(const pyccl_ar_params &p)
         // the tail stays outside the slices and was never overwritten
         reduce_tail<T, OP>(p, data_off, nvec * 16);
     }
-    if (!block_barrier(p, epoch, 1, &gaveup)) {
+    if (!block_barrier(p, epoch, 1, gaveup)) {
         give_up(p);
-        return;
+        return false;
     }
     for (int k = 1; k < p.nranks; k++) {
         const int s = (p.rank + k) % p.nranks; // spread the load over the peers
@@ -401,7 +392,34 @@ template <typename T, int OP> __device__ void twoshot(const pyccl_ar_params &p)
             store_out<T>(p, v, __ldcg((const uint4 *)theirs + v));
         }
     }
-    end(p, epoch);
+    return true;
+}
+
+// begin(), the call's half, the body, end().
+template <typename T, int OP, bool TWO> __device__ void staged(const pyccl_ar_params &p)
+{
+    __shared__ int gaveup;
+    bool stop;
+    const uint32_t epoch = begin(p, &gaveup, &stop);
+    if (stop) {
+        return;
+    }
+    const size_t data_off = PYCCL_AR_DATA_OFF + (size_t)(epoch & 1u) * p.half;
+    const size_t nvec = p.nbytes / 16;
+    if (TWO ? twoshot_body<T, OP>(p, epoch, data_off, nvec, &gaveup)
+            : oneshot_body<T, OP>(p, epoch, data_off, nvec, &gaveup)) {
+        end(p, epoch);
+    }
+}
+
+template <typename T, int OP> __device__ void oneshot(const pyccl_ar_params &p)
+{
+    staged<T, OP, false>(p);
+}
+
+template <typename T, int OP> __device__ void twoshot(const pyccl_ar_params &p)
+{
+    staged<T, OP, true>(p);
 }
 
 // ---- one-shot for small sizes, LL: 8 payload bytes per 16-byte line ----

@@ -255,14 +255,12 @@ class _WallEvent:
         return (end.t - self.t) * 1e3
 
 
-class _GlooCPU(_TorchDist):
-    backend, can_graph, uses_cuda = "gloo", False, False
+class _OnCPU:
+    """What the CPU stand-ins share: tensors on the CPU, wall-clock timed, nothing to sync."""
+    can_graph, uses_cuda = False, False
 
     def sync(self):
         pass
-
-    def streams(self):
-        return [None]
 
     def event(self):
         return _WallEvent()
@@ -271,8 +269,19 @@ class _GlooCPU(_TorchDist):
         return "cpu"
 
     def describe(self, rank, dev):
-        return "#  Rank %2d Group %2d Pid %6d on %10s device cpu" % (
-            rank, 0, os.getpid(), socket.gethostname())
+        where = "cpu" if dev is None else "cpu:%d" % dev
+        return "#  Rank %2d Group %2d Pid %6d on %10s device %s" % (
+            rank, 0, os.getpid(), socket.gethostname(), where)
+
+
+class _GlooCPU(_OnCPU, _TorchDist):
+    backend = "gloo"
+
+    def streams(self):
+        return [None]
+
+    def describe(self, rank, dev):
+        return _OnCPU.describe(self, rank, None)
 
 
 class _Lists(_Driver):
@@ -306,31 +315,17 @@ class _Lists(_Driver):
         return None  # no sendrecv or alltoall in this API
 
 
-class _ListsCPU(_Driver):
+class _ListsCPU(_OnCPU, _Driver):
     """_Lists' shape without a GPU: one process, one CPU tensor per "device", the collectives
     computed here with torch ops (placements N/A where _Lists has them N/A), wall-clock timed.
     Lets the CPU tests run the one-process path of the runner (rank None, one process reporting
     for every rank)."""
-    can_graph, uses_cuda = False, False
 
     def __init__(self, nranks, timeout):
         super().__init__(list(range(nranks)), nranks, None, timeout)
 
-    def sync(self):
-        pass
-
     def streams(self):
         return [None] * len(self.devices)
-
-    def event(self):
-        return _WallEvent()
-
-    def place(self, dev):
-        return "cpu"
-
-    def describe(self, rank, dev):
-        return "#  Rank %2d Group %2d Pid %6d on %10s device cpu:%d" % (
-            rank, 0, os.getpid(), socket.gethostname(), dev)
 
     def _reduce(self, tensors, op):
         import torch
