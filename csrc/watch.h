@@ -92,6 +92,11 @@ pyccl_state * state_of(PyObject *self);
 void unregister_watch(pyccl_state *st, struct pyccl_watch *w);
 void waiter_finish(waiter *wt);
 int waiter_pause(waiter *wt);
+/* w->mu held (released while pausing, held again on return), w->busy raised
+ * by the caller: poll w's communicator until it is not ncclInProgress.  0
+ * done (*res its state), 1 the deadline passed, -1 interrupted, 2 the handle
+ * went away meanwhile (aborted). */
+int poll_watch(waiter *wt, struct pyccl_watch *w, double deadline, ncclResult_t *res);
 void waiter_start(waiter *wt, int interruptible);
 int acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room, int *which);
 int wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit);

@@ -147,31 +147,17 @@ poll_in_progress(const pyccl_api *a, waiter *wt, struct pyccl_watch **ws, int nw
     double t0 = pyccl_now_s();
     for (int j = 0; j < nw && polled == 0; j++) {
         struct pyccl_watch *w = ws[j];
-        for (;;) {
-            ncclResult_t e = ncclSuccess;
-            pthread_mutex_lock(&w->mu);
-            if (w->comm == NULL) { /* abort()ed from a handler */
-                pthread_mutex_unlock(&w->mu);
-                break;
-            }
-            a->ncclCommGetAsyncError(w->comm, &e);
-            pthread_mutex_unlock(&w->mu);
-            if (e != ncclInProgress) {
-                if (e != ncclSuccess && *r == ncclInProgress) {
-                    *r = e;
-                    *which = j;
-                }
-                break;
-            }
-            if (pyccl_now_s() > t0 + w->timeout) {
-                polled = 1;
-                *which = j;
-                break;
-            }
-            if (waiter_pause(wt) < 0) {
-                polled = -1;
-                break;
-            }
+        ncclResult_t e = ncclSuccess;
+        pthread_mutex_lock(&w->mu);
+        int p = poll_watch(wt, w, t0 + w->timeout, &e);
+        pthread_mutex_unlock(&w->mu);
+        if (p == 0 && e != ncclSuccess && *r == ncclInProgress) {
+            *r = e;
+            *which = j;
+        }
+        else if (p == 1 || p == -1) {
+            polled = p;
+            *which = p == 1 ? j : *which;
         }
     }
     for (int j = 0; j < nw; j++) {
@@ -460,23 +446,15 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
             /* NCCL launches the group in its own thread: poll until done,
              * busy keeping the watchdog and other threads off meanwhile */
             w->busy++;
-            while (w->comm != NULL && !interrupted) {
-                ncclResult_t e = ncclSuccess;
-                a->ncclCommGetAsyncError(w->comm, &e);
-                if (e != ncclInProgress) {
-                    if (e != ncclSuccess) {
-                        fail_nccl(w, g[i].op, e);
-                    }
-                    break;
-                }
-                if (pyccl_now_s() > t0 + w->timeout) {
-                    fail_timeout(w, g[i].op, "its peers");
-                    break;
-                }
-                pthread_mutex_unlock(&w->mu);
-                interrupted = waiter_pause(&wt) < 0;
-                pthread_mutex_lock(&w->mu);
+            ncclResult_t e = ncclSuccess;
+            int p = interrupted ? 2 : poll_watch(&wt, w, t0 + w->timeout, &e);
+            if (p == 0 && e != ncclSuccess) {
+                fail_nccl(w, g[i].op, e);
             }
+            else if (p == 1) {
+                fail_timeout(w, g[i].op, "its peers");
+            }
+            interrupted |= p == -1;
             w->busy--;
             if (interrupted) {
                 fail_interrupted(w, g[i].op);

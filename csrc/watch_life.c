@@ -49,25 +49,7 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
         r = a->ncclCommSplit(w->comm, color, key, slot, NULL);
         if (r == ncclSuccess || r == ncclInProgress) {
             w->busy++;
-            for (;;) {
-                ncclResult_t e = ncclSuccess;
-                a->ncclCommGetAsyncError(w->comm, &e);
-                if (e != ncclInProgress) {
-                    res = e;
-                    break;
-                }
-                if (pyccl_now_s() > deadline) {
-                    polled = 1;
-                    break;
-                }
-                pthread_mutex_unlock(&w->mu);
-                int sig = waiter_pause(&wt);
-                pthread_mutex_lock(&w->mu);
-                if (sig < 0 || w->comm == NULL) {
-                    polled = sig < 0 ? -1 : 2;
-                    break;
-                }
-            }
+            polled = poll_watch(&wt, w, deadline, &res);
             w->busy--;
         }
         else {

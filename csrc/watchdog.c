@@ -731,6 +731,31 @@ poll_comm(waiter *wt, const pyccl_api *a, ncclComm_t comm, double deadline,
 }
 
 int
+poll_watch(waiter *wt, struct pyccl_watch *w, double deadline, ncclResult_t *res)
+{
+    for (;;) {
+        if (w->comm == NULL) {
+            return 2; /* aborted meanwhile (abort() from a signal handler) */
+        }
+        ncclResult_t e = ncclSuccess;
+        w->api->ncclCommGetAsyncError(w->comm, &e);
+        if (e != ncclInProgress) {
+            *res = e;
+            return 0;
+        }
+        if (pyccl_now_s() > deadline) {
+            return 1;
+        }
+        pthread_mutex_unlock(&w->mu);
+        int sig = waiter_pause(wt);
+        pthread_mutex_lock(&w->mu);
+        if (sig < 0) {
+            return -1;
+        }
+    }
+}
+
+int
 pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out, int nranks,
                  const ncclUniqueId *uid, int rank, int device, double timeout)
 {
