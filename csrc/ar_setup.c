@@ -25,9 +25,11 @@ __asm__(".section .rodata\n"
         ".balign 64\n"
         "pyccl_ar_fatbin:\n"
         ".incbin \"" PYCCL_FATBIN_PATH "\"\n"
+        "pyccl_ar_fatbin_end:\n"
         ".byte 0\n"
         ".previous\n");
 extern const unsigned char pyccl_ar_fatbin[] __asm__("pyccl_ar_fatbin");
+extern const unsigned char pyccl_ar_fatbin_end[] __asm__("pyccl_ar_fatbin_end");
 #endif
 
 int
@@ -36,6 +38,18 @@ pyccl_ar_built(void)
 #ifdef PYCCL_FATBIN_PATH
     return 1;
 #else
+    return 0;
+#endif
+}
+
+size_t
+pyccl_ar_image(const unsigned char **image)
+{
+#ifdef PYCCL_FATBIN_PATH
+    *image = pyccl_ar_fatbin;
+    return (size_t)(pyccl_ar_fatbin_end - pyccl_ar_fatbin);
+#else
+    *image = NULL;
     return 0;
 #endif
 }

@@ -395,6 +395,8 @@ void pyccl_ar_stop(pyccl_comm *c);
 void pyccl_ar_stop_all(void);
 /* Whether the kernels were compiled in (setup.py found nvcc). */
 int pyccl_ar_built(void);
+/* The kernels' fatbin as compiled in (its bytes; 0 and NULL when not built). */
+size_t pyccl_ar_image(const unsigned char **image);
 
 /* ---- clique.c: several ranks in one process ---- */
 /* Borrowed tuple of n communicators over `devices`, created once. */

@@ -718,6 +718,17 @@ ar_built(PyObject *m, PyObject *Py_UNUSED(ignored))
     return PyBool_FromLong(pyccl_ar_built());
 }
 
+static PyObject *
+ar_fatbin(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    const unsigned char *image;
+    size_t n = pyccl_ar_image(&image);
+    if (n == 0) {
+        Py_RETURN_NONE;
+    }
+    return PyBytes_FromStringAndSize((const char *)image, (Py_ssize_t)n);
+}
+
 PyMethodDef pyccl_nccl_methods[] = {
     {"_nccl_init_ranks", (PyCFunction)(void (*)(void))nccl_init_ranks,
      METH_FASTCALL,
@@ -726,6 +737,8 @@ PyMethodDef pyccl_nccl_methods[] = {
     {"_nccl_group_end", nccl_group_end, METH_NOARGS, "ncclGroupEnd()"},
     {"_ar_built", ar_built, METH_NOARGS,
      "Whether pyccl's own all-reduce kernels were compiled in (nvcc at build time)."},
+    {"_ar_fatbin", ar_fatbin, METH_NOARGS,
+     "The own all-reduce kernels' fatbin as compiled in (bytes), or None (tests/_ar_sim.py)."},
     {"_nccl_version", nccl_version, METH_NOARGS,
      "NCCL version code of the loaded library (e.g. 22809)."},
     {"_nccl_version_suffix", nccl_version_suffix, METH_NOARGS,

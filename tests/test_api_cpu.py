@@ -139,3 +139,7 @@ def test_all_reduce_info_without_a_gpu():
     prop = pyccl.Communicator.all_reduce_info
     assert "oneshot_max" in prop.__doc__ and "twoshot_max" in prop.__doc__ and "pdl" in prop.__doc__
     assert isinstance(pyccl._C._ar_built(), bool)
+    image = pyccl._C._ar_fatbin()
+    assert (image is not None) == pyccl._C._ar_built()
+    if image is not None:  # a CUDA fatbin: its magic number, little-endian
+        assert image[:4] == (0xBA55ED50).to_bytes(4, "little"), image[:4]

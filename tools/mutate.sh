@@ -6,6 +6,7 @@
 # Usage:
 #   bash tools/mutate.sh --cpu            CPU-tier faults (fake GPU library; no GPU needed)
 #   bash tools/mutate.sh --gpu            GPU-tier faults (2 GPUs; 'gpu3' rows need 3+)
+#   bash tools/mutate.sh --gpu1           the kernel faults one GPU catches (simulated ranks)
 #   bash tools/mutate.sh                  all of them
 #   bash tools/mutate.sh --list | --only 'wrong stream' [--keep] [--timeout S]
 # Exit status 0 only when every selected fault was caught.
@@ -17,6 +18,7 @@ for a in "$@"; do
   case "$a" in
     --cpu) tier=cpu ;;
     --gpu) tier=gpu ;;
+    --gpu1) tier=gpu1 ;;
     *) args+=("$a") ;;
   esac
 done
