@@ -67,13 +67,13 @@ int ops_numel_is(call_ctx *x, const char *what, const pyccl_tensor *t,
 int ops_read_rank(call_ctx *x, const char *what, PyObject *obj, int *out);
 /* stream= (None: torch's current stream of the communicator's device). */
 int ops_stream(call_ctx *x, PyObject *stream, cudaStream_t *out);
-/* The end of a method: c still alive, the tasks enqueued (timed or not),
- * a premul_sum op made for the call (`made`) freed; None, or NULL with an
- * exception. */
 /* Wait until the work just enqueued on x->c's stream s is done: under its
  * watch (bounded by its timeout, interruptible) when it has one, else
  * cudaStreamSynchronize on its device.  -1 with an exception. */
 int ops_wait_call(call_ctx *x, cudaStream_t s);
+/* The end of a method: c still alive, the tasks enqueued (timed or not),
+ * a premul_sum op made for the call (`made`) freed; None, or NULL with an
+ * exception. */
 PyObject *ops_finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n,
                      int redop, int made);
 void ops_task(pyccl_task *t, pyccl_coll coll, const void *send, void *recv,
