@@ -591,6 +591,40 @@ def test_gloo_host_overhead():
 
 
 @needs_gloo
+def test_a_refused_rendezvous_port_is_tried_again(monkeypatch, capfd):
+    """The first port handed to torch.distributed is held by a listening socket, so rank 0's store
+    cannot listen there (EADDRINUSE, as seen now and then for real): the run goes again on
+    another port and succeeds."""
+    import contextlib
+    import socket
+    real = runner.SP.reserved_port
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    handed = []
+
+    @contextlib.contextmanager
+    def first_one_taken(addr="127.0.0.1"):
+        if not handed:
+            handed.append(taken.getsockname()[1])
+            yield handed[0]
+            return
+        with real(addr) as port:
+            handed.append(port)
+            yield port
+
+    monkeypatch.setattr(runner.SP, "reserved_port", first_one_taken)
+    try:
+        h = runner.run_host_overhead(runner.CPU_SYSTEM, 2, _cfg(mode="host", host_iters=20))
+    finally:
+        taken.close()
+    assert h.calls == 20 and len(handed) == 2, handed
+    err = capfd.readouterr().err
+    assert (f"{runner.CPU_SYSTEM}: the rendezvous port {handed[0]} was refused (EADDRINUSE); "
+            f"again on another port (2/3)") in err, err[-2000:]
+
+
+@needs_gloo
 def test_a_silent_rank_is_killed_not_waited_for_and_its_stacks_are_dumped(capfd):
     t0 = time.monotonic()
     with pytest.raises(runner.BenchError) as e:

@@ -315,11 +315,30 @@ def _run(system, nranks, cfg, handle):
     Each child writes to its own pipe (spawn.start): the parent sees every message a child sent
     before it died (then end-of-file), so a crash is reported with its traceback at once.
     torch.distributed's rendezvous port stays reserved for the whole run (a port probed free and
-    let go could be taken before rank 0's store binds it: seen as EADDRINUSE in the CPU tests)."""
+    let go could be taken before rank 0's store binds it: seen as EADDRINUSE in the CPU tests).
+    Even so rank 0's store was refused its port now and then (EADDRINUSE from listen(), on an
+    H100 machine and in the CPU tests): a run that failed that way, in init_process_group and so
+    before any result, runs again on another port, at most RENDEZVOUS_TRIES times in all."""
     if system in ONE_PROCESS or system in ("pyccl", SYMM_SYSTEM):
         return _run_on(system, nranks, cfg, handle, None)
-    with SP.reserved_port() as port:
-        return _run_on(system, nranks, cfg, handle, port)
+    for attempt in range(1, RENDEZVOUS_TRIES + 1):
+        with SP.reserved_port() as port:
+            try:
+                return _run_on(system, nranks, cfg, handle, port)
+            except BenchError as e:
+                if attempt == RENDEZVOUS_TRIES or not _port_refused(str(e)):
+                    raise
+                print(f"[pyccl.bench] {system}: the rendezvous port {port} was refused "
+                      f"(EADDRINUSE); again on another port ({attempt + 1}/{RENDEZVOUS_TRIES})",
+                      file=sys.stderr, flush=True)
+
+
+RENDEZVOUS_TRIES = 3
+
+
+def _port_refused(text):
+    """A failure of torch.distributed's rendezvous for want of its port, before any result."""
+    return "EADDRINUSE" in text and "init_process_group" in text
 
 
 def _run_on(system, nranks, cfg, handle, port):
