@@ -323,8 +323,8 @@ held_call(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, int gather, const void
     ncclResult_t r = gather ? a->ncclAllGather(send, recv, count, ncclUint8, comm, s)
                             : a->ncclAllReduce(send, recv, count, ncclInt32, ncclMin, comm, s);
     r = pyccl_nccl_settle(a, comm, r, f->deadline);
-    if (r != ncclSuccess && r != ncclInProgress && a->ncclGetLastError) {
-        snprintf(f->last, sizeof f->last, "%s", a->ncclGetLastError(comm));
+    if (r != ncclInProgress) {
+        pyccl_nccl_failed(a, r, comm, f->last, sizeof f->last);
     }
     pthread_mutex_unlock(held);
     if (r == ncclSuccess) {

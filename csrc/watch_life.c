@@ -69,9 +69,7 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
                 res = a->ncclCommCount(*slot, &size);
             }
         }
-        if (res != ncclSuccess && a->ncclGetLastError) {
-            strncpy(last, a->ncclGetLastError(w->comm), sizeof last - 1);
-        }
+        pyccl_nccl_failed(a, res, w->comm, last, sizeof last);
         if (polled == 1) {
             fail_timeout(w, "split", "its peers");
         }
