@@ -91,6 +91,29 @@ def test_exact_with_late_blocks(kernels, variant):
             assert same_bits(outs[r], ref), (variant, r, count)
 
 
+@pytest.mark.parametrize("start", [(1 << 31) - 5, (1 << 32) - 5])
+def test_exact_across_the_epoch_wrap(kernels, start):
+    """Every block's counter starts just below 2^31 (where the 31-bit flag value wraps) or 2^32
+    (where the counter does): calls on both sides stay exact and the counters keep counting."""
+    n = 3
+    g = sim.Group(kernels, n, half=HALF, ll_max=LL_MAX, blocks=8)
+    for r in range(n):
+        g.counters(r)[:] = torch.tensor(start, dtype=torch.int64).to(torch.int32)
+    calls = 0
+    for i in range(12):
+        variant = ("ll", "oneshot", "twoshot")[i % 3]
+        count = (1023, 65536 + 5, 4097)[i % 3]
+        vals = [rank_values(r, count, torch.float32, SUM, n, seed=i) for r in range(n)]
+        ref = to_dtype(reduce_ref(vals, SUM, torch.float32), torch.float32)
+        outs = _run(g, vals, SUM, variant, torch.float32)
+        calls += 1
+        for r in range(n):
+            assert same_bits(outs[r], ref), (start, i, variant, r)
+    want = torch.tensor((start + calls) % (1 << 32), dtype=torch.int64).to(torch.int32)
+    for r in range(n):
+        assert (g.counters(r)[:g.blocks] == want).all(), (g.counters(r)[:g.blocks], want)
+
+
 def _rank_order_sum(vals, dtype):
     acc_type = torch.int32 if dtype == torch.int32 else torch.float32
     acc = vals[0].to(acc_type)
