@@ -8,8 +8,8 @@ tails, epochs and halves, flags and give-up path run as they do on N GPUs. What 
 is anything about a second GPU: peer mappings, NVLink ordering, the set-up (ar_setup.c), NCCL.
 Those need the multi-GPU tier (test_ar_gpu.py).
 
-The launch mirrors ar.c's `launch` (its thread count for the LL variant, `aligned`, `ll_slot`),
-without programmatic dependent launch: launches on one stream follow each other anyway.
+The launch mirrors ar.c's `launch` (its thread count for the LL variant, `aligned`, `ll_slot`,
+and, with pdl=True, programmatic dependent launch through cuLaunchKernelEx, as ar.c does on sm_90+).
 """
 import ctypes
 
@@ -42,6 +42,22 @@ class Params(ctypes.Structure):
 assert ctypes.sizeof(Params) == 144, ctypes.sizeof(Params)  # what ar.c passes by value
 
 
+class LaunchAttr(ctypes.Structure):
+    """CUlaunchAttribute (ar_setup.h's cu_launch_attr)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (ar_setup.h's cu_launch_config)."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttr)), ("nattrs", ctypes.c_uint)]
+
+
+assert ctypes.sizeof(LaunchAttr) == 72 and ctypes.sizeof(LaunchConfig) == 56
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
 class SimError(RuntimeError):
     pass
 
@@ -54,6 +70,8 @@ def _driver():
     cu.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
         ctypes.c_uint, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     cu.cuModuleUnload.argtypes = [ctypes.c_void_p]
+    cu.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
+                                    ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     return cu
 
 
@@ -86,11 +104,21 @@ class Kernels:
             self.fns[name] = f
         return self.fns[name]
 
-    def launch(self, fn, blocks, threads, stream, prm):
+    def launch(self, fn, blocks, threads, stream, prm, pdl=False):
         args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(prm), ctypes.c_void_p))
-        _check(self.cu, self.cu.cuLaunchKernel(fn, blocks, 1, 1, threads, 1, 1, 0,
-                                               ctypes.c_void_p(stream.cuda_stream), args, None),
-               "cuLaunchKernel")
+        if not pdl:
+            _check(self.cu, self.cu.cuLaunchKernel(fn, blocks, 1, 1, threads, 1, 1, 0,
+                                                   ctypes.c_void_p(stream.cuda_stream), args,
+                                                   None),
+                   "cuLaunchKernel")
+            return
+        attr = LaunchAttr()
+        attr.id = PROGRAMMATIC_STREAM_SERIALIZATION
+        ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int(1)), 4)
+        cfg = LaunchConfig((blocks, 1, 1), (threads, 1, 1), 0, stream.cuda_stream,
+                           ctypes.pointer(attr), 1)
+        _check(self.cu, self.cu.cuLaunchKernelEx(ctypes.byref(cfg), fn, args, None),
+               "cuLaunchKernelEx")
 
 
 class Group:
@@ -113,9 +141,12 @@ class Group:
     def counters(self, rank):
         return self.regions[rank][COUNTER_OFF:COUNTER_OFF + 4 * MAX_BLOCKS].view(torch.int32)
 
-    def all_reduce(self, ins, outs, op, variant, ranks=None, skew_ns=0):
+    def all_reduce(self, ins, outs, op, variant, ranks=None, skew_ns=0, pdl=False, chain=1):
         """Launch rank r's kernel for ins[r] -> outs[r] on its stream, for every r in ranks
-        (default all), all before any is waited for; returns without waiting."""
+        (default all), all before any is waited for; returns without waiting.  chain > 1: that
+        many calls in a row on each rank's stream, nothing between them (in place, each reads
+        what the one before wrote), all of rank 0's launched before rank 1's: rank 0's first
+        call waits for its peers while the next ones are already queued behind it."""
         ranks = range(self.n) if ranks is None else ranks
         dtype = ins[0].dtype
         nbytes = ins[0].numel() * ins[0].element_size()
@@ -130,8 +161,9 @@ class Group:
         here = torch.cuda.current_stream()
         keep = []
         for r in ranks:
+            self.streams[r].wait_stream(here)  # the inputs were written on the current stream
+        for r in [r for r in ranks for _ in range(chain)]:
             s = self.streams[r]
-            s.wait_stream(here)  # the inputs were written on the current stream
             prm = Params()
             prm.in_, prm.out = ins[r].data_ptr(), outs[r].data_ptr()
             for q in range(self.n):
@@ -141,7 +173,7 @@ class Group:
             prm.aligned = int((ins[r].data_ptr() | outs[r].data_ptr()) % 16 == 0)
             prm.ll_slot = 2 * self.ll_max
             prm.rank, prm.nranks, prm.skew_ns = r, self.n, skew_ns
-            self.k.launch(fn, self.blocks, threads, s, prm)
+            self.k.launch(fn, self.blocks, threads, s, prm, pdl)
             keep.append(prm)  # the driver copied it at launch; kept only for clarity
         for r in ranks:
             here.wait_stream(self.streams[r])

@@ -114,6 +114,29 @@ def test_exact_across_the_epoch_wrap(kernels, start):
         assert (g.counters(r)[:g.blocks] == want).all(), (g.counters(r)[:g.blocks], want)
 
 
+@pytest.mark.parametrize("nranks", [2, 4])
+@pytest.mark.parametrize("variant", ["ll", "oneshot", "twoshot"])
+def test_chained_calls_read_what_the_last_one_wrote(kernels, nranks, variant):
+    """Calls back to back on each rank's stream, nothing between them, each in place on what the
+    one before wrote (int32 SUM: every call multiplies by the number of ranks, wrapping), launched
+    with programmatic dependent launch as ar.c launches them on sm_90 and newer: a kernel is
+    scheduled while the one before it still runs, and must not read before that one is done."""
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    g = sim.Group(kernels, nranks, half=HALF, ll_max=LL_MAX, blocks=8)
+    count = 1000 if variant == "ll" else 100003
+    L = 12 // (nranks.bit_length() - 1)  # nranks^L <= 2^12
+    first = [(torch.arange(count, dtype=torch.int64) * 7 + r * 13 + 1) % 127 + 1
+             for r in range(nranks)]
+    ts = [v.to(torch.int32).cuda() for v in first]
+    g.all_reduce(ts, ts, SUM, variant, pdl=pdl, chain=L)
+    torch.cuda.synchronize()
+    v = (sum(first) * nranks ** (L - 1)) & 0xFFFFFFFF
+    want = torch.where(v >= 1 << 31, v - (1 << 32), v).to(torch.int32)
+    for r in range(nranks):
+        assert g.deverr(r) == 0, ("a wait gave up", r)
+        assert torch.equal(ts[r].cpu(), want), (variant, nranks, r, ts[r][:4], want[:4])
+
+
 def _rank_order_sum(vals, dtype):
     acc_type = torch.int32 if dtype == torch.int32 else torch.float32
     acc = vals[0].to(acc_type)
