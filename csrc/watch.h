@@ -74,10 +74,9 @@ typedef struct {
 void call_begin(struct pyccl_watch *w);
 int call_end(struct pyccl_watch *w, const char *op);
 void fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...);
-/* An NCCL (cuda 0) or CUDA (cuda 1) error code from the work: failed. */
-void fail_error(struct pyccl_watch *w, const char *op, int cuda, int code);
-static inline void fail_cuda(struct pyccl_watch *w, const char *op, cudaError_t e) { fail_error(w, op, 1, (int)e); }
-static inline void fail_nccl(struct pyccl_watch *w, const char *op, ncclResult_t e) { fail_error(w, op, 0, (int)e); }
+/* An NCCL or CUDA error code from the work: the watch failed with it. */
+void fail_cuda(struct pyccl_watch *w, const char *op, cudaError_t e);
+void fail_nccl(struct pyccl_watch *w, const char *op, ncclResult_t e);
 void fail_interrupted(struct pyccl_watch *w, const char *op);
 void fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for);
 int failed_kind(const struct pyccl_watch *w);

@@ -291,7 +291,7 @@ fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for)
          op, w->rank, w->size, pyccl_secs(w->timeout).s, waiting_for);
 }
 
-void
+static void
 fail_error(struct pyccl_watch *w, const char *op, int cuda, int code)
 {
     fail(w, cuda ? PYCCL_FAIL_CUDA : PYCCL_FAIL_NCCL, code,
@@ -300,6 +300,18 @@ fail_error(struct pyccl_watch *w, const char *op, int cuda, int code)
          op, w->rank, w->size, cuda ? "CUDA" : "NCCL", code,
          cuda ? w->api->cudaGetErrorString((cudaError_t)code)
               : w->api->ncclGetErrorString((ncclResult_t)code));
+}
+
+void
+fail_cuda(struct pyccl_watch *w, const char *op, cudaError_t e)
+{
+    fail_error(w, op, 1, (int)e);
+}
+
+void
+fail_nccl(struct pyccl_watch *w, const char *op, ncclResult_t e)
+{
+    fail_error(w, op, 0, (int)e);
 }
 
 void
