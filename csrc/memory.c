@@ -22,35 +22,24 @@ typedef struct {
 /* ncclMemAlloc/ncclMemFree on `device` (made current around the call),
  * GIL released.  Shared by the buffer and the pool's functions. */
 static ncclResult_t
-alloc_on(ncclResult_t (*alloc)(void **, size_t), cudaError_t (*getdev)(int *),
-         cudaError_t (*setdev)(int), int device, size_t n, void **out)
+alloc_on(const pyccl_api *a, int device, size_t n, void **out)
 {
-    int prev = -1;
-    if (getdev(&prev) != cudaSuccess || (prev != device && setdev(device) != cudaSuccess)) {
-        return ncclUnhandledCudaError;
+    int prev;
+    ncclResult_t r = ncclUnhandledCudaError;
+    if (pyccl_device_enter(a, device, &prev) == cudaSuccess) {
+        r = a->ncclMemAlloc(out, n);
     }
-    ncclResult_t r = alloc(out, n);
-    if (prev != device) {
-        setdev(prev);
-    }
+    pyccl_device_leave(a, device, prev);
     return r;
 }
 
 static void
-free_on(ncclResult_t (*mfree)(void *), cudaError_t (*getdev)(int *),
-        cudaError_t (*setdev)(int), int device, void *p)
+free_on(const pyccl_api *a, int device, void *p)
 {
-    int prev = -1;
-    if (getdev(&prev) != cudaSuccess) {
-        prev = device;
-    }
-    if (prev != device) {
-        setdev(device);
-    }
-    mfree(p);
-    if (prev != device) {
-        setdev(prev);
-    }
+    int prev;
+    pyccl_device_enter(a, device, &prev);
+    a->ncclMemFree(p);
+    pyccl_device_leave(a, device, prev);
 }
 
 /* ---------------- pyccl._C.NcclBuffer ---------------- */
@@ -100,8 +89,7 @@ pyccl_mem_alloc(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     ncclResult_t r;
     char last[PYCCL_LAST_ERROR_SIZE] = "";
     Py_BEGIN_ALLOW_THREADS
-    r = alloc_on(a->ncclMemAlloc, a->cudaGetDevice, a->cudaSetDevice, (int)device,
-                 (size_t)nbytes, &p);
+    r = alloc_on(a, (int)device, (size_t)nbytes, &p);
     pyccl_nccl_failed(a, r, NULL, last, sizeof last);
     Py_END_ALLOW_THREADS
     if (r != ncclSuccess) {
@@ -128,7 +116,7 @@ buffer_dealloc(PyObject *self)
         void *p = b->ptr;
         int dev = b->device;
         Py_BEGIN_ALLOW_THREADS
-        free_on(a->ncclMemFree, a->cudaGetDevice, a->cudaSetDevice, dev, p);
+        free_on(a, dev, p);
         Py_END_ALLOW_THREADS
     }
     b->ptr = NULL;
@@ -198,25 +186,20 @@ PyType_Spec pyccl_buffer_spec = {
 /* ---------------- the allocator of pyccl.mem_pool() ----------------
  * torch.cuda.memory.CUDAPluggableAllocator dlsyms these two by name from this
  * shared object and calls them without the GIL and without any context
- * argument, so the NCCL/CUDA entry points they use cannot come from the
- * module state: they are copied here, once, when _mem_pool_functions() has
- * loaded NCCL (before torch can call them).  The one mutable static of
- * pyccl._C besides the type specs, for that reason. */
-static struct {
-    ncclResult_t (*alloc)(void **, size_t);
-    ncclResult_t (*free)(void *);
-    cudaError_t (*getdev)(int *);
-    cudaError_t (*setdev)(int);
-} pool_api;
+ * argument, so the NCCL/CUDA table they use cannot be the module state's
+ * (which goes with the module): it is copied here, once, when
+ * _mem_pool_functions() has loaded NCCL (before torch can call them).  The
+ * one mutable static of pyccl._C besides the type specs, for that reason. */
+static pyccl_api pool_api;
+static int pool_ready; /* set (release) once pool_api is filled */
 
 __attribute__((visibility("default"))) void *
 pyccl_nccl_pool_alloc(ssize_t size, int device, cudaStream_t stream)
 {
     (void)stream; /* ncclMemAlloc is not stream-ordered */
     void *p = NULL;
-    if (size <= 0 || pool_api.alloc == NULL ||
-        alloc_on(pool_api.alloc, pool_api.getdev, pool_api.setdev, device, (size_t)size,
-                 &p) != ncclSuccess) {
+    if (size <= 0 || !__atomic_load_n(&pool_ready, __ATOMIC_ACQUIRE) ||
+        alloc_on(&pool_api, device, (size_t)size, &p) != ncclSuccess) {
         return NULL; /* torch raises its out-of-memory error */
     }
     return p;
@@ -227,8 +210,8 @@ pyccl_nccl_pool_free(void *ptr, ssize_t size, int device, cudaStream_t stream)
 {
     (void)size;
     (void)stream;
-    if (ptr != NULL && pool_api.free != NULL) {
-        free_on(pool_api.free, pool_api.getdev, pool_api.setdev, device, ptr);
+    if (ptr != NULL && __atomic_load_n(&pool_ready, __ATOMIC_ACQUIRE)) {
+        free_on(&pool_api, device, ptr);
     }
 }
 
@@ -243,13 +226,12 @@ pyccl_mem_pool_functions(PyObject *m, PyObject *Py_UNUSED(unused))
                         "2.19") < 0) {
         return NULL;
     }
-    if (pool_api.alloc == NULL) {
-        pool_api.getdev = st->api.cudaGetDevice;
-        pool_api.setdev = st->api.cudaSetDevice;
-        pool_api.free = st->api.ncclMemFree;
-        /* last: a non-NULL alloc means the rest is there (torch's own lock
-         * orders this before any call of the pool, which does not exist yet) */
-        __atomic_store_n(&pool_api.alloc, st->api.ncclMemAlloc, __ATOMIC_RELEASE);
+    if (!__atomic_load_n(&pool_ready, __ATOMIC_ACQUIRE)) {
+        pool_api = st->api;
+        /* release: a thread that sees the flag sees the table (torch's own
+         * lock orders this before any call of the pool, which does not exist
+         * yet) */
+        __atomic_store_n(&pool_ready, 1, __ATOMIC_RELEASE);
     }
     return Py_BuildValue("(ss)", "pyccl_nccl_pool_alloc", "pyccl_nccl_pool_free");
 }
