@@ -436,6 +436,20 @@ alloc_local(const pyccl_api *a, pyccl_ar *f, size_t total, cudaIpcMemHandle_t *h
     return 1;
 }
 
+/* PYCCL_AR_SHARED_GPU=1: ranks on one GPU may use the kernels.  CUDA IPC maps
+ * another process's memory of the same device, and the GPU time-slices the
+ * ranks' kernels, so a wait on a peer ends once the peer's kernel gets its
+ * slice: correct, but far slower than NCCL there.  Off by default: ranks on
+ * one GPU are a development set-up (see pyccl.place_rank), not a fast one.
+ * A rank that refuses rules the kernels out for all (the agreement after the
+ * checks), so ranks need not agree on it. */
+static int
+shared_gpu_ok(void)
+{
+    const char *v = getenv("PYCCL_AR_SHARED_GPU");
+    return v != NULL && *v != '\0' && strcmp(v, "0") != 0;
+}
+
 /* Why rank p's record rules the kernels out for everyone (a reason written,
  * 0), or 1. */
 static int
@@ -448,8 +462,9 @@ check_record(pyccl_ar *f, const fa_record *all, const fa_record *mine, int p)
         WHY("rank %d is on another host", p);
     } else if (p != me && all[p].pid == mine->pid) {
         WHY("ranks %d and %d share a process (CUDA IPC works between processes)", me, p);
-    } else if (p != me && strcmp(all[p].busid, mine->busid) == 0) {
-        WHY("ranks %d and %d share GPU %s", me, p, mine->busid);
+    } else if (p != me && strcmp(all[p].busid, mine->busid) == 0 && !shared_gpu_ok()) {
+        WHY("ranks %d and %d share GPU %s (PYCCL_AR_SHARED_GPU=1 lets the own kernels run "
+            "there, correct but slow: the GPU time-slices the ranks)", me, p, mine->busid);
     } else if (all[p].half != all[0].half || all[p].ll_max != all[0].ll_max ||
                all[p].blocks != all[0].blocks || all[p].threads != all[0].threads) {
         WHY("ranks disagree on PYCCL_AR_BUFFER_MB / PYCCL_AR_LL_MAX / PYCCL_AR_BLOCKS / "
@@ -475,8 +490,9 @@ map_peers(const pyccl_api *a, pyccl_ar *f, const fa_record *all)
             continue;
         }
         int pd = -1, can = 1;
+        /* a peer on this very GPU (PYCCL_AR_SHARED_GPU) needs no peer access */
         if (a->cudaDeviceGetByPCIBusId && a->cudaDeviceCanAccessPeer &&
-            a->cudaDeviceGetByPCIBusId(&pd, all[p].busid) == cudaSuccess) {
+            a->cudaDeviceGetByPCIBusId(&pd, all[p].busid) == cudaSuccess && pd != f->device) {
             if (a->cudaDeviceCanAccessPeer(&can, f->device, pd) != cudaSuccess) {
                 can = 0;
             }

@@ -3,6 +3,7 @@
 broadcast, reduce, all_gather, reduce_scatter, send/recv and all_to_all, one
 process per GPU.  Run: python examples/02_collectives.py
 """
+import os
 import sys
 
 import torch
@@ -12,7 +13,7 @@ import pyccl
 
 
 def worker(rank, world, uid):
-    torch.cuda.set_device(rank)
+    pyccl.place_rank(rank, world)  # GPU rank % GPUs; RANKS above the GPU count share them
     comm = pyccl.Communicator(world, uid, rank)
     dev = "cuda"
 
@@ -59,9 +60,10 @@ def worker(rank, world, uid):
 
 
 def main():
-    world = torch.cuda.device_count()
-    if world == 0:
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
         sys.exit("02_collectives: no CUDA GPU found")
+    world = int(os.environ.get("RANKS", gpus))  # RANKS=4 on one GPU: 4 ranks share it
     mp.spawn(worker, args=(world, pyccl.unique_id()), nprocs=world, join=True)
     print("OK")
 

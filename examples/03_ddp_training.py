@@ -43,7 +43,7 @@ def average_gradients(comm, groups):
 
 
 def worker(rank, world, uid, steps):
-    torch.cuda.set_device(rank)
+    pyccl.place_rank(rank, world)  # GPU rank % GPUs; RANKS above the GPU count share them
     comm = pyccl.Communicator(world, uid, rank)
     torch.manual_seed(0)  # same initial weights everywhere
     model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),
@@ -81,9 +81,10 @@ def worker(rank, world, uid, steps):
 
 
 def main():
-    world = torch.cuda.device_count()
-    if world == 0:
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
         sys.exit("03_ddp_training: no CUDA GPU found")
+    world = int(os.environ.get("RANKS", gpus))  # RANKS=4 on one GPU: 4 ranks share it
     steps = int(os.environ.get("STEPS", "300"))
     mp.spawn(worker, args=(world, pyccl.unique_id(), steps), nprocs=world, join=True)
     print("OK")

@@ -6,6 +6,7 @@
 - pyccl.group(): several collectives launched as one NCCL group.
 Run: python examples/05_advanced.py
 """
+import os
 import sys
 
 import torch
@@ -15,7 +16,7 @@ import pyccl
 
 
 def worker(rank, world, uid):
-    torch.cuda.set_device(rank)
+    pyccl.place_rank(rank, world)  # GPU rank % GPUs; RANKS above the GPU count share them
     comm = pyccl.Communicator(world, uid, rank)
 
     # 1. gradient accumulation: 4 micro-batches, one all-reduce
@@ -66,9 +67,10 @@ def worker(rank, world, uid):
 
 
 def main():
-    world = torch.cuda.device_count()
-    if world == 0:
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
         sys.exit("05_advanced: no CUDA GPU found")
+    world = int(os.environ.get("RANKS", gpus))  # RANKS=4 on one GPU: 4 ranks share it
     mp.spawn(worker, args=(world, pyccl.unique_id()), nprocs=world, join=True)
     print("OK")
 

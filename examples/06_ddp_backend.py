@@ -1,8 +1,8 @@
 """DistributedDataParallel on the torch.distributed backend "pyccl".
 
 `import pyccl` registers the backend; after that the only change to a DDP script
-is `backend="pyccl"` in init_process_group.  One process per GPU (mp.spawn; with
-one GPU, one rank), a small MLP on each rank's shard of a synthetic regression
+is `backend="pyccl"` in init_process_group.  One process per GPU (mp.spawn; RANKS=N
+for N ranks, sharing GPUs where N is larger), a small MLP on each rank's shard of a synthetic regression
 task.  The loss goes down and the replicas stay bitwise identical (checked with
 an all_gather of a checksum of the parameters' bits).
 Run: python examples/06_ddp_backend.py   (STEPS=... to change the 200 steps)
@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import pyccl  # noqa: F401  (registers backend "pyccl")
+import pyccl  # registers backend "pyccl"
 
 
 def worker(rank, world, rendezvous, steps):
-    torch.cuda.set_device(rank)  # the communicator uses the current device
+    pyccl.place_rank(rank, world)  # GPU rank % GPUs; RANKS above the GPU count share them
     dist.init_process_group("pyccl", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))  # a dead peer raises after 120 s
     torch.manual_seed(0)
@@ -55,13 +55,14 @@ def worker(rank, world, rendezvous, steps):
 
 
 def main():
-    world = torch.cuda.device_count()
-    if world == 0:
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
         sys.exit("06_ddp_backend: no CUDA GPU found")
+    world = int(os.environ.get("RANKS", gpus))  # RANKS=4 on one GPU: 4 ranks share it
     steps = int(os.environ.get("STEPS", "200"))
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(world, os.path.join(tmp, "rendezvous"), steps), nprocs=world, join=True)
-    print(f"OK: DDP over {world} GPU(s) on backend pyccl, replicas identical")
+    print(f"OK: DDP over {world} rank(s) on backend pyccl, replicas identical")
 
 
 if __name__ == "__main__":

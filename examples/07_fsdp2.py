@@ -4,7 +4,7 @@
 is pyccl's; FSDP2 all-gathers the parameters and reduce-scatters the gradients
 through it.  The same training runs a second time on a "nccl" group of the same
 processes, as the reference: the loss curves must agree to 1e-6 (relative).
-One process per GPU (mp.spawn; with one GPU, one rank).
+One process per GPU (mp.spawn; RANKS=N for N ranks, sharing GPUs where N is larger).
 Run: python examples/07_fsdp2.py   (STEPS=... to change the 30 steps)
 """
 import copy
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-import pyccl  # noqa: F401  (registers backend "pyccl")
+import pyccl  # registers backend "pyccl"
 
 try:
     from torch.distributed.fsdp import fully_shard
@@ -48,7 +48,7 @@ def train(model, mesh, steps, rank):
 
 
 def worker(rank, world, rendezvous, steps):
-    torch.cuda.set_device(rank)
+    pyccl.place_rank(rank, world)  # GPU rank % GPUs; RANKS above the GPU count share them
     dist.init_process_group("pyccl", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     mesh = init_device_mesh("cuda", (world,))  # on the default group: pyccl
@@ -69,13 +69,14 @@ def worker(rank, world, rendezvous, steps):
 
 
 def main():
-    world = torch.cuda.device_count()
-    if world == 0:
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
         sys.exit("07_fsdp2: no CUDA GPU found")
+    world = int(os.environ.get("RANKS", gpus))  # RANKS=4 on one GPU: 4 ranks share it
     steps = int(os.environ.get("STEPS", "30"))
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(world, os.path.join(tmp, "rendezvous"), steps), nprocs=world, join=True)
-    print(f"OK: FSDP2 over {world} GPU(s) on backend pyccl, the loss curve of nccl's")
+    print(f"OK: FSDP2 over {world} rank(s) on backend pyccl, the loss curve of nccl's")
 
 
 if __name__ == "__main__":

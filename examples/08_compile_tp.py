@@ -7,7 +7,7 @@ torch.compile(fullgraph=True) keeps the whole forward in one graph, and
 mode="reduce-overhead" runs it as a CUDA graph, collective included.  The
 compiled forward is checked bitwise against eager, and against the unsplit MLP
 on one GPU (to float32 rounding: the sum's order differs).
-One process per GPU (mp.spawn; with one GPU, one rank).
+One process per GPU (mp.spawn; RANKS=N for N ranks, sharing GPUs where N is larger).
 Run: python examples/08_compile_tp.py
 """
 import datetime
@@ -60,7 +60,7 @@ def time_ms(fn, x, n=50):
 
 
 def worker(rank, world, rendezvous):
-    torch.cuda.set_device(rank)
+    pyccl.place_rank(rank, world)  # GPU rank % GPUs; RANKS above the GPU count share them
     dist.init_process_group("pyccl", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(0)  # the same full MLP on every rank; each keeps its shard
@@ -87,14 +87,15 @@ def worker(rank, world, rendezvous):
 
 
 def main():
-    world = torch.cuda.device_count()
-    if world == 0:
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
         sys.exit("08_compile_tp: no CUDA GPU found")
+    world = int(os.environ.get("RANKS", gpus))  # RANKS=4 on one GPU: 4 ranks share it
     if 4096 % world:
-        sys.exit(f"08_compile_tp: the hidden size 4096 does not split over {world} GPUs")
+        sys.exit(f"08_compile_tp: the hidden size 4096 does not split over {world} ranks")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(world, os.path.join(tmp, "rendezvous")), nprocs=world, join=True)
-    print(f"OK: tensor-parallel MLP over {world} GPU(s) with pyccl.ops.all_reduce, compiled "
+    print(f"OK: tensor-parallel MLP over {world} rank(s) with pyccl.ops.all_reduce, compiled "
           "(fullgraph, CUDA graphs) bitwise equal to eager")
 
 

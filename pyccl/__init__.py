@@ -42,7 +42,10 @@ from ._C import (  # noqa: E402
 )
 from . import nccl  # noqa: E402
 from .memory import empty, mem_pool  # noqa: E402
-from .launch import init_from_env, init_from_mpi, init_ranks  # noqa: E402
+from .launch import init_from_env, init_from_mpi, init_ranks, place_rank  # noqa: E402
+from .launch import _share_at_import  # noqa: E402
+
+_share_at_import()
 
 
 def _has_torch_distributed():
@@ -112,5 +115,5 @@ __all__ = [
     "Communicator", "CudaError", "NcclError", "NcclTimeoutError", "Registration", "empty",
     "group", "init_from_env", "mem_pool",
     "init_from_mpi",
-    "init_rank", "init_ranks", "nccl", "premul_sum", "unique_id",
+    "init_rank", "init_ranks", "nccl", "place_rank", "premul_sum", "unique_id",
 ]

@@ -6,6 +6,10 @@
 - init_from_mpi(): mpi4py broadcasts the id.
 - The mp.spawn pattern needs neither: the parent calls pyccl.unique_id() and
   passes it to its children (see examples/01_all_reduce.py).
+- place_rank(): a rank's GPU on this host, and the NCCL host identity that lets
+  several ranks share one GPU (development and CI on a machine with fewer GPUs
+  than ranks); PYCCL_SHARE_GPUS=1 does it for init_from_env/init_from_mpi and,
+  at import, for processes whose launcher names their local rank.
 """
 import datetime
 import errno
@@ -34,11 +38,93 @@ def _env_int(name, default=None):
         raise ValueError(f"init_from_env: {name}={value!r} is not an integer") from None
 
 
-def _pick_device(local_rank, device):
+# The launchers' names for a process's rank and rank count on its host: torchrun, Open MPI,
+# MPICH/Hydra, MVAPICH, Slurm.
+_LOCAL_VARS = (("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+               ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+               ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+               ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+               ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"))
+
+
+def _sharing_asked():
+    return os.environ.get("PYCCL_SHARE_GPUS", "") not in ("", "0")
+
+
+def _share_identity(local_rank, gpus):
+    """Give this process the NCCL host identity of its 'layer' of ranks: ranks local_rank //
+    gpus.  Ranks of one layer sit on distinct GPUs and keep NCCL's fast paths between them;
+    ranks of different layers, which may share a GPU, look to NCCL like separate hosts (it
+    refuses two ranks of one host on one GPU) and talk over its network transport.  Values
+    the user set stay.  Read by NCCL when a communicator is made, so this must come first."""
+    os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}:pyccl-layer-{local_rank // gpus}")
+    # the ranks of one host find each other on the loopback interface
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    # pyccl's own kernels accept ranks on one GPU too (see ar_setup.c)
+    os.environ.setdefault("PYCCL_AR_SHARED_GPU", "1")
+
+
+def place_rank(local_rank, local_world):
+    """This process's GPU as rank `local_rank` of `local_world` ranks on this host: GPU
+    local_rank % (GPUs), made the current device.  Returns its index.
+
+    Where ranks outnumber the GPUs, several share one: NCCL accepts that only when each
+    looks like a host of its own, so this sets NCCL_HOSTID for the process (and
+    NCCL_SOCKET_IFNAME=lo, PYCCL_AR_SHARED_GPU=1, each unless already set).  It is correct
+    but slow (the ranks talk over sockets and the GPU time-slices them): for developing and
+    testing multi-rank code on a machine with one GPU, not for speed.  Call it before this
+    process makes its first NCCL communicator (pyccl's or torch's), e.g. first thing in an
+    mp.spawn worker.  A job that spans hosts sets NCCL_SOCKET_IFNAME itself.
+    """
+    for name, v in (("local_rank", local_rank), ("local_world", local_world)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"place_rank: {name} must be an int, got {type(v).__name__}")
+    if not 0 <= local_rank < local_world:
+        raise ValueError(f"place_rank: local_rank={local_rank} is out of range for "
+                         f"local_world={local_world}")
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise _C.CudaError("place_rank: no CUDA GPU is available")
+    if local_world > n:
+        _share_identity(local_rank, n)
+    torch.cuda.set_device(local_rank % n)
+    return local_rank % n
+
+
+def _launcher_local_rank():
+    """(local rank, local rank count) as the launcher set them, or None."""
+    for rank_var, size_var in _LOCAL_VARS:
+        r, s = os.environ.get(rank_var), os.environ.get(size_var)
+        if r is not None and s is not None:
+            try:
+                return int(r), int(s)
+            except ValueError:
+                return None
+    return None
+
+
+def _share_at_import():
+    """PYCCL_SHARE_GPUS=1, at `import pyccl`: where the launcher named this process's local
+    rank and there are more local ranks than GPUs, its NCCL identity now, before any
+    communicator (torch's "nccl" backend included) is made.  The device is left to the
+    program (importing does not initialise CUDA's context)."""
+    if not _sharing_asked():
+        return
+    local = _launcher_local_rank()
+    if local is None:
+        return
+    n = torch.cuda.device_count()
+    if n and local[1] > n:
+        _share_identity(local[0], n)
+
+
+def _pick_device(what, local_rank, local_world, device):
     if device is None:
         n = torch.cuda.device_count()
         if n == 0:
-            raise _C.CudaError("init_from_env: no CUDA GPU is available")
+            raise _C.CudaError(f"{what}: no CUDA GPU is available")
+        if _sharing_asked() and local_world > n:
+            return place_rank(local_rank, local_world)
         device = local_rank % n
     torch.cuda.set_device(device)
     return device
@@ -70,8 +156,9 @@ def _listen_fd(addr, port):
 def init_from_env(timeout=300.0, device=None):
     """This process's Communicator of a torchrun-style job.
 
-    Reads RANK, WORLD_SIZE, LOCAL_RANK (default: RANK), MASTER_ADDR and
-    MASTER_PORT.  `timeout` (seconds) bounds the wait for the unique id in the
+    Reads RANK, WORLD_SIZE, LOCAL_RANK (default: RANK), LOCAL_WORLD_SIZE (default:
+    WORLD_SIZE), MASTER_ADDR and MASTER_PORT.  The device is LOCAL_RANK modulo the GPU
+    count; with PYCCL_SHARE_GPUS=1, ranks outnumbering GPUs share them (see place_rank).  `timeout` (seconds) bounds the wait for the unique id in the
     store and is the communicator's timeout (see Communicator): its init and
     every collective must finish within it, else pyccl.NcclTimeoutError.
     timeout=None: NCCL's blocking mode, unwatched (the store waits 300 s).
@@ -84,11 +171,12 @@ def init_from_env(timeout=300.0, device=None):
     rank = _env_int("RANK")
     world = _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK", rank)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
     addr = os.environ["MASTER_ADDR"]
     port = _env_int("MASTER_PORT")
     if not 0 <= rank < world:
         raise ValueError(f"init_from_env: RANK={rank} is out of range for WORLD_SIZE={world}")
-    device = _pick_device(local_rank, device)
+    device = _pick_device("init_from_env", local_rank, local_world, device)
     from torch.distributed import TCPStore
 
     # Under torchrun the agent already serves a store on MASTER_PORT.
@@ -130,9 +218,9 @@ def init_from_mpi(comm=None, device=None, timeout=None):
         raise RuntimeError("init_from_mpi: mpi4py is not installed") from e
     comm = MPI.COMM_WORLD if comm is None else comm
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local_rank = local.Get_rank()
+    local_rank, local_world = local.Get_rank(), local.Get_size()
     local.Free()
-    device = _pick_device(local_rank, device)
+    device = _pick_device("init_from_mpi", local_rank, local_world, device)
     uid = _C._nccl_unique_id() if comm.Get_rank() == 0 else None
     uid = comm.bcast(uid, root=0)
     return _C.Communicator(comm.Get_size(), uid, comm.Get_rank(), device, timeout)

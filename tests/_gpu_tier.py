@@ -49,10 +49,25 @@ def gpu_count():
     return _probe_gpus()[0]
 
 
-def needs_gpus(n):
+def needs_gpus(n, why=None):
+    """Skip unless the machine has n GPUs.  For n >= 2, only tests whose point is distinct GPUs
+    (peer access between devices, one process driving several GPUs, speed) use this, `why`
+    saying which; a multi-rank test uses needs_ranks."""
     have, err = _probe_gpus()
-    why = f" (CUDA initialisation failed: {err})" if err else ""
-    return pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPUs, this machine has {have}{why}")
+    failed = f" (CUDA initialisation failed: {err})" if err else ""
+    what = f" ({why})" if why else ""
+    return pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPUs{what}, this machine has {have}{failed}")
+
+
+def needs_ranks(n):
+    """A test of n ranks, one process each: any machine with a GPU runs it, the ranks placed on
+    its GPUs round-robin (pyccl.place_rank), sharing them where ranks outnumber GPUs."""
+    return needs_gpus(1)
+
+
+def ranks_share_gpus(world):
+    """True where `world` ranks would share this machine's GPUs."""
+    return gpu_count() < world
 
 
 def _skip_allowed(reason, expect):

@@ -8,9 +8,9 @@ import pyccl
 
 def main():
     rank, world, uid = int(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3])
-    torch.cuda.set_device(rank)
+    pyccl.place_rank(rank, world)
     comm = pyccl.Communicator(world, uid, rank)
-    dev = f"cuda:{rank}"
+    dev = f"cuda:{comm.device}"
     for algo in ("oneshot", "twoshot"):
         for count in (5, 1000, 40000 + 3):
             for dtype in (torch.float32, torch.bfloat16, torch.int32):

@@ -36,7 +36,7 @@ def warm_up(comm, algo=None):
 
 def recover(rank, timeout):
     """A fresh one-rank communicator in this process computes correctly."""
-    dev = f"cuda:{rank}"
+    dev = "cuda"
     c = pyccl.Communicator(1, pyccl.unique_id(), 0, timeout=timeout)
     x = torch.arange(1, 1024 * 1024 + 4, dtype=torch.float32, device=dev)
     out = torch.zeros_like(x)
@@ -52,17 +52,17 @@ def recover(rank, timeout):
 
 # ---------------------------------------------------------------- scenarios
 
-def killed_peer(rank, uid, timeout):
+def killed_peer(rank, uid, timeout, algo=None):
     """Both ranks loop over all_reduces; the parent SIGKILLs rank 1."""
     comm = pyccl.Communicator(2, uid, rank, timeout=timeout)
-    dev = f"cuda:{rank}"
+    dev = "cuda"
     t = torch.empty(1 << 16, device=dev)
     want = torch.full((1 << 16,), 3.0)
     i = 0
     try:
         while True:
             t.fill_(rank + 1)
-            comm.all_reduce(t)
+            comm.all_reduce(t, algo=algo)
             i += 1
             if i % 50 == 0:
                 comm.wait()   # the result is complete: reading it cannot block
@@ -79,6 +79,16 @@ def killed_peer(rank, uid, timeout):
     assert comm.destroyed
     comm.destroy()
     recover(rank, timeout)
+
+
+def killed_peer_nccl(rank, uid, timeout):
+    """killed_peer on NCCL's kernels (its transport sees the death, or the watchdog does)."""
+    killed_peer(rank, uid, timeout, "nccl")
+
+
+def killed_peer_own(rank, uid, timeout):
+    """killed_peer on pyccl's own kernels (a kernel waiting on the dead peer's memory)."""
+    killed_peer(rank, uid, timeout, "oneshot")
 
 
 # absent_peer's cases: (name, algo of rank 0's call, warmed up by both ranks)
@@ -102,7 +112,7 @@ def absent_peer(rank, uid, timeout):
         time.sleep(len(ABSENT_CASES) * 3 * timeout)   # the parent kills us before
         event("leaving")
         return
-    dev = f"cuda:{rank}"
+    dev = "cuda"
     for comm, (name, algo, _) in zip(comms, ABSENT_CASES):
         t = torch.ones(1 << 20, device=dev)   # 4 MiB: pyccl's own kernels under algo=None
         t0 = time.time()
@@ -138,7 +148,7 @@ def sigint_in_wait(rank, uid, timeout):
         event("ready")
         time.sleep(timeout)
         return
-    t = torch.ones(1 << 20, device=f"cuda:{rank}")
+    t = torch.ones(1 << 20, device="cuda")
     comm.all_reduce(t)
     event("waiting")
     comm.wait()
@@ -147,7 +157,7 @@ def sigint_in_wait(rank, uid, timeout):
 
 if __name__ == "__main__":
     scenario, rank, uid_hex, timeout = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
-    torch.cuda.set_device(rank)
+    pyccl.place_rank(rank, 2)  # two processes; they share a GPU where there is one
     if uid_hex == "-":
         uid = pyccl.unique_id()
         event("uid", uid=uid.hex())

@@ -671,14 +671,15 @@ def exit_with_stuck_work():
     return "exiting"
 
 
-def _own_kernels_unavailable(key, value, reason):
+def _own_kernels_unavailable(key, value, reason, device=None):
     """One of two ranks, each a process (FAKE_RANK), of a library built with
     FAKE_PEER_MEMORY: the own kernels' set-up finds them unusable, every rank
-    says why once and all_reduce is NCCL's."""
+    says why once and all_reduce is NCCL's.  device: both ranks' (default: the rank)."""
     rank = int(os.environ["FAKE_RANK"])
+    device = rank if device is None else device
     put(key, value)
-    assert fake.cudaSetDevice(rank) == 0  # where Array memory lives (cudaPointerGetAttributes)
-    c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank)
+    assert fake.cudaSetDevice(device) == 0  # where Array memory lives (cudaPointerGetAttributes)
+    c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=device)
     assert c.all_reduce_info["state"] == "not set up", c.all_reduce_info
     a = Array([1.0 + rank, 2.0, 3.0 * (rank + 1)])
     for _ in range(3):
@@ -701,6 +702,30 @@ def no_kernel_image():
 def no_peer_access():
     return _own_kernels_unavailable(
         "no_p2p", 1, lambda r: f"cuda:{r} has no peer access to cuda:{1 - r} (rank {1 - r})")
+
+
+def shared_gpu_refused():
+    """Both ranks on cuda:0 without PYCCL_AR_SHARED_GPU: NCCL, and the reason names the setting."""
+    return _own_kernels_unavailable(
+        "no_p2p", 0, lambda r: f"ranks {r} and {1 - r} share GPU 00000000:10:00.0 "
+        "(PYCCL_AR_SHARED_GPU=1 lets the own kernels run there, correct but slow: the GPU "
+        "time-slices the ranks)", device=0)
+
+
+def shared_gpu_ready():
+    """Both ranks on cuda:0 with PYCCL_AR_SHARED_GPU=1 (and no peer access between devices,
+    which a peer on the same device does not need): the own kernels are set up and exact."""
+    rank = int(os.environ["FAKE_RANK"])
+    put("no_p2p", 1)
+    assert fake.cudaSetDevice(0) == 0
+    c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=0)
+    a = Array([1.0 + rank, 2.0, 3.0 * (rank + 1)])
+    c.all_reduce(a)
+    info = c.all_reduce_info
+    assert info["state"] == "ready", info
+    c.destroy()
+    clean()
+    return {"values": a.tolist(), "ipc_live": get("ipc_live")}
 
 
 def _own_kernels_ready(timeout=None):

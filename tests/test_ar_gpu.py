@@ -13,7 +13,7 @@ import torch
 
 import _ar as fa
 from _ranks import _kill_group, run_ranks
-from conftest import gpu_count, needs_gpus
+from conftest import gpu_count, needs_gpus, needs_ranks
 
 W = max(2, min(gpu_count(), 8))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,7 +23,7 @@ needs_kernels = pytest.mark.skipif(
     not __import__("pyccl")._C._ar_built(), reason="pyccl was built without nvcc: no own kernels")
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 @pytest.mark.parametrize("ll_max", ["default", "0"])
 def test_exact_every_dtype_op_size_alignment(ll_max):
@@ -36,14 +36,14 @@ def test_exact_every_dtype_op_size_alignment(ll_max):
         assert info["state"] == "ready", info
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 def test_random_data_float64_reference_and_same_bits_everywhere():
     res = run_ranks(fa.random_data, W)
     assert len(res[0]) == 3 * 2 * 3
 
 
-@needs_gpus(3)
+@needs_ranks(3)
 @needs_kernels
 def test_rank_order_and_float32_accumulation_bitwise():
     # At 2 ranks a+b is rounded once whatever the order or the accumulator: only 3+
@@ -52,7 +52,7 @@ def test_rank_order_and_float32_accumulation_bitwise():
     assert all(n == 12 for n in res.values()), res
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 @pytest.mark.parametrize("ll_max", ["default", "0"])
 def test_10000_calls_across_the_epoch_wrap(ll_max):
@@ -62,7 +62,7 @@ def test_10000_calls_across_the_epoch_wrap(ll_max):
     assert start > end  # it wrapped
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 @pytest.mark.parametrize("ll_max", ["default", "0"])
 def test_blocks_started_late_still_exact(ll_max):
@@ -78,21 +78,21 @@ def test_blocks_started_late_still_exact(ll_max):
         assert info["state"] == "ready", info
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 def test_cuda_graph_capture_and_replay():
     res = run_ranks(fa.graphs, W)
     assert all(res[r] == 50 for r in range(W))
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 def test_a_call_on_another_stream_waits_for_the_previous_one():
     res = run_ranks(fa.two_streams, W)
     assert all(n == 2 for n in res.values()), res
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 @pytest.mark.parametrize("pdl", ["default", "0", "default-skewed"])
 def test_chained_calls_read_what_the_call_before_wrote(pdl):
@@ -110,7 +110,7 @@ def test_chained_calls_read_what_the_call_before_wrote(pdl):
         assert info["pdl"] is want_pdl, info
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 def test_disabled_on_one_rank_means_nccl_everywhere():
     res = run_ranks(fa.off_on_one_rank, W, env={"PYCCL_QUIET": "1"})
@@ -118,7 +118,7 @@ def test_disabled_on_one_rank_means_nccl_everywhere():
     assert res[0][0] == f"rank {W - 1} cannot use them"
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 @pytest.mark.parametrize("first_bytes", [400, 4096])
 def test_thresholds_that_differ_between_ranks_mean_nccl_everywhere(first_bytes):
@@ -134,7 +134,7 @@ def test_thresholds_that_differ_between_ranks_mean_nccl_everywhere(first_bytes):
                              f"(rank {W - 1}: 1024 / 1024 bytes, rank 0: {one} / {two})"), res[r]
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 def test_first_call_over_the_buffer_still_sets_up():
     res = run_ranks(fa.first_call_nccl_sized, W, env={"PYCCL_AR_BUFFER_MB": "1"})
@@ -144,7 +144,7 @@ def test_first_call_over_the_buffer_still_sets_up():
         assert after == (before + 1) % (1 << 32), (before, after)  # the small call was own
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 def test_algo_argument_errors_then_working_calls():
     res = run_ranks(fa.errors, W)
@@ -152,7 +152,7 @@ def test_algo_argument_errors_then_working_calls():
                       "ValueError", "group"]
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 def test_all_reduce_coalesced():
     msgs = run_ranks(fa.coalesced, W)[0]
@@ -163,7 +163,7 @@ def test_all_reduce_coalesced():
                        "has torch.float32")
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 def test_destroy_after_own_kernels():
     # destroy() after a collective set-up frees this rank's region (cudaFree after every
@@ -174,7 +174,7 @@ def test_destroy_after_own_kernels():
             f"rank {r}: destroy() gave back {(after - before) / 2**20:.1f} MiB, the region is {region / 2**20:.1f} MiB"
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not found")
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
@@ -205,7 +205,7 @@ def test_compute_sanitizer_clean(tool, tmp_path):
         assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out[-3000:]
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 def test_few_blocks_and_threads_still_bitwise():
     # non-default PYCCL_AR_BLOCKS / PYCCL_AR_THREADS: more vectors per thread, other strides
@@ -213,7 +213,7 @@ def test_few_blocks_and_threads_still_bitwise():
     assert len(res[0]) == 3 * 2 * 3
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 def test_own_kernel_gives_up_after_pyccl_ar_timeout(tmp_path):
     res = run_ranks(fa.own_give_up, 2, str(tmp_path / "flag"), env={"PYCCL_AR_TIMEOUT": "3"}, timeout=180)
@@ -221,7 +221,7 @@ def test_own_kernel_gives_up_after_pyccl_ar_timeout(tmp_path):
     assert 2.5 <= dt <= 15, (dt, err)
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @needs_kernels
 def test_device_memory_back_after_10_communicators():
     # with and without a timeout (before, a communicator with one kept its region: 34 MiB

@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 import pytest
 import torch
 
-from conftest import gpu_count, needs_gpus
+from conftest import gpu_count, needs_gpus, needs_ranks
 from _fakes import FakeCuda, fake
 from _data import same_bits
 
@@ -1157,7 +1157,7 @@ def test_zero_elements_every_method(gpu):
     _usable_on_gpu(gpu)
 
 
-@needs_gpus(2)
+@needs_gpus(2, "one process drives two GPUs (the drop-in's list form)")
 def test_zero_elements_nccl_api(gpu):
     bufs = [torch.arange(1, 17, dtype=torch.float32, device=f"cuda:{d}") * (d + 1) for d in range(2)]
     z = lambda d, at: bufs[d][at:at]  # noqa: E731
@@ -1269,7 +1269,7 @@ def _two_rank_rows(comm):
     return failed
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_two_rank_rows():
     from _ranks import run_ranks
 
@@ -1303,7 +1303,7 @@ def _check_big(t, background, marks):
     assert int((t != background).sum()) == len(MARKS)
 
 
-@needs_gpus(2)
+@needs_gpus(2, "one process drives two GPUs (the drop-in's list form)")
 def test_all_reduce_past_2_31_elements_nccl_api():
     ts = [_big_int8(f"cuda:{d}", d) for d in range(2)]
     nccl.all_reduce(ts)
@@ -1316,21 +1316,18 @@ def test_all_reduce_past_2_31_elements_nccl_api():
     torch.cuda.empty_cache()
 
 
-@needs_gpus(2)
+def _big_broadcast(comm):
+    t = _big_int8(f"cuda:{comm.device}", comm.rank)
+    comm.broadcast(t, 1)
+    torch.cuda.synchronize()
+    _check_big(t, 1 + 3, _marks(1))
+    comm.destroy()
+    return "ok"
+
+
+@needs_ranks(2)
 def test_broadcast_past_2_31_elements_communicator():
-    comms = pyccl.init_ranks(2, pyccl.unique_id(), [0, 1], [0, 1])
-    try:
-        ts = [_big_int8(f"cuda:{d}", d) for d in range(2)]
-        with pyccl.group():
-            for d in range(2):
-                comms[d].broadcast(ts[d], 1)
-        for d in range(2):
-            torch.cuda.synchronize(d)
-        for t in ts:
-            _check_big(t, 1 + 3, _marks(1))
-        del ts
-    finally:
-        for c in comms:
-            c.destroy()
-    torch.cuda.empty_cache()
+    from _ranks import run_ranks
+
+    assert run_ranks(_big_broadcast, 2, timeout=300) == {0: "ok", 1: "ok"}
 

@@ -511,7 +511,10 @@ def test_no_gpu_is_a_clear_error(monkeypatch, capsys):
 
 def test_too_many_gpus_and_bad_root(monkeypatch, capsys):
     monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
-    assert cli.main(["-g", "4"]) == 1
+    # one process driving every rank needs a GPU per rank (per-rank systems may share GPUs)
+    assert cli.main(["--api", "nccl", "-g", "4"]) == 1
+    assert "-g/--ngpus 4 asks for more GPUs than the 2 visible" in capsys.readouterr().err
+    assert cli.main(["-g", "4", "--compare"]) == 1
     assert "-g/--ngpus 4 asks for more GPUs than the 2 visible" in capsys.readouterr().err
     assert cli.main(["-t", "broadcast", "-r", "2"]) == 1
     assert "-r/--root 2 is not a rank of 2 GPUs (0..1)" in capsys.readouterr().err

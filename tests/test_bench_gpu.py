@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import gpu_count, needs_gpus
+from conftest import gpu_count, needs_gpus, needs_ranks
 from pyccl.bench.spawn import run_bounded
 
 pytestmark = pytest.mark.bench
@@ -20,10 +20,10 @@ def bench(*args, timeout=240):
                        timeout, env=env, cwd=ROOT)
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_every_collective_checked_exactly(tmp_path):
     out = tmp_path / "all.json"
-    r = bench("-t", "all", "-b", "8", "-e", "1M", "-f", "32", "-n", "3", "-w", "1",
+    r = bench("-g", str(max(2, W)), "-t", "all", "-b", "8", "-e", "1M", "-f", "32", "-n", "3", "-w", "1",
               "--repeats", "1", "-c", "1", "--json", str(out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [x for x in json.load(open(out))["results"] if x["system"] == "pyccl"]
@@ -73,8 +73,8 @@ def test_algos_on_one_gpu_measures_auto_and_nccl(tmp_path):
     assert all(x["time_us"] > 0 for x in rows) and doc["host_breakdown"] == []
 
 
-@needs_gpus(2)
-def test_algos_on_two_gpus_measure_own_kernels_and_variants(tmp_path):
+@needs_ranks(2)
+def test_algos_on_two_ranks_measure_own_kernels_and_variants(tmp_path):
     r, doc = _own_kernel_run(tmp_path, 2, "-b", "8", "-e", "64K", "-f", "64", "-n", "5",
                              "--algos", "all", "--variants", "PYCCL_AR_PDL=0")
     rows = doc["algos"]
@@ -103,8 +103,8 @@ def test_host_breakdown_on_one_gpu(tmp_path):
     assert "raw ncclAllReduce via ctypes (8 B)" in r.stdout
 
 
-@needs_gpus(2)
-def test_host_breakdown_on_two_gpus_adds_the_own_kernel_rows(tmp_path):
+@needs_ranks(2)
+def test_host_breakdown_on_two_ranks_adds_the_own_kernel_rows(tmp_path):
     r, doc = _own_kernel_run(tmp_path, 2, "--host-breakdown", "--host-iters", "50")
     cases = [x["case"] for x in doc["host_breakdown"]]
     assert cases == ONE_RANK_CASES[:5] + [

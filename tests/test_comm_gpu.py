@@ -12,46 +12,46 @@ import sys
 import pytest
 import torch
 
-from conftest import gpu_count, needs_gpus
+from conftest import gpu_count, needs_gpus, needs_ranks
 from _ranks import reserved_port, run_bounded, run_ranks
 import _scenarios as sc
 
-W = gpu_count()
+W = max(2, min(gpu_count(), 8))  # ranks share GPUs where they outnumber them
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_every_method_dtype_op_size():
     res = run_ranks(sc.every_method, W, timeout=420)
     assert all(n > 1000 for n in res.values()), res
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_p2p_all_to_all_gather_scatter_premul_split():
     res = run_ranks(sc.p2p_and_friends, W)
     assert set(res.values()) == {"ok"}
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_more_dtypes_every_data_movement_and_split_key():
     res = run_ranks(sc.more_dtypes_and_split_key, W)
     assert all(n >= 9 for n in res.values()), res
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_nccl_path_under_graph_capture():
     res = run_ranks(sc.nccl_graph_capture, W)
     assert all(n == 3 for n in res.values()), res
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_cupy_arrays():
     pytest.importorskip("cupy")
     res = run_ranks(sc.cupy_arrays, W)
     assert set(res.values()) == {"ok"}
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_destroyed_and_bad_op():
     res = run_ranks(sc.destroyed_and_errors, W)
     assert set(res.values()) == {"ok"}
@@ -66,7 +66,7 @@ def _env_job(extra):
         yield env
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_init_from_env_tcpstore_loopback():
     # RANK/LOCAL_RANK differ per child: set inside via a small wrapper
     with _env_job({}) as env:
@@ -80,7 +80,7 @@ def _from_env_child(rank, world, env):
     return sc.from_env(rank, world)
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_emulated_two_nodes_over_the_network_transport(tmp_path):
     """Two 'nodes' (NODE_RANK 0/1) whose traffic must go through NCCL's net transport."""
     log = tmp_path / "nccl.%p.log"
@@ -100,7 +100,7 @@ def _node_child(rank, world, env):
     return sc.from_env(rank, world)
 
 
-@needs_gpus(2)
+@needs_gpus(2, "one process drives several GPUs (init_ranks)")
 def test_several_gpus_per_process():
     """One process holding every GPU as a rank of one job, driven in a group."""
     import pyccl
@@ -129,14 +129,17 @@ def test_several_gpus_per_process():
         c.destroy()
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun is not installed")
 def test_init_from_mpi():
     pytest.importorskip("mpi4py")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    # PYCCL_SHARE_GPUS: init_from_mpi puts ranks beyond the GPU count on shared GPUs
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+               PYCCL_SHARE_GPUS="1")
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(W),
            "-x", "PYTHONPATH", "-x", "NCCL_NVLS_ENABLE", "-x", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-           "-x", "NVSHMEM_DISABLE_NVLS", sys.executable, os.path.join(ROOT, "tests", "child_mpi.py")]
+           "-x", "NVSHMEM_DISABLE_NVLS", "-x", "PYCCL_SHARE_GPUS",
+           sys.executable, os.path.join(ROOT, "tests", "child_mpi.py")]
     out = run_bounded(cmd, 180, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert sorted(l for l in out.stdout.splitlines() if l.startswith("mpi rank")) == \
@@ -146,10 +149,14 @@ def test_init_from_mpi():
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 @pytest.mark.parametrize("path", EXAMPLES, ids=os.path.basename)
 def test_example_runs(path):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    # W ranks as a user asks for them: RANKS for the mp.spawn examples, PYCCL_SHARE_GPUS for
+    # torchrun (both only matter where ranks outnumber GPUs)
+    env = dict(os.environ, PYTHONPATH=ROOT, RANKS=str(W), PYCCL_SHARE_GPUS="1")
+    for k in ("NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "PYCCL_AR_SHARED_GPU"):
+        env.pop(k, None)  # set by pyccl in each rank, not inherited from this process
     if os.path.basename(path).startswith("torchrun"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={W}", path]
     else:
@@ -161,14 +168,14 @@ def test_example_runs(path):
     assert "OK" in out.stdout, out.stdout[-3000:]
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_abort_from_another_thread_ends_an_untimed_wait(tmp_path):
     res = run_ranks(sc.abort_untimed_from_thread, 2, str(tmp_path / "flag"), timeout=180)
     dt, err, destroyed = res[0]
     assert 0.9 <= dt < 20 and destroyed, (dt, err, destroyed)
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_group_mixing_timed_and_untimed_is_refused():
     import pyccl
     res = run_ranks(sc.mixed_group_refused, W, pyccl.unique_id(), timeout=120)

@@ -2,16 +2,16 @@
 
 1 GPU: a world-size-1 group, every op through dist.* checked bitwise against what
 it means at one rank, async Works on a side stream, one DDP step against a plain one.
-2 GPUs: every op against a "nccl" group of the same processes (the oracle, bitwise on
+2 ranks (on any GPU count; ranks share a GPU where there is one): every op against a "nccl" group of the same processes (the oracle, bitwise on
 integer data), DDP 50 fp32 steps bitwise equal to DDP on "nccl", and a SIGKILLed peer
 under DDP making the survivor raise within timeout + 2 s.
-Every rank is its own process (tests/_ranks.py), bounded in time.  The multi-GPU tests use
-2 ranks on any machine with 2 or more GPUs: bitwise equality with NCCL of float sums (and of
+Every rank is its own process (tests/_ranks.py), bounded in time.  The multi-rank tests use
+2 ranks: bitwise equality with NCCL of float sums (and of
 bfloat16 integers past 256) holds for 2 ranks, whose sum has one order.
 """
 import os
 
-from conftest import needs_gpus
+from conftest import needs_gpus, needs_ranks
 from _ranks import run_ranks
 import _dist_scenarios as ds
 
@@ -25,20 +25,20 @@ def test_one_rank_every_op_async_and_ddp_step():
     assert res[0] >= 291, res  # 4 sizes x (22 int32 + 25 float32 + 25 bfloat16 checks) + 3
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_every_op_against_nccl(tmp_path):
     res = run_ranks(ds.vs_nccl_every_op, 2, str(tmp_path / "store"), make_comm=False, timeout=420)
     assert all(n >= 245 for n in res.values()), res  # 4 sizes x (18 + 21..22 + 21..22) + 5
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_ddp_50_steps_bitwise_equal_to_nccl(tmp_path):
     res = run_ranks(ds.ddp_vs_nccl, 2, str(tmp_path / "store"), make_comm=False, timeout=300)
     for first, last in res.values():
         assert last < first, res  # it trained
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_ddp_killed_peer_raises_within_timeout(tmp_path):
     """The last rank SIGKILLs itself after 20 steps; every other rank must raise within TIMEOUT + SLACK."""
     world = 2
@@ -66,7 +66,7 @@ def test_device_id_one_rank(tmp_path):
     assert res[0]["world"] == 0 and res[0]["sub"] == 0, res
 
 
-@needs_gpus(2)
+@needs_gpus(2, "device_id names another GPU than the current one")
 def test_device_id_places_each_ranks_communicator(tmp_path):
     # every rank's current device is cuda:0; device_id=cuda:rank decides
     res = run_ranks(ds.device_id_places_groups, 2, str(tmp_path / "store"), make_comm=False, timeout=120)

@@ -12,13 +12,16 @@ import threading
 import pytest
 import torch
 
-from conftest import gpu_count, needs_gpus
+from conftest import gpu_count, needs_gpus, needs_ranks
 from _data import AVG, MAX, MIN, OP_NAMES, PROD, SUM, dtype_name, rank_values, reduce_ref, same_bits, to_dtype
 
 pyccl = pytest.importorskip("pyccl")
 from pyccl import nccl  # noqa: E402
 
 W = gpu_count()
+# one process driving every GPU (the list form torch.cuda.nccl has) needs distinct GPUs
+needs_distinct = needs_gpus(2, "one process drives several GPUs, as torch.cuda.nccl's list form does")
+RANKS = max(2, min(W, 8))  # one process per rank: ranks share GPUs where they outnumber them
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
           torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2]
 OPS = [SUM, PROD, MAX, MIN, AVG]
@@ -51,7 +54,7 @@ def test_version_matches_torch():
     assert maps.count("libnccl.so") == maps.count(nccl_path)
 
 
-@needs_gpus(2)
+@needs_distinct
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_all_reduce(dtype):
     for op in _ops_for(dtype):
@@ -70,7 +73,7 @@ def test_all_reduce(dtype):
                     assert all(same_bits(ins[r], to_dtype(vals[r], dtype)) for r in range(W))
 
 
-@needs_gpus(2)
+@needs_distinct
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_reduce(dtype):
     for op in _ops_for(dtype):
@@ -89,7 +92,7 @@ def test_reduce(dtype):
                             assert same_bits(ins[r], to_dtype(vals[r], dtype))
 
 
-@needs_gpus(2)
+@needs_distinct
 @pytest.mark.parametrize("dtype", DTYPES + [torch.bool, torch.complex64, torch.int16], ids=dtype_name)
 def test_broadcast_honours_root(dtype):
     for count in COUNTS:
@@ -103,7 +106,7 @@ def test_broadcast_honours_root(dtype):
                 assert same_bits(ins[r], expect), (count, root, r)
 
 
-@needs_gpus(2)
+@needs_distinct
 @pytest.mark.parametrize("dtype", DTYPES + [torch.bool, torch.complex64], ids=dtype_name)
 def test_all_gather(dtype):
     for count in COUNTS:
@@ -124,7 +127,7 @@ def test_all_gather(dtype):
                 assert same_bits(outs[r], expect), (count, inplace, r)
 
 
-@needs_gpus(2)
+@needs_distinct
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 def test_reduce_scatter(dtype):
     for op in _ops_for(dtype):
@@ -143,7 +146,7 @@ def test_reduce_scatter(dtype):
                     assert same_bits(outs[r], full[r * count:(r + 1) * count]), (OP_NAMES[op], count, inplace, r)
 
 
-@needs_gpus(2)
+@needs_distinct
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d not in IS_FP8], ids=dtype_name)
 def test_same_as_torch(dtype):
     """Where torch.cuda.nccl is right, pyccl gives the very same bytes."""
@@ -178,7 +181,7 @@ def test_same_as_torch(dtype):
     assert all(same_bits(x, y) for x, y in zip(ra, rb))
 
 
-@needs_gpus(2)
+@needs_distinct
 def test_random_float32_against_float64_reference():
     g = torch.Generator().manual_seed(1234)
     count = 100_003
@@ -192,7 +195,7 @@ def test_random_float32_against_float64_reference():
         assert err < 1e-6, err
 
 
-@needs_gpus(2)
+@needs_distinct
 def test_fp8_is_reduced_natively_not_as_bytes():
     # torch sends fp8 as uint8, so 1.5 + 1.5 gave 256.0 there.
     ins = [torch.full((5,), 1.5, device=f"cuda:{r}").to(torch.float8_e4m3fn) for r in range(W)]
@@ -201,7 +204,7 @@ def test_fp8_is_reduced_natively_not_as_bytes():
     assert torch.equal(ins[0].float().cpu(), torch.full((5,), 1.5 * W))
 
 
-@needs_gpus(2)
+@needs_distinct
 def test_bool_reduction_is_refused_but_moves():
     ins = [torch.tensor([True, False, r % 2 == 1], device=f"cuda:{r}") for r in range(W)]
     with pytest.raises(RuntimeError, match=r"^all_reduce: cannot reduce torch.bool tensors"):
@@ -213,7 +216,7 @@ def test_bool_reduction_is_refused_but_moves():
     assert all(t.cpu().tolist() == [True, False, (W - 1) % 2 == 1] for t in ins)
 
 
-@needs_gpus(2)
+@needs_distinct
 def test_streams_argument():
     count = 4099
     streams = [torch.cuda.Stream(device=r) for r in range(W)]
@@ -234,7 +237,7 @@ def test_streams_argument():
     assert all(torch.equal(t.cpu(), torch.full((9,), float(W * (W + 1) // 2))) for t in ins2)
 
 
-@needs_gpus(2)
+@needs_distinct
 def test_clique_threads():
     """Two threads calling at once on a fresh device order share one clique."""
     order = list(reversed(range(W)))
@@ -325,10 +328,9 @@ def test_zero_elements():
 def _rank_worker(rank, world, uid, q):
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # W processes share the cores
-        torch.cuda.set_device(rank)
+        dev = f"cuda:{pyccl.place_rank(rank, world)}"
         comm = nccl.init_rank(world, uid, rank)
         res = {"rank": comm.rank, "size": comm.size}
-        dev = f"cuda:{rank}"
         count = 1023
         x = rank_values(rank, count, torch.float32, SUM, world).float().to(dev)
         a = x.clone()
@@ -376,9 +378,9 @@ def run_ranks(target, world, args=(), timeout=180):
     return results
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_multiprocess_init_rank_all_collectives():
-    count = 1023
+    count, W = 1023, RANKS
     res = run_ranks(_rank_worker, W)
     vals = [rank_values(r, count, torch.float32, SUM, W) for r in range(W)]
     big = [rank_values(r, W * count, torch.float32, SUM, W) for r in range(W)]
@@ -424,7 +426,7 @@ def test_error_texts_match_torch_cuda_nccl():
         assert got is not None and issubclass(got[0], want[0]) and got[1] == want[1], (name, got, want)
 
 
-@needs_gpus(2)
+@needs_distinct
 def test_drop_in_from_several_threads():
     """comms=None calls from several threads at once are serialized (README): each
     thread's results are its own, exactly, and nothing hangs."""

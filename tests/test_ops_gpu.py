@@ -1,6 +1,6 @@
 """GPU tier of pyccl's torch custom ops (pyccl/ops.py) and of torch.compile over pyccl.
 
-Every GPU of the machine is a rank (1 is enough), each its own process (tests/_ranks.py),
+Every GPU of the machine is a rank, at least 2 (they share a GPU where there is one), each its own process (tests/_ranks.py),
 bounded in time; "nccl" over the same processes is the oracle.  Data are integer-valued,
 exact after any reduction, so every comparison is bitwise.
 - every op on a "pyccl" group, on its Communicator and on its name, against "nccl";
@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _world():
-    return min(gpu_count(), 8)
+    """Every GPU a rank, and at least 2 ranks (sharing the GPU where there is one)."""
+    return max(2, min(gpu_count(), 8))
 
 
 @needs_gpus(1)
@@ -42,7 +43,7 @@ def test_compiled_fullgraph_and_cuda_graphs_equal_eager(tmp_path):
 
 def _example(name, expect):
     r = run_bounded([sys.executable, os.path.join(ROOT, "examples", name)], timeout=420,
-                    env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+                    env=dict(os.environ, PYTHONPATH=ROOT, RANKS=str(_world())), cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     last = r.stdout.splitlines()[-1]
     assert last.startswith(expect), r.stdout

@@ -1,8 +1,9 @@
 """GPU tier of registered memory: pyccl.empty, pyccl.mem_pool, Communicator.register and
 register_window on real NCCL (>= 2.27 for windows).
 
-One GPU: in this process, on one-rank communicators.  Two or more GPUs: one spawned process per
-rank (tests/_registered.py's scenarios, through the one spawn harness).
+One rank: in this process.  Two or more ranks: one spawned process per rank
+(tests/_registered.py's scenarios, through the one spawn harness), sharing GPUs where ranks
+outnumber them.
 """
 import gc
 import re
@@ -13,7 +14,7 @@ import torch
 import _registered as rg
 from _data import same_bits
 from _ranks import run_ranks
-from conftest import gpu_count, needs_gpus
+from conftest import gpu_count, needs_gpus, needs_ranks
 
 pyccl = pytest.importorskip("pyccl")
 
@@ -61,7 +62,7 @@ def test_empty_shape_dtype_device_and_data(shape, dtype):
     assert torch.equal(t.cpu().reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8))
 
 
-@needs_gpus(2)
+@needs_gpus(2, "memory on a second GPU")
 def test_empty_on_another_device_keeps_the_current_one():
     torch.cuda.set_device(0)
     t = pyccl.empty(1000, device=1)
@@ -238,28 +239,28 @@ def test_non_blocking_communicator_and_abort():
 
 # ---------------------------------------------------------------- 2+ ranks
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_windows_of_different_sizes_refused_on_every_rank():
     needs_windows()
     res = run_ranks(rg.sizes_differ, W)
     assert len(set(res.values())) == 1, res
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_windows_bitwise_equal_to_plain_memory():
     needs_windows()
     res = run_ranks(rg.windows_match_plain_memory, W, timeout=400)
     assert all(n == len(rg.DTYPES) * len(rg.COUNTS) * 3 for n in res.values()), res
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_windows_random_data_within_float32_tolerance():
     needs_windows()
     res = run_ranks(rg.random_data, W)
     assert len(res) == W
 
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_10000_calls_on_a_window():
     needs_windows()
     res = run_ranks(rg.many_calls, W, timeout=400)

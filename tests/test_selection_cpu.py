@@ -65,7 +65,7 @@ def run_two_ranks(lib, scenario, tmp_path, timeout=60, **extra_env):
     return results
 
 
-@pytest.mark.parametrize("scenario", ["no_kernel_image", "no_peer_access"])
+@pytest.mark.parametrize("scenario", ["no_kernel_image", "no_peer_access", "shared_gpu_refused"])
 def test_unusable_own_kernels_give_nccl_with_the_reason_said_once(peer_lib, scenario, tmp_path):
     results = run_two_ranks(peer_lib, scenario, tmp_path)
     for rank, (res, err) in enumerate(results):
@@ -74,6 +74,14 @@ def test_unusable_own_kernels_give_nccl_with_the_reason_said_once(peer_lib, scen
         assert res["values"] == [12.0, 16.0, 36.0], res
         said = [line for line in err.splitlines() if line.startswith("pyccl:")]
         assert said == [f"pyccl: rank {rank} of 2 uses NCCL for all_reduce: {res['reason']}"], err
+
+
+def test_ranks_sharing_a_gpu_use_the_own_kernels_with_the_setting(peer_lib, tmp_path):
+    # without it: shared_gpu_refused above; with it, no peer access is asked for the same device
+    results = run_two_ranks(peer_lib, "shared_gpu_ready", tmp_path, PYCCL_AR_SHARED_GPU="1",
+                            PYCCL_AR_BUFFER_MB="1")
+    for res, _ in results:
+        assert res["values"] == [3.0, 4.0, 9.0] and res["ipc_live"] == 0, res
 
 
 # The stand-in also shares "device memory" between the rank processes (files mapped shared:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from conftest import needs_gpus
+from conftest import needs_gpus, needs_ranks
 from _data import AVG, MAX, MIN, OP_NAMES, PROD, SUM, dtype_name, rank_values, reduce_ref, same_bits, to_dtype
 
 DEFAULT_SEED = 20240611
@@ -301,7 +301,7 @@ def test_plan_is_seeded_and_covers_everything():
 
 # ---------------------------------------------------------------- GPU tier
 
-@needs_gpus(2)
+@needs_ranks(2)
 def test_stress_per_rank_api_two_processes():
     from _ranks import run_ranks
 
@@ -362,7 +362,7 @@ def _nccl_step(step, checks):
         checks += [(step, f"device {d}", outs[d], full[d * c:(d + 1) * c]) for d in range(W)]
 
 
-@needs_gpus(2)
+@needs_gpus(2, "one process drives two GPUs (the drop-in's list form)")
 def test_stress_nccl_api_one_process_two_gpus():
     s = seed()
     print(f"pyccl stress (pyccl.nccl): PYCCL_STRESS_SEED={s}, {N_OPS_NCCL} collectives over 2 GPUs")

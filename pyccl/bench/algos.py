@@ -85,7 +85,7 @@ def _set_up(comm, dev):
 def algo_sweep(drv, cfg, out):
     import torch
     comm, rank, n = drv.comm, drv.rank, drv.nranks
-    dev = f"cuda:{rank}"
+    dev = f"cuda:{comm.device}"
     own = n >= 2  # one rank: the own kernels refuse (NCCL's copy is all there is to do)
     variants = [(None, comm)]
     if own:
@@ -187,7 +187,7 @@ def host_breakdown(drv, cfg, out):
 
     import pyccl
     comm, rank, n = drv.comm, drv.rank, drv.nranks
-    dev = f"cuda:{rank}"
+    dev = f"cuda:{comm.device}"
     own = n >= 2
     x = torch.arange(2, dtype=torch.float32, device=dev) + rank
     empty = torch.empty(0, device=dev)

@@ -50,11 +50,11 @@ def make_driver(system, rank, nranks, rendezvous, barrier, timeout):
 class _Driver:
     can_graph, uses_cuda = True, True
 
-    def __init__(self, devices, nranks, barrier, timeout):
+    def __init__(self, devices, nranks, barrier, timeout, ranks=None):
         if self.uses_cuda:  # before any communicator: "current device" means this rank's GPU
             import torch
             torch.cuda.set_device(devices[0])
-        self.devices, self.ranks, self.nranks = devices, list(devices), nranks
+        self.devices, self.ranks, self.nranks = devices, list(devices if ranks is None else ranks), nranks
         self._barrier, self.timeout = barrier, timeout
 
     def sync(self):
@@ -93,9 +93,10 @@ class _PycclComm(_Driver):
 
     def __init__(self, rank, nranks, uid, barrier, timeout):
         import pyccl
-        super().__init__([rank], nranks, barrier, timeout)
+        dev = pyccl.place_rank(rank, nranks)  # ranks beyond the GPU count share them
+        super().__init__([dev], nranks, barrier, timeout, ranks=[rank])
         self.pyccl, self.rank = pyccl, rank
-        self.comm = pyccl.Communicator(nranks, uid, rank, device=rank)
+        self.comm = pyccl.Communicator(nranks, uid, rank, device=dev)
         self.ops = {name: getattr(pyccl, name.upper()) for name in S.OPS}
 
     def build(self, coll, placement, op, root, bufs):
@@ -192,8 +193,11 @@ class _TorchDist(_Driver):
     def __init__(self, rank, nranks, port, barrier, timeout):
         import datetime
         import torch.distributed as dist
-        super().__init__([rank], nranks, barrier, timeout)
-        extra = {"device_id": self.place(rank)} if self.backend == "nccl" else {}
+
+        import pyccl
+        dev = pyccl.place_rank(rank, nranks)  # ranks beyond the GPU count share them
+        super().__init__([dev], nranks, barrier, timeout, ranks=[rank])
+        extra = {"device_id": self.place(dev)} if self.backend == "nccl" else {}
         # twice the benchmark's no-progress timeout: a silent peer is reported (with its
         # stacks) and killed by the parent's watchdog, not by this rank's own timeout first
         dist.init_process_group(self.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,

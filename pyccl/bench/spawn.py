@@ -197,7 +197,8 @@ def _rank_child(fn_name, module, rank, world, uid, env, extra, parent_pid, conn)
         import pyccl
 
         if torch.cuda.is_available():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            # GPU rank % GPUs; where ranks outnumber GPUs, each process its own NCCL identity
+            pyccl.place_rank(rank, world)
         fn = getattr(importlib.import_module(module), fn_name)
         if uid is None:
             out = fn(rank, world, *extra)
