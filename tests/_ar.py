@@ -515,3 +515,54 @@ def own_give_up(comm, flag):
     dt = time.monotonic() - t0
     open(flag, "w").write("done")
     return dt, err
+
+
+def recreated_late_first_call(comm, rounds=3):
+    """New communicators one after another, each's first own-kernel call (its set-up: the
+    exchange, the probe) made with one rank late, a different one each round: exact, and the
+    kernels ready on every rank."""
+    W, r, d = comm.size, comm.rank, comm.device
+    dev = f"cuda:{d}"
+    for k in range(rounds):
+        uid = torch.tensor(list(pyccl.unique_id()) if r == 0 else [0] * 128, dtype=torch.uint8,
+                           device=dev)
+        comm.broadcast(uid, 0)
+        c = pyccl.Communicator(W, bytes(uid.cpu().tolist()), r, device=d)
+        if r == k % W:
+            time.sleep(1.0)
+        t = torch.arange(4099, dtype=torch.int32, device=dev) * (r + 1) + k
+        c.all_reduce(t, algo="oneshot")
+        _check(t, sum(torch.arange(4099, dtype=torch.int32) * (q + 1) + k for q in range(W)),
+               "re-created, late rank", k)
+        assert c.all_reduce_info["state"] == "ready", c.all_reduce_info
+        c.destroy()
+    return rounds
+
+
+def abort_own_kernel_from_thread(comm, flag):
+    """A communicator without a timeout whose own kernel waits on a peer that never calls:
+    comm.abort() from another thread stops the kernel (its stop word), so comm.wait() returns."""
+    import threading
+
+    r, dev = comm.rank, f"cuda:{comm.device}"
+    t = torch.ones(1 << 12, device=dev)
+    comm.all_reduce(t, algo="oneshot")  # every rank: set up
+    torch.cuda.synchronize()
+    if r != 0:
+        t0 = time.monotonic()
+        while not os.path.exists(flag) and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
+        return None
+    comm.all_reduce(t, algo="oneshot")
+    threading.Timer(1.0, comm.abort).start()
+    t0 = time.monotonic()
+    err = None
+    try:
+        comm.wait()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        err = f"{type(e).__name__}: {e}"
+    dt = time.monotonic() - t0
+    destroyed = comm.destroyed
+    open(flag, "w").write("done")
+    return dt, err, destroyed

@@ -1,6 +1,7 @@
 """GPU tier of pyccl's own all-reduce kernels (csrc/kernels/allreduce.cu).
 
-2 processes (or every GPU of the machine), one GPU each; each scenario in _ar.py checks
+2 processes (or every GPU of the machine, up to 8), on the machine's GPUs round-robin (they
+share one where ranks outnumber GPUs, with PYCCL_AR_SHARED_GPU); each scenario in _ar.py checks
 its own results bitwise and the parent checks what they return.
 """
 import os
@@ -48,7 +49,7 @@ def test_random_data_float64_reference_and_same_bits_everywhere():
 def test_rank_order_and_float32_accumulation_bitwise():
     # At 2 ranks a+b is rounded once whatever the order or the accumulator: only 3+
     # ranks can show a reversed rank order or 16-bit accumulation.
-    res = run_ranks(fa.order_and_accumulation, W)
+    res = run_ranks(fa.order_and_accumulation, max(3, W))
     assert all(n == 12 for n in res.values()), res
 
 
@@ -229,3 +230,25 @@ def test_device_memory_back_after_10_communicators():
     for r, (before, after) in run_ranks(fa.ten_communicators, W, timeout=300).items():
         assert before - after <= 10 << 20, \
             f"rank {r}: 10 communicators kept {(before - after) / 2**20:.1f} MiB"
+
+
+@needs_ranks(4)
+@needs_kernels
+@pytest.mark.parametrize("world", [3, 4])
+def test_three_and_four_ranks_random_data_bitwise(world):
+    res = run_ranks(fa.random_data, world, timeout=300)
+    assert all(len(v) == 3 * 2 * 3 for v in res.values()), res
+
+
+@needs_ranks(2)
+@needs_kernels
+def test_recreated_communicators_first_call_with_a_late_rank():
+    assert set(run_ranks(fa.recreated_late_first_call, W, timeout=300).values()) == {3}
+
+
+@needs_ranks(2)
+@needs_kernels
+def test_abort_from_another_thread_stops_a_waiting_own_kernel(tmp_path):
+    res = run_ranks(fa.abort_own_kernel_from_thread, 2, str(tmp_path / "flag"), timeout=180)
+    dt, err, destroyed = res[0]
+    assert 0.9 <= dt < 20 and destroyed, (dt, err, destroyed)
