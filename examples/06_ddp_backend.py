@@ -28,7 +28,7 @@ def worker(rank, world, rendezvous, steps):
     model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),
                                 torch.nn.Linear(512, 512), torch.nn.ReLU(),
                                 torch.nn.Linear(512, 1)).cuda()
-    model = DDP(model, device_ids=[rank])
+    model = DDP(model, device_ids=[torch.cuda.current_device()])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)  # this rank's shard
     w_true = torch.linspace(-1, 1, 64, device="cuda")

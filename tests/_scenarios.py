@@ -441,14 +441,19 @@ def mixed_group_refused(comm, uid2):
     timed = pyccl.Communicator(comm.size, uid2, r, timeout=30)
     x = torch.ones(8, device=dev)
     y = torch.ones(8, device=dev)
-    err = None
+    err, where = None, "group start"
     try:
         with pyccl.group():
+            where = "timed all_reduce"
             timed.all_reduce(x, algo="nccl")
+            where = "untimed all_reduce"
             comm.all_reduce(y, algo="nccl")
+            where = "group end"
+        where = "synchronize"
         torch.cuda.synchronize()
+        where = "none"
     except Exception as e:  # noqa: BLE001 - the parent names what it expected
-        err = (type(e).__name__, getattr(e, "code", None), str(e))
+        err = (type(e).__name__, getattr(e, "code", None), str(e), where)
     try:  # the group level is back at 0: ending another group is refused
         pyccl._C._nccl_group_end()
         closed = False
