@@ -1,9 +1,14 @@
 """Build pyccl._C: plain C against NCCL's and CUDA's headers only.
 
 Nothing is linked but libdl: pyccl finds NCCL and the CUDA runtime at run time
-(the copies torch loaded), so one build works with any torch 2.x.  Headers come
-from NCCL_HOME / CUDA_HOME, or from the nvidia-nccl-cu13 / nvidia-cuda-runtime
-wheels' include folders.
+(the copies torch loaded), so one build works with every supported torch.
+Headers come from NCCL_HOME / CUDA_HOME, or from the nvidia-nccl-cu13 /
+nvidia-cuda-runtime / nvidia-cuda-crt wheels' include folders (an isolated
+build gets those from pyproject.toml's build-system.requires).
+
+Release builds carry no debug information and no run path: -g0 and the
+linker's -s, and the interpreter's own -rpath (from its LDSHARED) dropped.
+CFLAGS with -g (or PYCCL_DEBUG=1) keeps debug information and symbols.
 """
 import glob
 import os
@@ -44,25 +49,51 @@ def _find_include(headers, env_vars, wheel_globs, system, wheels_first):
     for d in candidates:
         if _has(d, headers):
             return d
-    sys.exit(
-        f"pyccl build: cannot find {' and '.join(headers)}; looked in {candidates}. "
-        f"Set {env_vars[0]} or pip install the nvidia wheel that ships it."
+    return None
+
+
+def _include_dirs():
+    """NCCL's and CUDA's include folders, or exit naming what to install."""
+    # NCCL: the wheel torch loads its libnccl from comes before a system copy.
+    nccl_inc = _find_include(
+        ["nccl.h"], ["NCCL_HOME", "NCCL_ROOT"], ["nccl/include"], ["/usr/include", "/usr/local/include"],
+        wheels_first=True,
     )
-
-
-# NCCL: the wheel torch loads its libnccl from comes before a system copy.
-nccl_inc = _find_include(
-    ["nccl.h"], ["NCCL_HOME", "NCCL_ROOT"], ["nccl/include"], ["/usr/include", "/usr/local/include"],
-    wheels_first=True,
-)
-cuda_inc = _find_include(
     # nccl.h includes cuda_runtime.h, which needs crt/ (nvidia-cuda-crt in pip's CUDA 13 wheels)
-    ["cuda_runtime.h", "crt/host_config.h"],
-    ["CUDA_HOME", "CUDA_PATH"],
-    ["cu13/include", "cuda_runtime/include", "cu12/include"],
-    ["/usr/local/cuda/include"],
-    wheels_first=False,
-)
+    cuda_inc = _find_include(
+        ["cuda_runtime.h", "crt/host_config.h"],
+        ["CUDA_HOME", "CUDA_PATH"],
+        ["cu13/include", "cuda_runtime/include", "cu12/include"],
+        ["/usr/local/cuda/include"],
+        wheels_first=False,
+    )
+    missing = []
+    if nccl_inc is None:
+        missing.append("nccl.h: pip install nvidia-nccl-cu13 (or set NCCL_HOME to an NCCL install)")
+    if cuda_inc is None:
+        missing.append("cuda_runtime.h and crt/host_config.h: pip install nvidia-cuda-runtime nvidia-cuda-crt "
+                       "(or set CUDA_HOME to a CUDA toolkit)")
+    if missing:
+        sys.exit("pyccl build: headers not found.\n  " + "\n  ".join(missing) + "\n"
+                 "pip's isolated builds (pip install ., python -m build) install these wheels "
+                 "themselves; with --no-build-isolation they must be in the building Python.")
+    return [nccl_inc, cuda_inc]
+
+
+def _debug_build():
+    flags = os.environ.get("CFLAGS", "").split()
+    return os.environ.get("PYCCL_DEBUG", "") not in ("", "0") or any(
+        f.startswith("-g") and f != "-g0" for f in flags)
+
+
+def _interpreter_rpaths():
+    """The -rpath options the interpreter's own build put in LDSHARED/LDFLAGS
+    (its lib folder): meaningless for pyccl._C, which needs no libpython."""
+    import sysconfig
+
+    words = " ".join(sysconfig.get_config_var(v) or "" for v in ("LDSHARED", "LDFLAGS")).split()
+    return {w for w in words if w.startswith(("-Wl,-rpath", "-Wl,-R", "-Wl,--rpath"))}
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL_SRC = "csrc/kernels/allreduce.cu"
@@ -86,6 +117,18 @@ class BuildExt(build_ext):
     PYCCL_REQUIRE_KERNELS=1 makes that an error."""
 
     def build_extensions(self):
+        includes = _include_dirs()
+        drop = _interpreter_rpaths()
+        for attr in ("linker_so", "linker_so_cxx"):
+            cmd = getattr(self.compiler, attr, None)
+            if isinstance(cmd, list):
+                setattr(self.compiler, attr, [w for w in cmd if w not in drop])
+        debug = _debug_build()
+        for e in self.extensions:
+            e.include_dirs += includes
+            if not debug:
+                e.extra_compile_args.append("-g0")
+                e.extra_link_args.append("-s")
         fatbin = self._fatbin()
         if fatbin:
             for e in self.extensions:
@@ -132,8 +175,9 @@ class BuildExt(build_ext):
 ext = Extension(
     "pyccl._C",
     sources=sorted(glob.glob("csrc/*.c")),
-    depends=["csrc/pyccl.h", "csrc/args.h", "csrc/comm_ops.h", "csrc/watch.h"] + KERNEL_DEPS,
-    include_dirs=["csrc", nccl_inc, cuda_inc],
+    # setup.py: the compile and link flags are written here
+    depends=sorted(glob.glob("csrc/*.h")) + KERNEL_DEPS + ["setup.py"],
+    include_dirs=["csrc"],
     extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
                         "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
     libraries=["dl"],

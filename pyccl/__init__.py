@@ -64,7 +64,7 @@ if hasattr(getattr(torch, "library", None), "custom_op"):
     # registers torch.ops.pyccl.* (torch custom ops, for torch.compile)
     from . import ops  # noqa: E402,F401
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 
 def unique_id() -> bytes:

@@ -12,9 +12,10 @@ export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 missing=()
 $PY -c "import torch" 2>/dev/null || missing+=("${PYCCL_TORCH_SPEC:-torch}")
 $PY -c "import pytest" 2>/dev/null || missing+=(pytest)
-# pip's editable install (PEP 660) needs setuptools 64; before 70.1 also the wheel package
-$PY -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" 2>/dev/null \
-  || missing+=("setuptools>=64")
+# pyproject.toml's license expression needs setuptools 77 (pip's editable install, PEP 660,
+# needs 64; before 70.1 also the wheel package)
+$PY -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null \
+  || missing+=("setuptools>=77")
 $PY -c "import setuptools, sys; v = tuple(map(int, setuptools.__version__.split('.')[:2])); v >= (70, 1) or __import__('wheel')" \
   2>/dev/null || missing+=(wheel)
 # Headers for the build: NCCL's and the CUDA runtime's (setup.py says where it looks).
