@@ -1,12 +1,16 @@
-"""Every public name of pyccl has a docstring: what `help()` and the API reference show.
+"""Every public name of pyccl has a docstring (what `help()` and the API reference show), and
+every environment variable pyccl reads is in docs/environment.md.
 
 Walks pyccl's top-level names, the public functions and classes of its modules
 (pyccl.nccl, pyccl.ops, pyccl.distributed, pyccl.launch, pyccl.memory, pyccl.bench),
 the methods and properties of Communicator, Registration and the other public classes,
 and the exceptions.  Constants (ints, dicts, strings) carry no docstring of their own.
 """
+import glob
 import importlib
 import inspect
+import os
+import re
 
 import pytest
 
@@ -86,3 +90,29 @@ def test_help_shows_it():
     assert "Reduce" in text
     text = pydoc.render_doc(pyccl.Communicator.all_reduce, renderer=pydoc.plaintext)
     assert "all_reduce(self, /, tensor" in text and "Reduce `tensor`" in text
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _read_names():
+    """PYCCL_* names that pyccl's code reads from the environment (C getenv and its helper, Python
+    os.environ / os.getenv, setup.py)."""
+    pattern = re.compile(r'(?:getenv|env_long|environ\.get|environ\[)\(?\s*"(PYCCL_[A-Z0-9_]+)"')
+    files = glob.glob(os.path.join(_REPO, "csrc", "*.c")) + [os.path.join(_REPO, "setup.py")]
+    files += glob.glob(os.path.join(_REPO, "pyccl", "**", "*.py"), recursive=True)
+    names = set()
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            names.update(pattern.findall(f.read()))
+    return names
+
+
+def test_every_environment_variable_is_documented():
+    names = _read_names()
+    assert {"PYCCL_NCCL_LIBRARY", "PYCCL_CUDART_LIBRARY", "PYCCL_QUIET", "PYCCL_REQUIRE_KERNELS",
+            "PYCCL_CUDA_ARCHS", "PYCCL_DISABLE_OWN_KERNELS", "PYCCL_AR_BUFFER_MB"} <= names, names
+    with open(os.path.join(_REPO, "docs", "environment.md"), encoding="utf-8") as f:
+        page = f.read()
+    missing = sorted(n for n in names if f"`{n}`" not in page)
+    assert not missing, f"docs/environment.md does not describe {missing}"
