@@ -80,7 +80,7 @@ def init_rank(world_size: int, unique_id: bytes, rank: int, device=None, timeout
 class premul_sum:
     """Reduction op: multiply each rank's input by `scalar`, then sum (ncclRedOpCreatePreMulSum)."""
 
-    __slots__ = ("premul_scalar",)
+    __slots__ = {"premul_scalar": "The factor (a float) each rank's input is multiplied by."}
 
     def __init__(self, scalar):
         # float() would also take a string such as "2": only numbers here.

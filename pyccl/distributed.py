@@ -109,16 +109,20 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         return _create_work_from_future(fut)
 
     def name(self):
+        """The backend's name, "pyccl"."""
         return BACKEND_NAME
 
     def getBackendName(self):  # noqa: N802 (torch's name)
+        """The backend's name, "pyccl" (torch's spelling)."""
         return BACKEND_NAME
 
     def _get_backend_name(self):
+        """The backend's name, "pyccl" (torch's spelling)."""
         return BACKEND_NAME
 
     @property
     def group_name(self):
+        """The torch.distributed name of this group (the `group` argument of pyccl.ops)."""
         return self._group_name
 
     def _set_group_name(self, name):
@@ -135,6 +139,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
     supports_time_estimate = False
 
     def supports_tensor_alloc(self, device):
+        """False: this backend allocates no tensors for torch."""
         return False
 
     def _get_backend(self, device):
@@ -160,6 +165,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
             self._comm.destroy()
 
     def abort(self):
+        """dist.abort / torch's abort path: abort the communicator (Communicator.abort)."""
         self._comm.abort()
 
     def __repr__(self):
@@ -167,6 +173,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
 
     # ---- collectives ----
     def allreduce(self, tensors, opts=None):
+        """dist.all_reduce: Communicator.all_reduce of the one tensor, in place."""
         # the hot path (dist.all_reduce, DDP's buckets): keep it to a few attribute reads
         if type(tensors) is not list and isinstance(tensors, torch.Tensor):  # pg.allreduce(tensor, op)
             tensors = [tensors]
@@ -180,6 +187,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         return self._work(tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
+        """dist.all_reduce_coalesced: one all_reduce_coalesced (one dtype) or one NCCL group."""
         op = _C.SUM if opts is None else reduce_op("allreduce_coalesced", opts.reduceOp)
         if len({t.dtype for t in tensors}) <= 1:
             self._comm.all_reduce_coalesced(tensors, op)  # one pack, one all_reduce, one unpack
@@ -191,6 +199,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         return self._work(tensors)
 
     def broadcast(self, tensors, opts=None):
+        """dist.broadcast: Communicator.broadcast of the one tensor from opts.rootRank."""
         if isinstance(tensors, torch.Tensor):  # pg.broadcast(tensor, root) overload
             root, tensors = opts, [tensors]
         else:
@@ -201,15 +210,18 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         return self._work(tensors)
 
     def reduce(self, tensors, opts):
+        """dist.reduce: Communicator.reduce of the one tensor into opts.rootRank."""
         _no_root_tensor("reduce", opts)
         self._comm.reduce(_one("reduce", tensors), opts.rootRank, reduce_op("reduce", opts.reduceOp))
         return self._work(tensors)
 
     def allgather(self, output_lists, input_tensors, opts=None):
+        """dist.all_gather: the one input into the list of `size` outputs."""
         self._comm.all_gather(_one("allgather", input_tensors), _one("allgather", output_lists))
         return self._work(output_lists)
 
     def _allgather_base(self, output, input, opts=None):
+        """dist.all_gather_into_tensor: `input` from every rank into `output` (output first, as torch)."""
         self._comm.all_gather(input, output)
         return self._work([output])
 
@@ -226,21 +238,25 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         return self._work(outputs)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """all_gather of each input into its output list, as one NCCL group."""
         return self._in_one_group("allgather_coalesced", output_lists, input_tensors, "output lists",
                                   self._comm.all_gather)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        """all_gather_into_tensor of each pair, as one NCCL group."""
         return self._in_one_group("allgather_into_tensor_coalesced", outputs, inputs, "outputs",
                                   self._comm.all_gather)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
+        """dist.reduce_scatter: the list of `size` inputs reduced, part `rank` into the output."""
         op = _C.SUM if opts is None else reduce_op("reduce_scatter", opts.reduceOp)
         self._comm.reduce_scatter(_one("reduce_scatter", input_lists), _one("reduce_scatter", output_tensors), op)
         return self._work(output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
+        """dist.reduce_scatter_tensor: `input` reduced, part `rank` into `output` (output first)."""
         op = _C.SUM if opts is None else reduce_op("reduce_scatter_tensor", opts.reduceOp)
         self._comm.reduce_scatter(input, output, op)
         return self._work([output])
@@ -248,6 +264,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """reduce_scatter_tensor of each pair, as one NCCL group."""
         if len(outputs) != len(inputs):  # (before the op: the length is the first thing said wrong)
             raise ValueError(f"pyccl backend: reduce_scatter_tensor_coalesced: {len(outputs)} outputs for "
                              f"{len(inputs)} inputs")
@@ -258,6 +275,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """dist.all_to_all_single (output first, as torch); empty split lists mean equal parts."""
         # torch passes [] for "equal splits"
         self._comm.all_to_all_single(input, output, input_split_sizes or None, output_split_sizes or None)
         return self._work([output])
@@ -265,42 +283,52 @@ class ProcessGroupPyccl(dist.ProcessGroup):
     all_to_all_single = alltoall_base
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        """dist.all_to_all: input_tensors[j] to rank j, output_tensors[i] from rank i."""
         self._comm.all_to_all(input_tensors, output_tensors)
         return self._work(output_tensors)
 
     def send(self, tensors, dst, tag=0):
+        """dist.send / isend: the one tensor to rank `dst` (NCCL has no tags: order matches)."""
         # NCCL has no tags (ProcessGroupNCCL ignores them too): messages match in call order.
         self._comm.send(_one("send", tensors), dst)
         return self._work(tensors)
 
     def recv(self, tensors, src, tag=0):
+        """dist.recv / irecv: into the one tensor from rank `src`."""
         self._comm.recv(_one("recv", tensors), src)
         return self._work(tensors)
 
     def recv_anysource(self, tensors, tag=0):
+        """Not supported (NCCL needs the source): raises RuntimeError."""
         raise _unsupported("recv_anysource")
 
     def gather(self, output_lists, input_tensors, opts):
+        """dist.gather: every rank's tensor into the root's output list."""
         outputs = _one("gather", output_lists) if output_lists else None
         self._comm.gather(_one("gather", input_tensors), outputs, opts.rootRank)
         return self._work(output_lists)
 
     def scatter(self, output_tensors, input_lists, opts):
+        """dist.scatter: the root's input list, part r to rank r."""
         inputs = _one("scatter", input_lists) if input_lists else None
         self._comm.scatter(inputs, _one("scatter", output_tensors), opts.rootRank)
         return self._work(output_tensors)
 
     def barrier(self, opts=None):
+        """dist.barrier: Communicator.barrier (blocks the host until every rank arrived)."""
         self._comm.barrier()
         return self._work([])
 
     def monitored_barrier(self, *args, **kwargs):
+        """Not supported: raises RuntimeError."""
         raise _unsupported("monitored_barrier")
 
     def split_group(self, *args, **kwargs):
+        """Not supported (use dist.new_group or dist.new_subgroups): raises RuntimeError."""
         raise _unsupported("split_group (use dist.new_group or dist.new_subgroups)")
 
     def merge_remote_group(self, *args, **kwargs):
+        """Not supported: raises RuntimeError."""
         raise _unsupported("merge_remote_group")
 
     def _start_coalescing(self, *args, **kwargs):

@@ -63,6 +63,12 @@ def init_rank(num_ranks, uid, rank):
 # and the rest of torch's texts), so these wrappers stay one call deep.
 
 def all_reduce(inputs, outputs=None, op=SUM, streams=None, comms=None):
+    """Reduce `inputs` (one tensor per device, or this rank's one tensor) into `outputs`.
+
+    `outputs` defaults to `inputs` (in place); `op` is SUM, PROD, MAX, MIN or AVG.
+    `streams`: one per tensor (default: each device's current stream); `comms`: from
+    init_rank (default: a cached clique over the tensors' devices).  As torch.cuda.nccl.
+    """
     _C._nccl_all_reduce(inputs, inputs if outputs is None else outputs, op, streams, comms)
 
 
@@ -77,6 +83,11 @@ def _root_output(outputs, root, comms):
 
 
 def reduce(inputs, output=None, root=0, op=SUM, streams=None, comms=None, *, outputs=None):
+    """Reduce `inputs` over the ranks into the root's `output` (default: the root's input).
+
+    `outputs` (a list) is torch.cuda.nccl's deprecated form and warns.  Other arguments as
+    all_reduce.
+    """
     if outputs is not None:
         if output is not None:
             raise ValueError(
@@ -97,12 +108,15 @@ def reduce(inputs, output=None, root=0, op=SUM, streams=None, comms=None, *, out
 
 
 def broadcast(inputs, root=0, streams=None, comms=None):
+    """Copy rank `root`'s tensor into every other tensor of `inputs`, in place."""
     _C._nccl_broadcast(inputs, root, streams, comms)
 
 
 def all_gather(inputs, outputs, streams=None, comms=None):
+    """Every rank's input, in rank order, into each of `outputs` (rank count x input elements)."""
     _C._nccl_all_gather(inputs, outputs, streams, comms)
 
 
 def reduce_scatter(inputs, outputs, op=SUM, streams=None, comms=None):
+    """Reduce `inputs` (rank count x output elements) and give rank r part r in `outputs`."""
     _C._nccl_reduce_scatter(inputs, outputs, op, streams, comms)

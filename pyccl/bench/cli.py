@@ -53,6 +53,7 @@ def _typed(fn, what):
 
 
 def build_parser():
+    """The argparse parser of `python -m pyccl.bench` (its --help is the flag reference)."""
     p = argparse.ArgumentParser(
         prog="python -m pyccl.bench", epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -284,6 +285,7 @@ class _Printer:
 
 
 def main(argv=None):
+    """Run the benchmark with command-line arguments `argv` (default: sys.argv[1:]); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,56 @@
+"""Sphinx configuration of pyccl's documentation (Markdown pages through MyST, API from docstrings).
+
+Build: bash tools/docs.sh (or python3 -m sphinx -W --keep-going -b html docs <out>, with
+pyccl importable: built in place and on PYTHONPATH).  Importing pyccl needs no GPU.
+"""
+import os
+import sys
+
+from docutils import nodes
+from sphinx.util.docutils import SphinxDirective
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
+import pyccl  # noqa: E402  (fails here, with its reason, when the extension is not built)
+
+project = "pyccl"
+author = "the pyccl authors"
+release = pyccl.__version__
+version = release
+
+extensions = ["sphinx.ext.autodoc", "myst_parser"]
+source_suffix = {".md": "markdown"}
+root_doc = "index"
+exclude_patterns = ["_build", "results", "requirements.txt"]
+
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3
+
+# `name` in docstrings is code, as in the Markdown pages
+default_role = "literal"
+autodoc_member_order = "bysource"
+autodoc_default_options = {"undoc-members": False}
+autodoc_typehints = "signature"
+
+html_theme = "alabaster"
+html_title = f"pyccl {release}"
+html_static_path = []
+
+
+class BenchHelp(SphinxDirective):
+    """The `--help` text of `python -m pyccl.bench`, taken from its parser at build time."""
+
+    def run(self):
+        from pyccl.bench.cli import build_parser
+
+        parser = build_parser()
+        os.environ["COLUMNS"] = "100"  # the same text whatever the terminal
+        text = parser.format_help()
+        block = nodes.literal_block(text, text)
+        block["language"] = "text"
+        return [block]
+
+
+def setup(app):
+    app.add_directive("bench-help", BenchHelp)
+    return {"parallel_read_safe": True}
