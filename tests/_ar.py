@@ -566,3 +566,46 @@ def abort_own_kernel_from_thread(comm, flag):
     destroyed = comm.destroyed
     open(flag, "w").write("done")
     return dt, err, destroyed
+
+
+def aborted_communicators_memory(comm, n=4):
+    """n communicators with a timeout, each sets the own kernels up and runs them; every other
+    one is aborted instead of destroyed.  -> (free bytes before, after, the region's bytes,
+    how many were aborted).  abort() keeps each rank's exported region (a peer may still map
+    it), so that much device memory stays per aborted communicator and rank."""
+    W, r, d = comm.size, comm.rank, comm.device
+    dev = f"cuda:{d}"
+
+    def new_comm():
+        uid = torch.tensor(list(pyccl.unique_id()) if r == 0 else [0] * 128, dtype=torch.uint8,
+                           device=dev)
+        comm.broadcast(uid, 0)
+        return pyccl.Communicator(W, bytes(uid.cpu().tolist()), r, device=d, timeout=60)
+
+    def use(c, i):
+        t = torch.arange(1000, dtype=torch.int32, device=dev) + r + i
+        c.all_reduce(t, algo="oneshot")
+        _check(t, sum(torch.arange(1000, dtype=torch.int32) + q + i for q in range(W)), "aborted", i)
+        torch.cuda.synchronize()
+
+    warm = new_comm()  # NCCL's and the kernels' per-process memory, once
+    use(warm, -1)
+    info = warm.all_reduce_info
+    region = 2 * info["buffer_bytes"] + 2 * W * 2 * info["ll_max"]
+    warm.destroy()
+    comm.barrier()
+    torch.cuda.synchronize()
+    before = torch.cuda.mem_get_info(d)[0]
+    aborted = 0
+    for i in range(n):
+        c = new_comm()
+        use(c, i)
+        comm.barrier()  # every rank done with c's kernels before anyone aborts
+        torch.cuda.synchronize()
+        if i % 2:
+            c.abort()
+            aborted += 1
+        c.destroy()
+    comm.barrier()
+    torch.cuda.synchronize()
+    return before, torch.cuda.mem_get_info(d)[0], region, aborted

@@ -252,3 +252,20 @@ def test_abort_from_another_thread_stops_a_waiting_own_kernel(tmp_path):
     res = run_ranks(fa.abort_own_kernel_from_thread, 2, str(tmp_path / "flag"), timeout=180)
     dt, err, destroyed = res[0]
     assert 0.9 <= dt < 20 and destroyed, (dt, err, destroyed)
+
+
+@needs_ranks(2)
+@needs_kernels
+def test_memory_kept_after_abort_is_at_most_the_exported_regions():
+    """Makes visible what abort() keeps today: each aborted communicator's exported region
+    (about 34 MiB per rank at the default buffer), for the peers that may still map it; at
+    most that, and nothing for the destroyed ones.  Device memory is the GPU's: where ranks
+    share it, every rank's regions count."""
+    res = run_ranks(fa.aborted_communicators_memory, 2, timeout=300)
+    sharing = 2 if gpu_count() < 2 else 1
+    for r, (before, after, region, aborted) in res.items():
+        kept = before - after
+        print(f"\nrank {r}: {aborted} aborted communicators kept {kept / 2**20:.1f} MiB "
+              f"(region {region / 2**20:.1f} MiB)")
+        assert kept <= sharing * aborted * region + (8 << 20), \
+            f"rank {r}: {kept / 2**20:.1f} MiB kept, more than {aborted} exported regions"
