@@ -150,13 +150,24 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
     return 0;
 }
 
-/* pyccl.group() nesting on this thread: NCCL's group state is per thread. */
+/* pyccl.group() nesting on this thread: NCCL's group state is per thread;
+ * group_timed: the kind of the communicators in the open group (-1: none yet). */
 static _Thread_local int group_depth;
+static _Thread_local int group_timed = -1;
 
 int
 pyccl_group_depth(void)
 {
     return group_depth;
+}
+
+int
+pyccl_group_join(int timed)
+{
+    if (group_timed == -1) {
+        group_timed = timed;
+    }
+    return group_timed == timed ? 0 : -1;
 }
 
 /* ncclGroupStart (start) or ncclGroupEnd, GIL released around exactly
@@ -179,6 +190,9 @@ pyccl_group_call(pyccl_state *st, int start, char *last, size_t last_size,
     else {
         /* NCCL leaves the group level even when the end fails */
         *outermost = --group_depth == 0;
+    }
+    if (group_depth == 0) {
+        group_timed = -1;
     }
     return r;
 }

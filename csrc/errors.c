@@ -92,6 +92,17 @@ pyccl_raise_nccl(pyccl_state *st, const char *op, ncclResult_t res,
     raise_with_attrs(st->NcclError, msg, (int)res, errstr, last, 1);
 }
 
+int
+pyccl_raise_refusal(pyccl_state *st, const char *op, ncclResult_t res, const char *reason)
+{
+    const char *errstr = st->api.ncclGetErrorString ? st->api.ncclGetErrorString(res) : "unknown";
+    PyObject *msg = PyUnicode_FromFormat("%s: %s", op, reason);
+    if (msg != NULL) {
+        raise_with_attrs(st->NcclError, msg, (int)res, errstr, NULL, 0);
+    }
+    return -1;
+}
+
 void
 pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
                  cudaError_t err)

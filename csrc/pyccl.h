@@ -241,6 +241,9 @@ int pyccl_nccl_failed(const pyccl_api *a, ncclResult_t r, ncclComm_t comm,
 /* Raise NcclError for `res`; `last` is ncclGetLastError text or NULL. */
 void pyccl_raise_nccl(pyccl_state *st, const char *op, ncclResult_t res,
                       const char *last);
+/* NcclError "op: reason" with NCCL's code `res`, for a call pyccl refuses
+ * where NCCL would (or might) with that code; -1. */
+int pyccl_raise_refusal(pyccl_state *st, const char *op, ncclResult_t res, const char *reason);
 void pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
                       cudaError_t err);
 
@@ -467,6 +470,12 @@ void pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n);
 void pyccl_comm_lock(pyccl_comm *c);
 /* Depth of pyccl.group() on the calling thread (NCCL groups are per thread). */
 int pyccl_group_depth(void);
+/* A call on a communicator with (timed = 1) or without a timeout joins this
+ * thread's open group: 0, or -1 when the group already holds the other kind
+ * (NCCL's non-blocking and blocking communicators, which one NCCL group cannot
+ * mix; NCCL itself refuses only where a connection or launch job is queued,
+ * so on some ranks and transports and not on others). */
+int pyccl_group_join(int timed);
 /* ncclGroupStart (start) or ncclGroupEnd with the GIL released; NCCL's
  * result, with ncclGetLastError's text copied into `last` on error.
  * *outermost: this ended the thread's outermost group (even when failing:

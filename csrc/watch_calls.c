@@ -733,6 +733,13 @@ pyccl_submit(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize_
             }
         }
     }
+    if (pyccl_group_depth() > 0 && pyccl_group_join(timed) < 0) {
+        /* refused on every rank alike, before anything is enqueued */
+        return pyccl_raise_refusal(st, op, ncclInvalidArgument,
+                                   "one pyccl.group() cannot mix communicators with and without "
+                                   "a timeout (NCCL's non-blocking and blocking kinds); this "
+                                   "call was not enqueued");
+    }
     if (timed) {
         return pyccl_enqueue_timed(st, op, tasks, n, redop, comms, ncomms);
     }

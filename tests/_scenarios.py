@@ -435,8 +435,8 @@ def abort_untimed_from_thread(comm, flag):
 
 
 def mixed_group_refused(comm, uid2):
-    """README: NCCL refuses groups that mix communicators with and without timeout.  The
-    refusal comes back as pyccl.NcclError (not a hang, not a crash), the group is closed."""
+    """One group cannot mix communicators with and without timeout: pyccl refuses the second
+    kind's call with pyccl.NcclError on every rank (not a hang, not a crash), the group is closed."""
     r, dev = comm.rank, f"cuda:{comm.device}"
     timed = pyccl.Communicator(comm.size, uid2, r, timeout=30)
     x = torch.ones(8, device=dev)

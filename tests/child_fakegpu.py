@@ -299,6 +299,40 @@ def connect_slow_and_hung():
     return dt
 
 
+MIXED = ("all_reduce: one pyccl.group() cannot mix communicators "
+         "with and without a timeout (NCCL's non-blocking and blocking kinds); this call was not "
+         "enqueued")
+
+
+def mixed_group():
+    """A group mixing a communicator with a timeout and one without: pyccl refuses the call of
+    the second kind at once (NCCL refuses such groups only where a connection or launch job is
+    queued: on some ranks and not others), the first kind's work runs at the group's end, and
+    the next group starts afresh."""
+    for first in ("timed", "untimed"):
+        comms = {"timed": new(timeout=5), "untimed": new(timeout=None)}
+        other = "untimed" if first == "timed" else "timed"
+        a, b = Array([1.0, 2.0]), Array([5.0, 7.0])
+        err = None
+        try:
+            with pyccl.group():
+                comms[first].all_reduce(a)
+                comms[other].all_reduce(b)
+        except pyccl.NcclError as e:
+            err = e
+        assert type(err) is pyccl.NcclError and str(err) == MIXED and err.code == 4, repr(err)
+        comms[first].wait()
+        assert a.tolist() == [2.0, 4.0] and b.tolist() == [5.0, 7.0], (a.tolist(), b.tolist())
+        with pyccl.group():  # one kind per group again
+            comms[other].all_reduce(b)
+        comms[other].wait()
+        assert b.tolist() == [10.0, 14.0], b.tolist()
+        for c in comms.values():
+            c.destroy()
+    clean()
+    return "ok"
+
+
 def group_calls():
     c = new(timeout=1)
     a, b = Array([1.0, 2.0]), Array([0.0, 0.0])

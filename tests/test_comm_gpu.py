@@ -181,3 +181,6 @@ def test_group_mixing_timed_and_untimed_is_refused():
     res = run_ranks(sc.mixed_group_refused, W, pyccl.unique_id(), timeout=120)
     for r, (err, closed) in res.items():
         assert err is not None and err[0] == "NcclError" and closed, (r, err, closed)
+        # refused by pyccl on every rank, at the call of the second kind (NCCL refuses only
+        # where a connection or launch job is queued: not on every rank or transport)
+        assert err[3] == "untimed all_reduce" and "cannot mix communicators" in err[2], (r, err)

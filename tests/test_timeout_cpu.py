@@ -142,6 +142,7 @@ def run_fake(lib, scenario, timeout=60):
     "untimed",                 # no timeout: nothing tracked, no thread; abort(), wait() refused
     "graph_capture",           # no event recorded while the stream is captured
     "group_calls",             # events at the group's end; destroy/abort refused inside
+    "mixed_group",             # timed and untimed communicators in one group: refused by pyccl
     "split_child",             # the child inherits the timeout; a hung split times out
     "wait_limit_not_aborted",  # wait(timeout=) shorter than the communicator's: not aborted
     "async_error",             # NCCL's asynchronous error aborts it and raises NcclError
