@@ -95,13 +95,13 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
     int nranks, rank, device = -1, ndev = 0, prev = -1;
     double timeout = 0.0;
     ncclUniqueId uid;
+    /* "init_rank" is the drop-in's (torch.cuda.nccl's texts) */
     if (pyccl_read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
-        pyccl_read_unique_id(op, uid_obj, &uid) < 0 ||
+        pyccl_read_unique_id(op, strcmp(op, "init_rank") == 0, uid_obj, &uid) < 0 ||
         pyccl_read_int(op, "rank", rank_obj, &rank) < 0) {
         return NULL;
     }
-    if (device_obj != NULL && device_obj != Py_None &&
-        pyccl_read_int(op, "device", device_obj, &device) < 0) {
+    if (pyccl_read_device(op, "device", device_obj, &device) < 0) {
         return NULL;
     }
     if (pyccl_read_timeout(op, timeout_obj, &timeout) < 0) {
@@ -128,12 +128,7 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
         pyccl_raise_cuda(st, op, "cudaGetDevice", ce);
         return NULL;
     }
-    if (device < 0) {
-        if (device_obj != NULL && device_obj != Py_None) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: device must be >= 0, got %d", op, device);
-            return NULL;
-        }
+    if (device < 0) { /* None, "cuda": the current device */
         device = prev;
     }
     if (device >= ndev) {

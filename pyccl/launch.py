@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from . import _C
+from ._gpu import need_gpu
 
 _generation = itertools.count()
 
@@ -34,11 +35,10 @@ def _env_int(name, default=None):
         raise ValueError(f"init_from_env: {name}={value!r} is not an integer") from None
 
 
-def _pick_device(local_rank, device):
+def _pick_device(op, local_rank, device):
+    n = need_gpu(op)
+    device = _C._read_device(op, "device", device)  # the Communicator's reading; None: pick
     if device is None:
-        n = torch.cuda.device_count()
-        if n == 0:
-            raise _C.CudaError("init_from_env: no CUDA GPU is available")
         device = local_rank % n
     torch.cuda.set_device(device)
     return device
@@ -75,6 +75,7 @@ def init_from_env(timeout=300.0, device=None):
     store and is the communicator's timeout (see Communicator): its init and
     every collective must finish within it, else pyccl.NcclTimeoutError.
     timeout=None: NCCL's blocking mode, unwatched (the store waits 300 s).
+    `device`: an int, "cuda:N" or a torch.device (default: LOCAL_RANK modulo the GPU count).
     """
     timeout = _C._read_timeout("init_from_env", timeout)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -88,7 +89,7 @@ def init_from_env(timeout=300.0, device=None):
     port = _env_int("MASTER_PORT")
     if not 0 <= rank < world:
         raise ValueError(f"init_from_env: RANK={rank} is out of range for WORLD_SIZE={world}")
-    device = _pick_device(local_rank, device)
+    device = _pick_device("init_from_env", local_rank, device)
     from torch.distributed import TCPStore
 
     # Under torchrun the agent already serves a store on MASTER_PORT.
@@ -122,6 +123,7 @@ def init_from_mpi(comm=None, device=None, timeout=None):
     """This process's Communicator, bootstrapped through mpi4py (MPI.COMM_WORLD by default).
 
     `timeout`: the communicator's (see Communicator); None: NCCL's blocking mode.
+    `device`: an int, "cuda:N" or a torch.device (default: the node-local rank modulo the GPU count).
     """
     timeout = _C._read_timeout("init_from_mpi", timeout)
     try:
@@ -132,7 +134,7 @@ def init_from_mpi(comm=None, device=None, timeout=None):
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank = local.Get_rank()
     local.Free()
-    device = _pick_device(local_rank, device)
+    device = _pick_device("init_from_mpi", local_rank, device)
     uid = _C._nccl_unique_id() if comm.Get_rank() == 0 else None
     uid = comm.bcast(uid, root=0)
     return _C.Communicator(comm.Get_size(), uid, comm.Get_rank(), device, timeout)
