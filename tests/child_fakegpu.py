@@ -1049,6 +1049,31 @@ def device_forms():
     return out
 
 
+def keyword_order():
+    """Communicator methods take input first (NCCL's order); by keyword, in any order, the
+    arguments land where they are named.  One rank: all_gather and reduce_scatter copy input
+    into output, so a swap would show as output unchanged and input overwritten."""
+    c = new(world=1, timeout=None)
+    out = {}
+    calls = {
+        "all_gather positional": lambda a, b: c.all_gather(a, b),
+        "all_gather input=, output=": lambda a, b: c.all_gather(input=a, output=b),
+        "all_gather output=, input=": lambda a, b: c.all_gather(output=b, input=a),
+        "reduce_scatter output=, input=": lambda a, b: c.reduce_scatter(output=b, input=a),
+        "reduce_scatter output=, input=, op='sum'": lambda a, b: c.reduce_scatter(output=b, input=a, op="sum"),
+    }
+    for label, call in calls.items():
+        a, b = Array([1.0, 2.0]), Array([0.0, 0.0])
+        call(a, b)
+        out[label] = [a.tolist(), b.tolist()]
+    a, b = Array([1.0, 2.0]), Array([0.0, 0.0])
+    c.all_to_all_single(output=b, input=a, output_splits=[2], input_splits=[2])
+    c.scatter(tensor=b, inputs=a, root=0)
+    c.destroy()
+    clean()
+    return out
+
+
 if __name__ == "__main__":
     result = globals()[SCENARIO]()
     print("RESULT " + json.dumps(result), flush=True)

@@ -326,3 +326,19 @@ def test_torch_without_cuda_raises_cuda_error(monkeypatch, call, op):
             f"{op}: this torch ({torch.__version__}) is built without CUDA; pyccl needs a CUDA build of "
             "torch") + "$"):
         call()
+
+
+def test_input_first_and_keywords(tmp_path_factory):
+    """The methods that move data between tensors keep NCCL's order (input first) positionally,
+    and take both by name in any order (how code ported from torch.distributed says which is
+    which); one rank copies input into output, so a swap would leave output zero."""
+    got = _stand_in(tmp_path_factory, "keyword_order")
+    assert got == {label: [[1.0, 2.0], [1.0, 2.0]] for label in (
+        "all_gather positional", "all_gather input=, output=", "all_gather output=, input=",
+        "reduce_scatter output=, input=", "reduce_scatter output=, input=, op='sum'")}
+    for name, first in (("all_gather", "input"), ("reduce_scatter", "input"), ("all_to_all_single", "input"),
+                        ("all_to_all", "input"), ("scatter", "inputs"), ("gather", "tensor")):
+        params = list(inspect.signature(getattr(pyccl.Communicator, name)).parameters.values())
+        assert params[1].name == first and params[1].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, name
+        if name != "gather":
+            assert "torch.distributed puts the output first" in getattr(pyccl.Communicator, name).__doc__, name
