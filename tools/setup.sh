@@ -12,6 +12,8 @@ export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 missing=()
 $PY -c "import torch" 2>/dev/null || missing+=("${PYCCL_TORCH_SPEC:-torch}")
 $PY -c "import pytest" 2>/dev/null || missing+=(pytest)
+# the stub test (tests/test_stubs_cpu.py) runs mypy's stubtest, as CI does (.ci/run)
+$PY -c "import mypy" 2>/dev/null || missing+=(mypy)
 # pip's editable install (PEP 660) needs setuptools 64; before 70.1 also the wheel package
 $PY -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" 2>/dev/null \
   || missing+=("setuptools>=64")
