@@ -135,14 +135,16 @@ static const char *const torch_op_names[] = {"SUM", "PRODUCT", "MAX", "MIN", "AV
 
 /* torch.distributed's ReduceOp and ReduceOp.RedOpType, found (not imported)
  * once torch.distributed has been imported: before that no object can be
- * one.  Borrowed from the state, which keeps them. */
+ * one.  Borrowed from the state, which keeps them, with NCCL's op for each
+ * RedOpType value: its members are read by name here, once (a pybind enum's
+ * name costs microseconds a read, its value a tenth of one). */
 static int
 torch_op_types(pyccl_state *st, PyObject **reduce_op, PyObject **red_op_type)
 {
+    *reduce_op = *red_op_type = NULL;
     if (st->ReduceOp == NULL) {
         PyObject *mod = PyImport_GetModule(st->s_c10d);
         if (mod == NULL) {
-            *reduce_op = *red_op_type = NULL;
             return PyErr_Occurred() ? -1 : 0;
         }
         PyObject *ro = PyObject_GetAttrString(mod, "ReduceOp");
@@ -152,8 +154,20 @@ torch_op_types(pyccl_state *st, PyObject **reduce_op, PyObject **red_op_type)
             Py_XDECREF(ro);
             Py_XDECREF(rt);
             PyErr_Clear(); /* a torch without them: nothing is a ReduceOp */
-            *reduce_op = *red_op_type = NULL;
             return 0;
+        }
+        memset(st->torch_ops, -1, sizeof st->torch_ops);
+        for (int i = 0; i <= ncclAvg; i++) {
+            PyObject *member = PyObject_GetAttrString(rt, torch_op_names[i]);
+            Py_ssize_t v = member ? PyNumber_AsSsize_t(member, NULL) : -1;
+            Py_XDECREF(member);
+            if (v == -1 && PyErr_Occurred()) {
+                PyErr_Clear(); /* a member this torch lacks: read by name */
+                continue;
+            }
+            if (v >= 0 && v < (Py_ssize_t)sizeof st->torch_ops) {
+                st->torch_ops[v] = (signed char)i;
+            }
         }
         st->ReduceOp = ro;
         st->RedOpType = rt;
@@ -174,10 +188,11 @@ accepted_ops(int flags)
                  "('sum', ...), or a torch.distributed.ReduceOp";
 }
 
-/* A torch ReduceOp / RedOpType: its name mapped to NCCL's op. */
+/* A torch ReduceOp / RedOpType: NCCL's op for its value (the table made
+ * from the names), else its name for the message. */
 static int
-read_torch_op(const char *op, PyObject *obj, PyObject *red_op_type, int flags,
-              int *redop)
+read_torch_op(pyccl_state *st, const char *op, PyObject *obj, PyObject *red_op_type,
+              int flags, int *redop)
 {
     PyObject *kind = Py_NewRef(obj);
     if (!PyObject_TypeCheck(kind, (PyTypeObject *)red_op_type)) {
@@ -185,6 +200,15 @@ read_torch_op(const char *op, PyObject *obj, PyObject *red_op_type, int flags,
         if (kind == NULL) {
             return -1;
         }
+    }
+    PyObject *value = PyNumber_Index(kind);
+    Py_ssize_t v = value ? PyNumber_AsSsize_t(value, NULL) : -1;
+    Py_XDECREF(value);
+    PyErr_Clear(); /* no value: the name says */
+    if (v >= 0 && v < (Py_ssize_t)sizeof st->torch_ops && st->torch_ops[v] >= 0) {
+        Py_DECREF(kind);
+        *redop = st->torch_ops[v];
+        return 0;
     }
     PyObject *name = PyObject_GetAttrString(kind, "name");
     Py_DECREF(kind);
@@ -264,7 +288,7 @@ pyccl_read_redop(pyccl_state *st, const char *op, PyObject *obj, int flags,
     }
     if (reduce_op != NULL && (PyObject_TypeCheck(obj, (PyTypeObject *)red_op_type) ||
                               PyObject_TypeCheck(obj, (PyTypeObject *)reduce_op))) {
-        return read_torch_op(op, obj, red_op_type, flags, redop);
+        return read_torch_op(st, op, obj, red_op_type, flags, redop);
     }
     if (scalar != NULL) {
         if (PyObject_GetOptionalAttr(obj, st->s_premul, scalar) < 0) {

@@ -41,22 +41,26 @@ def reduce_op(opname, op):
     other op is read as the Communicator reads it (SUM, PRODUCT, MIN, MAX, AVG; the bitwise ops
     have no NCCL reduction: ValueError, as torch's NCCL backend).
     """
-    # (isinstance(RedOpType, ReduceOp) is True through torch's metaclass: test the enum first)
-    if (op if type(op) is _RedOp else op.op) == _PREMUL_SUM:
-        from . import premul_sum
-        # torch >= 2.12 exposes the factor (a float, or a tensor) as ReduceOp.factor
-        factor = getattr(op, "factor", None)
-        if factor is None:
-            raise _unsupported(f"{opname} with ReduceOp.PREMUL_SUM on this torch "
-                               f"({torch.__version__}: the factor is not readable from Python)")
-        if isinstance(factor, torch.Tensor):
-            if factor.numel() != 1 or factor.device.type != "cpu":
-                raise _unsupported(f"{opname} with ReduceOp.PREMUL_SUM whose factor is a tensor of "
-                                   f"{factor.numel()} elements on {factor.device} (only a number or a "
-                                   "1-element CPU tensor)")
-            factor = factor.item()
-        return premul_sum(factor)
-    return _C._reduce_op(f"pyccl backend: {opname}", op)
+    try:
+        return _C._reduce_op(f"pyccl backend: {opname}", op)
+    except ValueError:
+        # (isinstance(RedOpType, ReduceOp) is True through torch's metaclass: test the enum first)
+        if (op if type(op) is _RedOp else op.op) != _PREMUL_SUM:
+            raise
+    # PREMUL_SUM: the factor is torch's
+    from . import premul_sum
+    # torch >= 2.12 exposes the factor (a float, or a tensor) as ReduceOp.factor
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        raise _unsupported(f"{opname} with ReduceOp.PREMUL_SUM on this torch "
+                           f"({torch.__version__}: the factor is not readable from Python)")
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1 or factor.device.type != "cpu":
+            raise _unsupported(f"{opname} with ReduceOp.PREMUL_SUM whose factor is a tensor of "
+                               f"{factor.numel()} elements on {factor.device} (only a number or a "
+                               "1-element CPU tensor)")
+        factor = factor.item()
+    return premul_sum(factor)
 
 
 def _one(opname, tensors):
