@@ -4,6 +4,7 @@
 #include "args.h"
 
 #include <string.h>
+#include <strings.h>
 
 int
 pyccl_parse_args(const char *op, PyObject *const *args, Py_ssize_t nargs,
@@ -98,7 +99,7 @@ pyccl_read_int(const char *op, const char *what, PyObject *obj, int *out)
 }
 
 int
-pyccl_read_unique_id(const char *op, PyObject *uid, ncclUniqueId *out)
+pyccl_read_unique_id(const char *op, int torch_text, PyObject *uid, ncclUniqueId *out)
 {
     Py_buffer view;
     if (!PyObject_CheckBuffer(uid) || PyUnicode_Check(uid)) {
@@ -111,9 +112,11 @@ pyccl_read_unique_id(const char *op, PyObject *uid, ncclUniqueId *out)
         return -1;
     }
     if (view.len != NCCL_UNIQUE_ID_BYTES) {
-        /* torch's text (without torch's SystemError on Python >= 3.10) */
+        /* the drop-in: torch's text (without torch's SystemError on Python
+         * >= 3.10); elsewhere the same words after "<op>: " */
         PyErr_Format(PyExc_RuntimeError,
-                     "invalid unique_id (expected %d bytes, got %zd)",
+                     "%s%sinvalid unique_id (expected %d bytes, got %zd)",
+                     torch_text ? "" : op, torch_text ? "" : ": ",
                      NCCL_UNIQUE_ID_BYTES, view.len);
         PyBuffer_Release(&view);
         return -1;
@@ -121,4 +124,287 @@ pyccl_read_unique_id(const char *op, PyObject *uid, ncclUniqueId *out)
     memcpy(out->internal, view.buf, NCCL_UNIQUE_ID_BYTES);
     PyBuffer_Release(&view);
     return 0;
+}
+
+/* ---- reduction ops ---- */
+
+/* NCCL's op for each name, in NCCL's order; torch.distributed spells PROD
+ * as PRODUCT. */
+static const char *const op_names[] = {"sum", "prod", "max", "min", "avg"};
+static const char *const torch_op_names[] = {"SUM", "PRODUCT", "MAX", "MIN", "AVG"};
+
+/* torch.distributed's ReduceOp and ReduceOp.RedOpType, found (not imported)
+ * once torch.distributed has been imported: before that no object can be
+ * one.  Borrowed from the state, which keeps them, with NCCL's op for each
+ * RedOpType value: its members are read by name here, once (a pybind enum's
+ * name costs microseconds a read, its value a tenth of one). */
+static int
+torch_op_types(pyccl_state *st, PyObject **reduce_op, PyObject **red_op_type)
+{
+    *reduce_op = *red_op_type = NULL;
+    if (st->ReduceOp == NULL) {
+        PyObject *mod = PyImport_GetModule(st->s_c10d);
+        if (mod == NULL) {
+            return PyErr_Occurred() ? -1 : 0;
+        }
+        PyObject *ro = PyObject_GetAttrString(mod, "ReduceOp");
+        Py_DECREF(mod);
+        PyObject *rt = ro ? PyObject_GetAttrString(ro, "RedOpType") : NULL;
+        if (rt == NULL || !PyType_Check(ro) || !PyType_Check(rt)) {
+            Py_XDECREF(ro);
+            Py_XDECREF(rt);
+            PyErr_Clear(); /* a torch without them: nothing is a ReduceOp */
+            return 0;
+        }
+        memset(st->torch_ops, -1, sizeof st->torch_ops);
+        for (int i = 0; i <= ncclAvg; i++) {
+            PyObject *member = PyObject_GetAttrString(rt, torch_op_names[i]);
+            Py_ssize_t v = member ? PyNumber_AsSsize_t(member, NULL) : -1;
+            Py_XDECREF(member);
+            if (v == -1 && PyErr_Occurred()) {
+                PyErr_Clear(); /* a member this torch lacks: read by name */
+                continue;
+            }
+            if (v >= 0 && v < (Py_ssize_t)sizeof st->torch_ops) {
+                st->torch_ops[v] = (signed char)i;
+            }
+        }
+        st->ReduceOp = ro;
+        st->RedOpType = rt;
+    }
+    *reduce_op = st->ReduceOp;
+    *red_op_type = st->RedOpType;
+    return 0;
+}
+
+static const char *
+accepted_ops(int flags)
+{
+    return (flags & PYCCL_OP_PREMUL)
+               ? "SUM=0, PROD=1, MAX=2, MIN=3, AVG=4, their names as strings "
+                 "('sum', ...), a torch.distributed.ReduceOp, or "
+                 "pyccl.premul_sum(x)"
+               : "SUM=0, PROD=1, MAX=2, MIN=3, AVG=4, their names as strings "
+                 "('sum', ...), or a torch.distributed.ReduceOp";
+}
+
+/* A torch ReduceOp / RedOpType: NCCL's op for its value (the table made
+ * from the names), else its name for the message. */
+static int
+read_torch_op(pyccl_state *st, const char *op, PyObject *obj, PyObject *red_op_type,
+              int flags, int *redop)
+{
+    PyObject *kind = Py_NewRef(obj);
+    if (!PyObject_TypeCheck(kind, (PyTypeObject *)red_op_type)) {
+        Py_SETREF(kind, PyObject_GetAttrString(obj, "op"));
+        if (kind == NULL) {
+            return -1;
+        }
+    }
+    PyObject *value = PyNumber_Index(kind);
+    Py_ssize_t v = value ? PyNumber_AsSsize_t(value, NULL) : -1;
+    Py_XDECREF(value);
+    PyErr_Clear(); /* no value: the name says */
+    if (v >= 0 && v < (Py_ssize_t)sizeof st->torch_ops && st->torch_ops[v] >= 0) {
+        Py_DECREF(kind);
+        *redop = st->torch_ops[v];
+        return 0;
+    }
+    PyObject *name = PyObject_GetAttrString(kind, "name");
+    Py_DECREF(kind);
+    if (name == NULL) {
+        return -1;
+    }
+    const char *text = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+    if (text == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_TypeError, "%s: op=%R has no readable name", op, obj);
+        }
+        Py_DECREF(name);
+        return -1;
+    }
+    for (int i = 0; i <= ncclAvg; i++) {
+        if (strcmp(text, torch_op_names[i]) == 0) {
+            Py_DECREF(name);
+            *redop = i;
+            return 0;
+        }
+    }
+    if (strcmp(text, "PREMUL_SUM") == 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: op=ReduceOp.PREMUL_SUM is not taken here%s", op,
+                     (flags & PYCCL_OP_PREMUL) ? "; pass pyccl.premul_sum(x)" : "");
+    }
+    else {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: op=ReduceOp.%s has no NCCL reduction (%s)", op, text,
+                     accepted_ops(flags));
+    }
+    Py_DECREF(name);
+    return -1;
+}
+
+int
+pyccl_read_redop(pyccl_state *st, const char *op, PyObject *obj, int flags,
+                 int *redop, PyObject **scalar)
+{
+    if (PyLong_Check(obj) && !PyBool_Check(obj)) {
+        int overflow;
+        long v = PyLong_AsLongAndOverflow(obj, &overflow);
+        if (v == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        /* With the drop-in's own communicators, ints past AVG may be ops the
+         * user made on them (ncclRedOpCreatePreMulSum); NCCL checks those. */
+        long hi = (flags & PYCCL_OP_ANY_INT) ? INT32_MAX : ncclAvg;
+        if (overflow || v < 0 || v > hi) {
+            PyErr_Format(PyExc_ValueError, "%s: op=%S is not a reduction op (%s)",
+                         op, obj, accepted_ops(flags));
+            return -1;
+        }
+        *redop = (int)v;
+        return 0;
+    }
+    if (PyUnicode_Check(obj)) {
+        Py_ssize_t n;
+        const char *text = PyUnicode_AsUTF8AndSize(obj, &n);
+        if (text == NULL) {
+            return -1;
+        }
+        for (int i = 0; i <= ncclAvg; i++) {
+            if ((size_t)n == strlen(op_names[i]) &&
+                strncasecmp(text, op_names[i], (size_t)n) == 0) {
+                *redop = i;
+                return 0;
+            }
+        }
+        PyErr_Format(PyExc_ValueError, "%s: op=%R is not a reduction op (%s)", op,
+                     obj, accepted_ops(flags));
+        return -1;
+    }
+    PyObject *reduce_op, *red_op_type;
+    if (torch_op_types(st, &reduce_op, &red_op_type) < 0) {
+        return -1;
+    }
+    if (reduce_op != NULL && (PyObject_TypeCheck(obj, (PyTypeObject *)red_op_type) ||
+                              PyObject_TypeCheck(obj, (PyTypeObject *)reduce_op))) {
+        return read_torch_op(st, op, obj, red_op_type, flags, redop);
+    }
+    if (scalar != NULL) {
+        if (PyObject_GetOptionalAttr(obj, st->s_premul, scalar) < 0) {
+            return -1;
+        }
+        if (*scalar != NULL) {
+            return 1;
+        }
+    }
+    PyErr_Format(PyExc_TypeError, "%s: op must be a reduction op (%s), got %.200s", op,
+                 accepted_ops(flags), Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
+/* ---- devices ---- */
+
+static int
+bad_device(const char *op, const char *what, PyObject *shown)
+{
+    PyErr_Format(PyExc_ValueError, "%s: %s must be a CUDA device ('cuda:N'), got %R",
+                 op, what, shown);
+    return -1;
+}
+
+/* "cuda" (-1: the current device) or "cuda:N" (N digits only). */
+static int
+read_device_text(const char *op, const char *what, PyObject *obj, int *device)
+{
+    Py_ssize_t n;
+    const char *text = PyUnicode_AsUTF8AndSize(obj, &n);
+    if (text == NULL) {
+        return -1;
+    }
+    if ((size_t)n != strlen(text) || strncmp(text, "cuda", 4) != 0 ||
+        (n > 4 && (text[4] != ':' || n == 5))) {
+        return bad_device(op, what, obj);
+    }
+    long long v = n == 4 ? -1 : 0;
+    for (const char *p = text + 5; n > 4 && *p; p++) {
+        if (*p < '0' || *p > '9') {
+            return bad_device(op, what, obj);
+        }
+        v = v > INT32_MAX ? v : v * 10 + (*p - '0');
+    }
+    if (v > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: %s=%R is out of range", op, what, obj);
+        return -1;
+    }
+    *device = (int)v;
+    return 0;
+}
+
+/* A torch.device: "cuda" type, its index or -1; 1 when obj is none. */
+static int
+read_torch_device(const char *op, const char *what, PyObject *obj, int *device)
+{
+    PyObject *torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");
+    PyObject *cls = torch ? PyObject_GetAttrString(torch, "device") : NULL;
+    if (cls == NULL) {
+        PyErr_Clear(); /* no torch (or one without torch.device) loaded */
+        return 1;
+    }
+    int is = PyType_Check(cls) && PyObject_TypeCheck(obj, (PyTypeObject *)cls);
+    Py_DECREF(cls);
+    if (!is) {
+        return 1;
+    }
+    PyObject *type = PyObject_GetAttrString(obj, "type");
+    PyObject *index = type ? PyObject_GetAttrString(obj, "index") : NULL;
+    int rc = -1;
+    if (index == NULL) {
+        goto done;
+    }
+    if (!PyUnicode_Check(type) || PyUnicode_CompareWithASCIIString(type, "cuda") != 0) {
+        PyObject *text = PyObject_Str(obj);
+        if (text != NULL) {
+            bad_device(op, what, text);
+            Py_DECREF(text);
+        }
+        goto done;
+    }
+    *device = -1;
+    rc = index == Py_None ? 0 : pyccl_read_int(op, what, index, device);
+done:
+    Py_XDECREF(type);
+    Py_XDECREF(index);
+    return rc;
+}
+
+int
+pyccl_read_device(const char *op, const char *what, PyObject *obj, int *device)
+{
+    if (obj == NULL || obj == Py_None) {
+        *device = -1;
+        return 0;
+    }
+    if (PyLong_Check(obj) && !PyBool_Check(obj)) {
+        if (pyccl_read_int(op, what, obj, device) < 0) {
+            return -1;
+        }
+        if (*device < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: %s must be >= 0, got %d", op, what,
+                         *device);
+            return -1;
+        }
+        return 0;
+    }
+    if (PyUnicode_Check(obj)) {
+        return read_device_text(op, what, obj, device);
+    }
+    int r = read_torch_device(op, what, obj, device);
+    if (r <= 0) {
+        return r;
+    }
+    PyErr_Format(PyExc_TypeError,
+                 "%s: %s must be an int, 'cuda:N' or a CUDA torch.device, got %.200s",
+                 op, what, Py_TYPE(obj)->tp_name);
+    return -1;
 }

@@ -30,8 +30,28 @@ int pyccl_read_bounded(const char *op, const char *what, PyObject *obj,
                        long lo, long hi, int *out);
 /* An int argument that fits in C int: TypeError / ValueError naming op and what. */
 int pyccl_read_int(const char *op, const char *what, PyObject *obj, int *out);
-/* A unique id as bytes (any buffer but str) of NCCL_UNIQUE_ID_BYTES. */
-int pyccl_read_unique_id(const char *op, PyObject *uid, ncclUniqueId *out);
+/* A reduction op in any of its spellings, for every API (Communicator
+ * methods, the torch.cuda.nccl drop-in, pyccl.ops, the torch.distributed
+ * backend): an int SUM..AVG (the fast path), a name as a string in any case
+ * ("sum", "PROD"), or torch.distributed's ReduceOp / ReduceOp.RedOpType (read
+ * by name through Python: no libtorch).  0 with *redop set.  With `scalar`
+ * non-NULL pyccl.premul_sum(x) is taken too: 1 with *scalar a new reference
+ * to x, for the caller to make the op.  Flags: PYCCL_OP_PREMUL (the message
+ * lists premul_sum), PYCCL_OP_ANY_INT (ints past AVG pass: the drop-in's
+ * ops made on the user's communicators).  -1 with ValueError / TypeError
+ * naming op, "op" and the value. */
+enum { PYCCL_OP_PREMUL = 1, PYCCL_OP_ANY_INT = 2 };
+int pyccl_read_redop(pyccl_state *st, const char *op, PyObject *obj, int flags,
+                     int *redop, PyObject **scalar);
+/* A device argument `what`: an int >= 0, "cuda:N", "cuda", a torch.device
+ * of type cuda, or None.  *device is the index, -1 for the current device
+ * (None, "cuda", torch.device("cuda")).  -1 with TypeError / ValueError
+ * naming op and what. */
+int pyccl_read_device(const char *op, const char *what, PyObject *obj, int *device);
+/* A unique id as bytes (any buffer but str) of NCCL_UNIQUE_ID_BYTES; a
+ * wrong length is RuntimeError "<op>: invalid unique_id (...)", without
+ * "<op>: " where torch_text is set (the drop-in keeps torch.cuda.nccl's). */
+int pyccl_read_unique_id(const char *op, int torch_text, PyObject *uid, ncclUniqueId *out);
 
 #pragma GCC visibility pop
 

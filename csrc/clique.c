@@ -142,7 +142,13 @@ read_members(const char *op, PyObject *ranks, PyObject *devices, Py_ssize_t n, i
         PyOS_snprintf(rname, sizeof rname, "ranks[%zd]", i);
         PyOS_snprintf(dname, sizeof dname, "devices[%zd]", i);
         if (pyccl_read_int(op, rname, PySequence_Fast_GET_ITEM(ranks, i), &rk[i]) < 0 ||
-            pyccl_read_int(op, dname, PySequence_Fast_GET_ITEM(devices, i), &dv[i]) < 0) {
+            pyccl_read_device(op, dname, PySequence_Fast_GET_ITEM(devices, i), &dv[i]) < 0) {
+            return -1;
+        }
+        if (dv[i] < 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: %s must name its index ('cuda:N'), got %R", op, dname,
+                         PySequence_Fast_GET_ITEM(devices, i));
             return -1;
         }
         for (Py_ssize_t j = 0; j < i; j++) {
@@ -198,7 +204,7 @@ pyccl_init_ranks(pyccl_state *st, PyObject *nranks_obj, PyObject *uid_obj,
     int *rk = NULL, *dv = NULL;
     ncclComm_t *comms = NULL;
     if (pyccl_read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
-        pyccl_read_unique_id(op, uid_obj, &uid) < 0) {
+        pyccl_read_unique_id(op, 0, uid_obj, &uid) < 0) {
         return NULL;
     }
     ranks = PySequence_Fast(ranks_obj, "init_ranks: ranks must be a sequence of ints");

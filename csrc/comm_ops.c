@@ -188,7 +188,7 @@ float_to_bf16(float f)
     return (uint16_t)(x >> 16);
 }
 
-/* An op argument: an int (SUM..AVG, or an op NCCL knows on this comm), or a
+/* An op argument: any spelling pyccl_read_redop takes, or a
  * pyccl.premul_sum(scalar), made into an NCCL op for this comm and dtype.
  * *made is set when the caller must ncclRedOpDestroy it after enqueueing. */
 static int
@@ -200,32 +200,10 @@ read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
         *redop = ncclSum;
         return 0;
     }
-    if (PyLong_Check(obj) && !PyBool_Check(obj)) {
-        int overflow;
-        long v = PyLong_AsLongAndOverflow(obj, &overflow);
-        if (v == -1 && PyErr_Occurred()) {
-            return -1;
-        }
-        if (overflow || v < 0 || v > ncclAvg) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: op=%S is not a reduction op (SUM=0, PROD=1, "
-                         "MAX=2, MIN=3, AVG=4, or pyccl.premul_sum(x))",
-                         x->op, obj);
-            return -1;
-        }
-        *redop = (int)v;
-        return 0;
-    }
-    PyObject *scalar;
-    if (PyObject_GetOptionalAttr(obj, x->st->s_premul, &scalar) < 0) {
-        return -1;
-    }
-    if (scalar == NULL) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s: op must be pyccl.SUM/PROD/MAX/MIN/AVG or "
-                     "pyccl.premul_sum(x), got %.200s",
-                     x->op, Py_TYPE(obj)->tp_name);
-        return -1;
+    PyObject *scalar = NULL;
+    int got = pyccl_read_redop(x->st, x->op, obj, PYCCL_OP_PREMUL, redop, &scalar);
+    if (got <= 0) {
+        return got;
     }
     double v = PyFloat_AsDouble(scalar);
     Py_DECREF(scalar);

@@ -95,13 +95,13 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
     int nranks, rank, device = -1, ndev = 0, prev = -1;
     double timeout = 0.0;
     ncclUniqueId uid;
+    /* "init_rank" is the drop-in's (torch.cuda.nccl's texts) */
     if (pyccl_read_int(op, "world_size", nranks_obj, &nranks) < 0 ||
-        pyccl_read_unique_id(op, uid_obj, &uid) < 0 ||
+        pyccl_read_unique_id(op, strcmp(op, "init_rank") == 0, uid_obj, &uid) < 0 ||
         pyccl_read_int(op, "rank", rank_obj, &rank) < 0) {
         return NULL;
     }
-    if (device_obj != NULL && device_obj != Py_None &&
-        pyccl_read_int(op, "device", device_obj, &device) < 0) {
+    if (pyccl_read_device(op, "device", device_obj, &device) < 0) {
         return NULL;
     }
     if (pyccl_read_timeout(op, timeout_obj, &timeout) < 0) {
@@ -128,12 +128,7 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
         pyccl_raise_cuda(st, op, "cudaGetDevice", ce);
         return NULL;
     }
-    if (device < 0) {
-        if (device_obj != NULL && device_obj != Py_None) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: device must be >= 0, got %d", op, device);
-            return NULL;
-        }
+    if (device < 0) { /* None, "cuda": the current device */
         device = prev;
     }
     if (device >= ndev) {
@@ -396,11 +391,19 @@ comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
     return res;
 }
 
+/* The methods that move data from one tensor to another take the input first,
+ * as NCCL and torch.cuda.nccl do; torch.distributed takes the output first. */
+#define PYCCL_INPUT_FIRST                                                         \
+    "The input comes first (NCCL's order); torch.distributed puts the output "   \
+    "first. Code ported from it should pass both by name."
+
 static PyMethodDef comm_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))pyccl_comm_all_reduce,
      METH_FASTCALL | METH_KEYWORDS,
      "all_reduce($self, /, tensor, op=0, *, out=None, stream=None, algo=None)\n--\n\n"
-     "Reduce `tensor` over all ranks; the result lands in `out` (default: in place).\n\n"
+     "Reduce `tensor` over all ranks; the result lands in `out` (default: in place).\n"
+     "op: pyccl.SUM/PROD/MAX/MIN/AVG, its name ('sum', any case), a\n"
+     "torch.distributed.ReduceOp or pyccl.premul_sum(x).\n\n"
      "algo: 'auto' (None), 'nccl', 'oneshot' or 'twoshot'. 'auto' runs pyccl's own\n"
      "peer-memory kernels for float32/float16/bfloat16/int32 SUM/MAX/MIN up to\n"
      "all_reduce_info['twoshot_max'] bytes when every rank shares the host, NCCL\n"
@@ -418,12 +421,14 @@ static PyMethodDef comm_methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "all_gather($self, /, input, output, *, stream=None)\n--\n\n"
      "Every rank's `input`, in rank order, into `output`: one tensor of size x "
-     "input elements or a list of `size` tensors."},
+     "input elements or a list of `size` tensors.\n\n" PYCCL_INPUT_FIRST},
     {"reduce_scatter", (PyCFunction)(void (*)(void))pyccl_comm_reduce_scatter,
      METH_FASTCALL | METH_KEYWORDS,
      "reduce_scatter($self, /, input, output, op=0, *, stream=None)\n--\n\n"
      "Reduce `input` (one tensor of size x output elements, or a list of `size` "
-     "tensors) and give rank r chunk r in `output`."},
+     "tensors) and give rank r chunk r in `output`. op: pyccl.SUM/PROD/MAX/MIN/AVG, "
+     "its name ('sum'), a torch.distributed.ReduceOp or pyccl.premul_sum(x).\n\n"
+     PYCCL_INPUT_FIRST},
     {"send", (PyCFunction)(void (*)(void))pyccl_comm_send,
      METH_FASTCALL | METH_KEYWORDS,
      "send($self, /, tensor, peer, *, stream=None)\n--\n\n"
@@ -437,12 +442,14 @@ static PyMethodDef comm_methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "all_to_all($self, /, input, output, *, stream=None)\n--\n\n"
      "Chunk j of this rank's input goes to rank j; chunk i of output comes from "
-     "rank i. Each side: one tensor of size x chunk elements or a list of tensors."},
+     "rank i. Each side: one tensor of size x chunk elements or a list of tensors.\n\n"
+     PYCCL_INPUT_FIRST},
     {"all_to_all_single", (PyCFunction)(void (*)(void))pyccl_comm_all_to_all_single,
      METH_FASTCALL | METH_KEYWORDS,
      "all_to_all_single($self, /, input, output, input_splits=None, output_splits=None, *, "
      "stream=None)\n--\n\n"
-     "all_to_all with per-rank row counts along dim 0 (None: equal splits)."},
+     "all_to_all with per-rank row counts along dim 0 (None: equal splits).\n\n"
+     PYCCL_INPUT_FIRST},
     {"gather", (PyCFunction)(void (*)(void))pyccl_comm_gather,
      METH_FASTCALL | METH_KEYWORDS,
      "gather($self, /, tensor, outputs, root, *, stream=None)\n--\n\n"
@@ -452,7 +459,7 @@ static PyMethodDef comm_methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "scatter($self, /, inputs, tensor, root, *, stream=None)\n--\n\n"
      "Chunk r of the root's `inputs` into rank r's `tensor`; other ranks may pass "
-     "None as inputs."},
+     "None as inputs.\n\n" PYCCL_INPUT_FIRST},
     {"barrier", (PyCFunction)(void (*)(void))pyccl_comm_barrier,
      METH_FASTCALL | METH_KEYWORDS,
      "barrier($self, /, *, stream=None)\n--\n\n"
@@ -586,8 +593,9 @@ static PyType_Slot comm_slots[] = {
     {Py_tp_members, comm_members},
     {Py_tp_doc,
      "Communicator(world_size, unique_id, rank, device=None, timeout=None)\n--\n\n"
-     "One rank of an NCCL communicator on one CUDA device (the current one "
-     "when device is None). Every rank passes the same unique_id.\n\n"
+     "One rank of an NCCL communicator on one CUDA device: device is an int, "
+     "'cuda:N' or a torch.device ('cuda', torch.device('cuda') or None: the "
+     "current one). Every rank passes the same unique_id.\n\n"
      "timeout (seconds): NCCL non-blocking mode under pyccl's watchdog. The "
      "init, and every collective's work on the GPU, must finish within it, "
      "else the communicator is aborted and NcclTimeoutError raised (by the "

@@ -44,7 +44,8 @@ free_on(const pyccl_api *a, int device, void *p)
 
 /* ---------------- pyccl._C.NcclBuffer ---------------- */
 
-/* _nccl_mem_alloc(nbytes, device) -> NcclBuffer: pyccl.empty's memory.  The
+/* _nccl_mem_alloc(nbytes, device) -> NcclBuffer: pyccl.empty's memory
+ * (device -1: the current device).  The
  * Python side has checked the arguments with empty's messages; these checks
  * stand behind it. */
 PyObject *
@@ -73,6 +74,15 @@ pyccl_mem_alloc(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     int ndev = 0;
     if (pyccl_gpu_count(st, "empty", &ndev) < 0) {
         return NULL;
+    }
+    if (device == -1) { /* the current device */
+        int cur = 0;
+        cudaError_t ce = a->cudaGetDevice(&cur);
+        if (ce != cudaSuccess) {
+            pyccl_raise_cuda(st, "empty", "cudaGetDevice", ce);
+            return NULL;
+        }
+        device = cur;
     }
     if (device < 0 || device >= ndev) {
         PyErr_Format(PyExc_ValueError,

@@ -3,6 +3,7 @@
  * the bindings live in python_nccl.c.  Importing needs no GPU, driver, NCCL or
  * torch: those are looked up on first use. */
 #include "pyccl.h"
+#include "args.h"
 
 extern PyMethodDef pyccl_nccl_methods[];
 
@@ -68,6 +69,68 @@ read_timeout(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* The op name of a reader called from Python: args[0] as a str. */
+static const char *
+op_name(const char *usage, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs != want || !PyUnicode_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    return PyUnicode_AsUTF8(args[0]);
+}
+
+/* _reduce_op(op, value) -> int: pyccl's op (SUM..AVG) for any spelling the
+ * Communicator takes but premul_sum, for pyccl.ops and the torch.distributed
+ * backend: the conversion is the one of args.c. */
+static PyObject *
+reduce_op(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *op = op_name("_reduce_op(op: str, value)", args, nargs, 2);
+    int redop;
+    if (op == NULL ||
+        pyccl_read_redop(PyModule_GetState(m), op, args[1], 0, &redop, NULL) < 0) {
+        return NULL;
+    }
+    return PyLong_FromLong(redop);
+}
+
+/* _read_device(op, what, value) -> int or None (the current device): the
+ * Communicator's reading of a device argument, for the Python side. */
+static PyObject *
+read_device(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *op = op_name("_read_device(op: str, what: str, value)", args, nargs, 3);
+    const char *what = op && PyUnicode_Check(args[1]) ? PyUnicode_AsUTF8(args[1]) : NULL;
+    int device;
+    if (what == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "_read_device(op: str, what: str, value)");
+        }
+        return NULL;
+    }
+    if (pyccl_read_device(op, what, args[2], &device) < 0) {
+        return NULL;
+    }
+    if (device < 0) {
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromLong(device);
+}
+
+/* _gpu_count(op) -> int >= 1, or CudaError "<op>: no CUDA GPU is available
+ * (...)": the check before GPU work that starts in Python. */
+static PyObject *
+gpu_count(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *op = op_name("_gpu_count(op: str)", args, nargs, 1);
+    int ndev = 0;
+    if (op == NULL || pyccl_gpu_count(PyModule_GetState(m), op, &ndev) < 0) {
+        return NULL;
+    }
+    return PyLong_FromLong(ndev);
+}
+
 /* _library_paths() -> (nccl, cudart): the files actually in use. */
 static PyObject *
 library_paths(PyObject *m, PyObject *Py_UNUSED(ignored));
@@ -101,6 +164,14 @@ static PyMethodDef module_methods[] = {
     {"_read_timeout", (PyCFunction)(void (*)(void))read_timeout, METH_FASTCALL,
      "_read_timeout(op, timeout) -> float or None (TypeError/ValueError "
      "naming op)."},
+    {"_reduce_op", (PyCFunction)(void (*)(void))reduce_op, METH_FASTCALL,
+     "_reduce_op(op, value) -> int: pyccl's reduction op for any spelling "
+     "(TypeError/ValueError naming op)."},
+    {"_read_device", (PyCFunction)(void (*)(void))read_device, METH_FASTCALL,
+     "_read_device(op, what, value) -> device index, or None for the current "
+     "device (TypeError/ValueError naming op and what)."},
+    {"_gpu_count", (PyCFunction)(void (*)(void))gpu_count, METH_FASTCALL,
+     "_gpu_count(op) -> number of CUDA devices (CudaError naming op when none)."},
     {"_communicator", communicator_by_name, METH_O,
      "_communicator(name) -> the live Communicator with that .name, or None."},
     {"_nccl_mem_alloc", (PyCFunction)(void (*)(void))pyccl_mem_alloc, METH_FASTCALL,
@@ -171,6 +242,7 @@ static const struct {
     {offsetof(pyccl_state, s_data), "data"},
     {offsetof(pyccl_state, s_strides), "strides"},
     {offsetof(pyccl_state, s_premul), "premul_scalar"},
+    {offsetof(pyccl_state, s_c10d), "torch._C._distributed_c10d"},
 };
 
 /* What the state holds that can be part of a reference cycle: visited by the
@@ -182,7 +254,8 @@ static const size_t visited[] = {
     offsetof(pyccl_state, CudaError),        offsetof(pyccl_state, NcclTimeoutError),
     offsetof(pyccl_state, CommunicatorType), offsetof(pyccl_state, NcclBufferType),
     offsetof(pyccl_state, RegistrationType), offsetof(pyccl_state, Tensor),
-    offsetof(pyccl_state, Stream),
+    offsetof(pyccl_state, Stream),           offsetof(pyccl_state, ReduceOp),
+    offsetof(pyccl_state, RedOpType),
 };
 
 static int

@@ -182,7 +182,12 @@ typedef struct {
     PyObject *s_is_cuda, *s_layout, *s_dtype, *s_is_contiguous, *s_numel,
              *s_get_device, *s_data_ptr, *s_cuda_stream, *s_device_index,
              *s_itemsize, *s_cai, *s_shape, *s_typestr, *s_data, *s_strides,
-             *s_premul, *s_device;
+             *s_premul, *s_device, *s_c10d;
+    /* torch.distributed's ReduceOp and ReduceOp.RedOpType, found once
+     * torch.distributed is loaded (args.c reads ops of these types), and
+     * NCCL's op for each RedOpType value (read by name then; -1: none) */
+    PyObject *ReduceOp, *RedOpType;
+    signed char torch_ops[16];
     /* comms=None: one clique of communicators per ordered device tuple */
     PyObject *cliques;           /* dict: tuple of ints -> tuple of Communicator */
     /* the last clique used, to skip building a key on repeated calls */

@@ -214,16 +214,11 @@ read_op_and_root(nccl_call *x, PyObject *redop_obj, PyObject *root_obj)
 {
     const char *op = x->op;
     if (redop_obj != NULL) {
-        if (pyccl_read_int(op, "op", redop_obj, &x->redop) < 0) {
-            return -1;
-        }
-        /* With user communicators, values past AVG may be ops the user made
+        /* With user communicators, ints past AVG may be ops the user made
          * on them (premul_sum); NCCL checks those. */
-        if (x->redop < 0 || (!x->have_comms && x->redop > ncclAvg)) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: op=%d is not a reduction op (SUM=0, PROD=1, "
-                         "MAX=2, MIN=3, AVG=4)",
-                         op, x->redop);
+        if (pyccl_read_redop(x->st, op, redop_obj,
+                             x->have_comms ? PYCCL_OP_ANY_INT : 0, &x->redop,
+                             NULL) < 0) {
             return -1;
         }
     }

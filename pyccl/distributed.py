@@ -9,7 +9,9 @@ stream and returns a finished Work whose future is CUDA-aware: `wait()` makes
 the waiting stream wait for the collective's stream, as NCCL's Work does.
 
 What pyccl cannot do raises `RuntimeError("pyccl backend: <op> ... is not
-supported")`: there is no fallback to another backend.
+supported")`: there is no fallback to another backend.  A bitwise ReduceOp
+(BAND, BOR, BXOR), which NCCL cannot reduce with, is a ValueError, as with
+torch's NCCL backend.
 """
 import collections
 import datetime
@@ -20,21 +22,12 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, _create_work_from_future
 
 from . import _C
+from ._gpu import need_gpu
 
 BACKEND_NAME = "pyccl"
 
 _RedOp = ReduceOp.RedOpType
-# torch's reduce ops -> pyccl's, keyed by the enum's value: hashing the pybind enum itself
-# costs 0.5 us a call.  The bitwise ops have no NCCL reduction.
-_OPS = {
-    _RedOp.SUM.value: _C.SUM,
-    _RedOp.PRODUCT.value: _C.PROD,
-    _RedOp.MIN.value: _C.MIN,
-    _RedOp.MAX.value: _C.MAX,
-    _RedOp.AVG.value: _C.AVG,
-}
-_PREMUL_SUM = _RedOp.PREMUL_SUM.value
-_UNSUPPORTED_OPS = {_RedOp.BAND.value: "BAND", _RedOp.BOR.value: "BOR", _RedOp.BXOR.value: "BXOR"}
+_PREMUL_SUM = _RedOp.PREMUL_SUM
 
 
 def _unsupported(what):
@@ -42,28 +35,32 @@ def _unsupported(what):
 
 
 def reduce_op(opname, op):
-    """pyccl's op for torch's `op` (a ReduceOp or a ReduceOp.RedOpType) in operation `opname`."""
-    # (isinstance(RedOpType, ReduceOp) is True through torch's metaclass: test the enum first)
-    kind = (op if type(op) is _RedOp else op.op).value
-    mapped = _OPS.get(kind)
-    if mapped is not None:
-        return mapped
-    if kind == _PREMUL_SUM:
-        from . import premul_sum
-        # torch >= 2.12 exposes the factor (a float, or a tensor) as ReduceOp.factor
-        factor = getattr(op, "factor", None)
-        if factor is None:
-            raise _unsupported(f"{opname} with ReduceOp.PREMUL_SUM on this torch "
-                               f"({torch.__version__}: the factor is not readable from Python)")
-        if isinstance(factor, torch.Tensor):
-            if factor.numel() != 1 or factor.device.type != "cpu":
-                raise _unsupported(f"{opname} with ReduceOp.PREMUL_SUM whose factor is a tensor of "
-                                   f"{factor.numel()} elements on {factor.device} (only a number or a "
-                                   "1-element CPU tensor)")
-            factor = factor.item()
-        return premul_sum(factor)
-    name = _UNSUPPORTED_OPS.get(kind, str(kind))
-    raise _unsupported(f"{opname} with ReduceOp.{name}")
+    """pyccl's op for torch's `op` (a ReduceOp or a ReduceOp.RedOpType) in operation `opname`.
+
+    PREMUL_SUM (whose factor only torch's ReduceOp holds) is made a pyccl.premul_sum here; every
+    other op is read as the Communicator reads it (SUM, PRODUCT, MIN, MAX, AVG; the bitwise ops
+    have no NCCL reduction: ValueError, as torch's NCCL backend).
+    """
+    try:
+        return _C._reduce_op(f"pyccl backend: {opname}", op)
+    except ValueError:
+        # (isinstance(RedOpType, ReduceOp) is True through torch's metaclass: test the enum first)
+        if (op if type(op) is _RedOp else op.op) != _PREMUL_SUM:
+            raise
+    # PREMUL_SUM: the factor is torch's
+    from . import premul_sum
+    # torch >= 2.12 exposes the factor (a float, or a tensor) as ReduceOp.factor
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        raise _unsupported(f"{opname} with ReduceOp.PREMUL_SUM on this torch "
+                           f"({torch.__version__}: the factor is not readable from Python)")
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1 or factor.device.type != "cpu":
+            raise _unsupported(f"{opname} with ReduceOp.PREMUL_SUM whose factor is a tensor of "
+                               f"{factor.numel()} elements on {factor.device} (only a number or a "
+                               "1-element CPU tensor)")
+        factor = factor.item()
+    return premul_sum(factor)
 
 
 def _one(opname, tensors):
@@ -372,8 +369,9 @@ def exchange_unique_id(store, rank, size, group_name):
 
 
 def _new_communicator(size, uid, rank, timeout, device=None):
-    return _C.Communicator(size, uid, rank, torch.cuda.current_device() if device is None else device,
-                           timeout)
+    need_gpu("pyccl backend")  # pyccl.CudaError in pyccl's words, not torch's internals
+    # device None: the current device, as the Communicator reads it
+    return _C.Communicator(size, uid, rank, device, timeout)
 
 
 def _bound_device(opts):

@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from . import _C
+from ._gpu import need_gpu
 
 _generation = itertools.count()
 
@@ -82,9 +83,7 @@ def place_rank(local_rank, local_world):
     if not 0 <= local_rank < local_world:
         raise ValueError(f"place_rank: local_rank={local_rank} is out of range for "
                          f"local_world={local_world}")
-    n = torch.cuda.device_count()
-    if n == 0:
-        raise _C.CudaError("place_rank: no CUDA GPU is available")
+    n = need_gpu("place_rank")
     if local_world > n:
         _share_identity(local_rank, n)
     torch.cuda.set_device(local_rank % n)
@@ -118,11 +117,10 @@ def _share_at_import():
         _share_identity(local[0], n)
 
 
-def _pick_device(what, local_rank, local_world, device):
+def _pick_device(op, local_rank, local_world, device):
+    n = need_gpu(op)
+    device = _C._read_device(op, "device", device)  # the Communicator's reading; None: pick
     if device is None:
-        n = torch.cuda.device_count()
-        if n == 0:
-            raise _C.CudaError(f"{what}: no CUDA GPU is available")
         if _sharing_asked() and local_world > n:
             return place_rank(local_rank, local_world)
         device = local_rank % n
@@ -162,6 +160,7 @@ def init_from_env(timeout=300.0, device=None):
     store and is the communicator's timeout (see Communicator): its init and
     every collective must finish within it, else pyccl.NcclTimeoutError.
     timeout=None: NCCL's blocking mode, unwatched (the store waits 300 s).
+    `device`: an int, "cuda:N" or a torch.device (default: LOCAL_RANK modulo the GPU count).
     """
     timeout = _C._read_timeout("init_from_env", timeout)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -210,6 +209,7 @@ def init_from_mpi(comm=None, device=None, timeout=None):
     """This process's Communicator, bootstrapped through mpi4py (MPI.COMM_WORLD by default).
 
     `timeout`: the communicator's (see Communicator); None: NCCL's blocking mode.
+    `device`: an int, "cuda:N" or a torch.device (default: the node-local rank modulo the GPU count).
     """
     timeout = _C._read_timeout("init_from_mpi", timeout)
     try:

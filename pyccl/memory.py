@@ -9,6 +9,7 @@ import threading
 import torch
 
 from . import _C
+from ._gpu import need_gpu
 
 
 def _shape(shape):
@@ -29,30 +30,6 @@ def _shape(shape):
         except TypeError:
             raise TypeError(f"empty: shape must hold ints, got {type(d).__name__} in {tuple(shape)!r}") from None
     return tuple(dims)
-
-
-def _device(device):
-    if device is None:
-        return torch.cuda.current_device()
-    if isinstance(device, bool):
-        raise TypeError(f"empty: device must be an int, 'cuda:N' or a CUDA torch.device, got {device!r}")
-    try:
-        index = operator.index(device)
-    except TypeError:
-        pass
-    else:
-        if index < 0:
-            raise ValueError(f"empty: device must be >= 0, got {index}")
-        return index
-    if isinstance(device, (str, torch.device)):
-        try:
-            d = torch.device(device)
-        except RuntimeError:
-            d = None
-        if d is not None and d.type == "cuda":
-            return torch.cuda.current_device() if d.index is None else d.index
-        raise ValueError(f"empty: device must be a CUDA device, got {str(device)!r}")
-    raise TypeError(f"empty: device must be an int, 'cuda:N' or a CUDA torch.device, got {type(device).__name__}")
 
 
 def _need_numpy():
@@ -87,12 +64,13 @@ def empty(shape, dtype=torch.float32, device=None) -> torch.Tensor:
     nbytes = numel * dtype.itemsize
     if nbytes >= 1 << 63:
         raise ValueError(f"empty: {nbytes} bytes (shape {dims!r}, {dtype}) is too large")
-    dev = _device(device)
+    dev = _C._read_device("empty", "device", device)  # the Communicator's reading; None: current
+    need_gpu("empty")
     _need_numpy()
-    buf = _C._nccl_mem_alloc(nbytes, dev)
+    buf = _C._nccl_mem_alloc(nbytes, -1 if dev is None else dev)
     # zero-copy: torch keeps a reference to `buf` in the tensor's deleter
     # (tensor_from_cuda_array_interface), so ncclMemFree waits for the last view
-    t = torch.as_tensor(buf, device=torch.device("cuda", dev))
+    t = torch.as_tensor(buf, device=torch.device("cuda", buf.device))
     return t.view(dtype).view(dims)
 
 
@@ -112,6 +90,7 @@ def mem_pool():
     global _pool
     with _pool_lock:
         if _pool is None:
+            need_gpu("mem_pool")
             alloc_name, free_name = _C._mem_pool_functions()  # loads NCCL, checks the version
             allocator = torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, alloc_name, free_name)
             _pool = torch.cuda.MemPool(allocator.allocator())

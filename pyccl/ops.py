@@ -23,8 +23,10 @@ traces without a graph break:
 
 Each op has a fake implementation (shapes only), so the compiler sees shapes
 without running anything; the functional forms (no `_`) are the ones CUDA
-graphs (`mode="reduce-overhead"`) take without copies.  op is "sum", "prod",
-"min", "max" or "avg".  The work is enqueued on the current stream, as every
+graphs (`mode="reduce-overhead"`) take without copies.  op is a reduction in
+any of pyccl's spellings: "sum", "prod", "min", "max", "avg" (any case),
+pyccl.SUM/PROD/MIN/MAX/AVG or a torch.distributed.ReduceOp; the functions
+below pass it to the ops by name.  The work is enqueued on the current stream, as every
 pyccl collective.  NCCL's destroy waits until every CUDA graph that captured work of the
 communicator is freed: free torch.compile's graphs first
 (`pyccl.distributed.free_compiled_cuda_graphs()`, or `torch._dynamo.reset()`)
@@ -39,14 +41,29 @@ from . import _C
 
 # torch's names of the reductions (as its functional collectives spell them) -> pyccl's
 REDUCE_OPS = {"sum": _C.SUM, "prod": _C.PROD, "min": _C.MIN, "max": _C.MAX, "avg": _C.AVG}
-_OP_NAMES = ", ".join(repr(k) for k in REDUCE_OPS)
+_NAMES = {v: k for k, v in REDUCE_OPS.items()}
 
 
 def _redop(opname, op):
-    try:
-        return REDUCE_OPS[op]
-    except (KeyError, TypeError):
-        raise ValueError(f"pyccl.ops.{opname}: op must be one of {_OP_NAMES}, got {op!r}") from None
+    """pyccl's op (an int) for `op` in any spelling; the reading is the Communicator's (C)."""
+    return _C._reduce_op(f"pyccl.ops.{opname}", op)
+
+
+def _assume_constant(fn):
+    # torch.compile evaluates the op's name while tracing instead of tracing into C
+    assume = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
+    return fn if assume is None else assume(fn)
+
+
+@_assume_constant
+def _op_name(opname, op):
+    """The name the ops' schemas take ("sum", ...) for `op` in any spelling."""
+    return _NAMES[_redop(opname, op)]
+
+
+def _name(opname, op):
+    # a name in lower case goes through as it is (checked by the op itself)
+    return op if type(op) is str and op in REDUCE_OPS else _op_name(opname, op)
 
 
 def _process_group(name):
@@ -259,12 +276,12 @@ def _(input, group, group_size):
 
 def all_reduce(tensor, group, op="sum"):
     """A new tensor: the reduction of `tensor` over the ranks of `group`."""
-    return torch.ops.pyccl.all_reduce(tensor, _group("all_reduce", group), op)
+    return torch.ops.pyccl.all_reduce(tensor, _group("all_reduce", group), _name("all_reduce", op))
 
 
 def all_reduce_(tensor, group, op="sum"):
     """Reduce `tensor` in place over the ranks of `group`; returns it."""
-    torch.ops.pyccl.all_reduce_(tensor, _group("all_reduce_", group), op)
+    torch.ops.pyccl.all_reduce_(tensor, _group("all_reduce_", group), _name("all_reduce_", op))
     return tensor
 
 
@@ -276,7 +293,7 @@ def all_gather(tensor, group):
 def reduce_scatter(tensor, group, op="sum"):
     """A new tensor: this rank's part (dim 0 split in size equal parts) of the reduction of `tensor`."""
     return torch.ops.pyccl.reduce_scatter(tensor, _group("reduce_scatter", group),
-                                          _size("reduce_scatter", group), op)
+                                          _size("reduce_scatter", group), _name("reduce_scatter", op))
 
 
 def broadcast(tensor, group, root):

@@ -123,8 +123,31 @@ def bounded_in_process(request):
         faulthandler.cancel_dump_traceback_later()
 
 
+def _skip_reason(rep):
+    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+
+
+def skip_summary(reports):
+    """Lines "skipped N (in K files): reason", one per reason, most skips first."""
+    groups = {}
+    for rep in reports:
+        path = rep.location[0] if rep.location else rep.nodeid.split("::")[0]
+        count, files = groups.setdefault(_skip_reason(rep), [0, set()])
+        groups[_skip_reason(rep)] = [count + 1, files | {path}]
+    lines = []
+    for reason, (count, files) in sorted(groups.items(), key=lambda kv: (-kv[1][0], kv[0])):
+        where = f"in {len(files)} files" if len(files) > 1 else f"in {next(iter(files))}"
+        lines.append(f"skipped {count} ({where}): {reason}")
+    return lines
+
+
 def pytest_terminal_summary(terminalreporter):
     passed = [r for r in terminalreporter.stats.get("passed", []) if r.when == "call"]
     bench = sum(1 for r in passed if "bench" in r.keywords)
     terminalreporter.write_line(f"passed: {len(passed) - bench} pyccl behaviour, {bench} benchmark tool "
                                 f"(marker 'bench')")
+    # skips by reason (pytest's -rs lists every one: on a machine without GPUs, a hundred lines
+    # that differ only in the test's line number)
+    for line in skip_summary(terminalreporter.stats.get("skipped", [])):
+        terminalreporter.write_line(line)

@@ -1027,6 +1027,112 @@ def names():
     return "ok"
 
 
+def op_spellings():
+    """The NCCL op each spelling of a reduction reaches NCCL as, through the Communicator's
+    all_reduce and reduce and the drop-in's all_reduce on it (the stand-in records the op it
+    was passed).  torch.distributed's ReduceOp is a stand-in of the same shape here (a module
+    torch._C._distributed_c10d whose ReduceOp holds .op, a ReduceOp.RedOpType with .name)."""
+    c10d = types.ModuleType("torch._C._distributed_c10d")
+
+    class RedOpType:
+        def __init__(self, name):
+            self.name = name
+
+    class ReduceOp:
+        def __init__(self, kind):
+            self.op = kind
+    ReduceOp.RedOpType = RedOpType
+    c10d.ReduceOp = ReduceOp
+    sys.modules[c10d.__name__] = c10d
+    c = new(world=1, timeout=None)
+    spellings = {"int 2": 2, "pyccl.MIN": pyccl.MIN, "'sum'": "sum", "'Prod'": "Prod", "'AVG'": "AVG",
+                 "RedOpType MAX": RedOpType("MAX"), "RedOpType PRODUCT": RedOpType("PRODUCT"),
+                 "ReduceOp(AVG)": ReduceOp(RedOpType("AVG")), "ReduceOp(MIN)": ReduceOp(RedOpType("MIN"))}
+    out = {}
+    for label, op in spellings.items():
+        got = []
+        for call in (lambda: c.all_reduce(Array([1.0]), op),
+                     lambda: c.reduce(Array([1.0]), 0, op=op),
+                     lambda: pyccl.nccl.all_reduce([Tensor([1.0])], op=op, comms=[c])):
+            put("last_redop", -1)
+            call()
+            got.append(get("last_redop"))
+        out[label] = got
+    for label, op in {"RedOpType BXOR": RedOpType("BXOR"), "ReduceOp(PREMUL_SUM)": ReduceOp(RedOpType("PREMUL_SUM")),
+                      "'xor'": "xor"}.items():
+        for call in (lambda: c.all_reduce(Array([1.0]), op),
+                     lambda: pyccl.nccl.all_reduce([Tensor([1.0])], op=op, comms=[c])):
+            _, err = timed(call)
+            out.setdefault(label, []).append([type(err).__name__, str(err)])
+    c.destroy()
+    clean()
+    return out
+
+
+def device_forms():
+    """The device each form of device= puts a communicator on (torch.device is a stand-in
+    of the same shape: .type and .index), and the messages of the forms refused."""
+    import torch
+
+    class device:
+        def __init__(self, type, index=None):
+            self.type, self.index = type, index
+
+        def __str__(self):
+            return self.type if self.index is None else f"{self.type}:{self.index}"
+    torch.device = device
+    out = {}
+    forms = {"1": 1, "'cuda:1'": "cuda:1", "device('cuda', 1)": device("cuda", 1),
+             "'cuda' (current: 1)": "cuda", "device('cuda') (current: 1)": device("cuda"),
+             "None (current: 1)": None}
+    for label, form in forms.items():
+        fake.cudaSetDevice(1)
+        a = pyccl.Communicator(1, pyccl.unique_id(), 0, device=form)
+        b = pyccl.init_rank(1, pyccl.unique_id(), 0, device=form)
+        out[label] = [a.device, b.device]
+        a.destroy()
+        b.destroy()
+        fake.cudaSetDevice(0)
+    comms = pyccl.init_ranks(2, pyccl.unique_id(), [0, 1], ["cuda:1", device("cuda", 0)])
+    out["init_ranks"] = [x.device for x in comms]
+    for x in comms:
+        x.destroy()
+    for label, call in {
+        "device('cpu')": lambda: pyccl.Communicator(1, pyccl.unique_id(), 0, device=device("cpu")),
+        "'cuda:5'": lambda: pyccl.Communicator(1, pyccl.unique_id(), 0, device="cuda:5"),
+        "init_ranks 'cuda'": lambda: pyccl.init_ranks(2, pyccl.unique_id(), [0, 1], ["cuda", 1]),
+    }.items():
+        _, err = timed(call)
+        out[label] = [type(err).__name__, str(err)]
+    clean()
+    return out
+
+
+def keyword_order():
+    """Communicator methods take input first (NCCL's order); by keyword, in any order, the
+    arguments land where they are named.  One rank: all_gather and reduce_scatter copy input
+    into output, so a swap would show as output unchanged and input overwritten."""
+    c = new(world=1, timeout=None)
+    out = {}
+    calls = {
+        "all_gather positional": lambda a, b: c.all_gather(a, b),
+        "all_gather input=, output=": lambda a, b: c.all_gather(input=a, output=b),
+        "all_gather output=, input=": lambda a, b: c.all_gather(output=b, input=a),
+        "reduce_scatter output=, input=": lambda a, b: c.reduce_scatter(output=b, input=a),
+        "reduce_scatter output=, input=, op='sum'": lambda a, b: c.reduce_scatter(output=b, input=a, op="sum"),
+    }
+    for label, call in calls.items():
+        a, b = Array([1.0, 2.0]), Array([0.0, 0.0])
+        call(a, b)
+        out[label] = [a.tolist(), b.tolist()]
+    a, b = Array([1.0, 2.0]), Array([0.0, 0.0])
+    c.all_to_all_single(output=b, input=a, output_splits=[2], input_splits=[2])
+    c.scatter(tensor=b, inputs=a, root=0)
+    c.destroy()
+    clean()
+    return out
+
+
 if __name__ == "__main__":
     result = globals()[SCENARIO]()
     print("RESULT " + json.dumps(result), flush=True)

@@ -143,3 +143,202 @@ def test_all_reduce_info_without_a_gpu():
     assert (image is not None) == pyccl._C._ar_built()
     if image is not None:  # a CUDA fatbin: its magic number, little-endian
         assert image[:4] == (0xBA55ED50).to_bytes(4, "little"), image[:4]
+
+
+# ---- one spelling per idea: reduction ops and device= (csrc/args.c reads both for every API)
+
+OPS_TAKEN = ("SUM=0, PROD=1, MAX=2, MIN=3, AVG=4, their names as strings ('sum', ...), "
+             "or a torch.distributed.ReduceOp")
+
+
+def _stand_in(tmp_path_factory, scenario):
+    """Run tests/child_fakegpu.py's `scenario` on the stand-in GPU library; its RESULT."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from _fakes import build_fakegpu
+    lib = build_fakegpu(tmp_path_factory.mktemp("fakegpu"))
+    if lib is None:
+        pytest.skip("no C compiler to build the stand-in GPU library")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run([sys.executable, os.path.join(here, "child_fakegpu.py"), lib, scenario],
+                       capture_output=True, text=True, timeout=120, env=env)
+    results = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and results, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return results[0]
+
+
+def test_op_spellings_reach_nccl_as_its_ops(tmp_path_factory):
+    """Communicator.all_reduce, .reduce and the drop-in's all_reduce (on that communicator) pass
+    NCCL the same op for every spelling (ncclSum 0, ncclProd 1, ncclMax 2, ncclMin 3, ncclAvg 4)."""
+    got = _stand_in(tmp_path_factory, "op_spellings")
+    want = {"int 2": 2, "pyccl.MIN": 3, "'sum'": 0, "'Prod'": 1, "'AVG'": 4, "RedOpType MAX": 2,
+            "RedOpType PRODUCT": 1, "ReduceOp(AVG)": 4, "ReduceOp(MIN)": 3}
+    for label, op in want.items():
+        assert got[label] == [op, op, op], label
+    premul = OPS_TAKEN.replace("or a torch.distributed.ReduceOp",
+                               "a torch.distributed.ReduceOp, or pyccl.premul_sum(x)")
+    assert got["RedOpType BXOR"] == [
+        ["ValueError", f"all_reduce: op=ReduceOp.BXOR has no NCCL reduction ({premul})"],
+        ["ValueError", f"all_reduce: op=ReduceOp.BXOR has no NCCL reduction ({OPS_TAKEN})"]]
+    assert got["ReduceOp(PREMUL_SUM)"] == [
+        ["ValueError", "all_reduce: op=ReduceOp.PREMUL_SUM is not taken here; pass pyccl.premul_sum(x)"],
+        ["ValueError", "all_reduce: op=ReduceOp.PREMUL_SUM is not taken here"]]
+    assert got["'xor'"] == [["ValueError", f"all_reduce: op='xor' is not a reduction op ({premul})"],
+                            ["ValueError", f"all_reduce: op='xor' is not a reduction op ({OPS_TAKEN})"]]
+
+
+def test_reduce_op_reads_torch_reduce_op():
+    """torch's ReduceOp numbers its ops differently (SUM 0, AVG 1, PRODUCT 2, MIN 3, MAX 4):
+    the reading goes by name, so ReduceOp.MAX is NCCL's MAX (2), not 4 (NCCL's AVG)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch built without torch.distributed")
+    R = dist.ReduceOp
+    want = {R.SUM: pyccl.SUM, R.PRODUCT: pyccl.PROD, R.MAX: pyccl.MAX, R.MIN: pyccl.MIN, R.AVG: pyccl.AVG}
+    for kind, op in want.items():
+        assert pyccl._C._reduce_op("all_reduce", kind) == op, kind
+        assert pyccl._C._reduce_op("all_reduce", R(kind)) == op, kind  # a ReduceOp holding it
+    assert [pyccl._C._reduce_op("x", s) for s in ("sum", "PROD", "Max", "min", "avg")] == [0, 1, 2, 3, 4]
+    for name in ("BAND", "BOR", "BXOR"):
+        with pytest.raises(ValueError, match="^" + re.escape(
+                f"reduce: op=ReduceOp.{name} has no NCCL reduction ({OPS_TAKEN})") + "$"):
+            pyccl._C._reduce_op("reduce", getattr(R, name))
+    with pytest.raises(ValueError, match=r"^all_reduce: op=ReduceOp\.PREMUL_SUM is not taken here$"):
+        pyccl._C._reduce_op("all_reduce", R.PREMUL_SUM)
+    for bad, text in (("sum\0", "op='sum\\x00' is not a reduction op"), ("su", "op='su' is not a reduction op"),
+                      (5, "op=5 is not a reduction op")):
+        with pytest.raises(ValueError, match="^" + re.escape(f"x: {text} ({OPS_TAKEN})") + "$"):
+            pyccl._C._reduce_op("x", bad)
+    for bad in (1.0, True, None, pyccl.premul_sum(2)):
+        with pytest.raises(TypeError, match="^" + re.escape(
+                f"x: op must be a reduction op ({OPS_TAKEN}), got {type(bad).__name__}") + "$"):
+            pyccl._C._reduce_op("x", bad)
+
+
+def test_device_forms_put_the_communicator_there(tmp_path_factory):
+    """Communicator(device=), pyccl.init_rank(device=) and init_ranks(devices=) take an int,
+    'cuda:N' or a torch.device; 'cuda', torch.device('cuda') and None are the current device."""
+    got = _stand_in(tmp_path_factory, "device_forms")
+    for label in ("1", "'cuda:1'", "device('cuda', 1)", "'cuda' (current: 1)", "device('cuda') (current: 1)",
+                  "None (current: 1)"):
+        assert got[label] == [1, 1], label
+    assert got["init_ranks"] == [1, 0]
+    assert got["device('cpu')"] == ["ValueError", "Communicator: device must be a CUDA device ('cuda:N'), got 'cpu'"]
+    assert got["'cuda:5'"] == ["ValueError", "Communicator: device 5 does not exist (this process sees 2 GPUs)"]
+    assert got["init_ranks 'cuda'"] == ["ValueError",
+                                         "init_ranks: devices[0] must name its index ('cuda:N'), got 'cuda'"]
+
+
+@pytest.mark.parametrize("form, index", [(0, 0), (3, 3), ("cuda:2", 2), ("cuda", None), (None, None),
+                                         (torch.device("cuda", 1), 1), (torch.device("cuda"), None)])
+def test_read_device_forms(form, index):
+    assert pyccl._C._read_device("empty", "device", form) == index
+
+
+@pytest.mark.parametrize("form, exc, text", [
+    ("cpu", ValueError, "device must be a CUDA device ('cuda:N'), got 'cpu'"),
+    (torch.device("cpu"), ValueError, "device must be a CUDA device ('cuda:N'), got 'cpu'"),
+    ("cuda:", ValueError, "device must be a CUDA device ('cuda:N'), got 'cuda:'"),
+    ("cuda:1 ", ValueError, "device must be a CUDA device ('cuda:N'), got 'cuda:1 '"),
+    ("cuda:-1", ValueError, "device must be a CUDA device ('cuda:N'), got 'cuda:-1'"),
+    ("cuda:99999999999", ValueError, "device='cuda:99999999999' is out of range"),
+    (-1, ValueError, "device must be >= 0, got -1"),
+    (1 << 40, ValueError, "device=1099511627776 is out of range"),
+    (True, TypeError, "device must be an int, 'cuda:N' or a CUDA torch.device, got bool"),
+    (1.0, TypeError, "device must be an int, 'cuda:N' or a CUDA torch.device, got float"),
+])
+def test_read_device_refusals(form, exc, text):
+    with pytest.raises(exc, match="^" + re.escape("Communicator: " + text) + "$"):
+        pyccl._C._read_device("Communicator", "device", form)
+
+
+# ---- without a GPU, and on a torch built without CUDA: pyccl.CudaError in pyccl's words
+
+NO_GPU = r" no CUDA GPU is available \(cudaGetDeviceCount: "  # then the CUDA runtime's own words
+
+
+def _no_gpu_here():
+    from conftest import gpu_count
+    if gpu_count() > 0:
+        pytest.skip("checks the no-GPU messages; this machine has a GPU")
+
+
+@pytest.mark.parametrize("call, op", [
+    (lambda: pyccl.empty(4), "empty"),
+    (lambda: pyccl.empty(4, device="cuda:0"), "empty"),
+    (lambda: pyccl.empty((2, 2), device=torch.device("cuda", 0)), "empty"),
+    (lambda: pyccl.mem_pool(), "mem_pool"),
+    (lambda: pyccl.Communicator(1, pyccl.unique_id(), 0, device=torch.device("cuda", 0)), "Communicator"),
+    (lambda: pyccl.init_ranks(1, pyccl.unique_id(), [0], ["cuda:0"]), "init_ranks"),
+])
+def test_no_gpu_raises_cuda_error(call, op):
+    _no_gpu_here()
+    with pytest.raises(pyccl.CudaError, match="^" + op + ":" + NO_GPU):
+        call()
+
+
+def test_no_gpu_init_from_env(monkeypatch):
+    _no_gpu_here()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(pyccl.CudaError, match="^init_from_env:" + NO_GPU):
+        pyccl.init_from_env(device="cuda:0")
+
+
+def test_no_gpu_init_process_group(tmp_path):
+    """dist.init_process_group("pyccl") ends in pyccl.CudaError, not torch's CUDA internals."""
+    _no_gpu_here()
+    import torch.distributed as dist
+    if not dist.is_available():
+        pytest.skip("torch built without torch.distributed")
+    with pytest.raises(pyccl.CudaError, match="^pyccl backend:" + NO_GPU):
+        dist.init_process_group("pyccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    assert not dist.is_initialized()
+
+
+def test_no_gpu_ops_name_the_group():
+    """pyccl.ops needs a communicator (which needs a GPU): without one, its message names the group."""
+    with pytest.raises(ValueError, match=re.escape(
+            "pyccl.ops.all_reduce: group 'tp' names no live pyccl Communicator and no torch.distributed "
+            "process group") + "$"):
+        pyccl.ops.all_reduce(torch.ones(2), "tp")
+
+
+@pytest.mark.parametrize("call, op", [
+    (lambda: pyccl.empty(4), "empty"),
+    (lambda: pyccl.mem_pool(), "mem_pool"),
+    (lambda: pyccl.distributed._new_communicator(1, pyccl.unique_id(), 0, None), "pyccl backend"),
+])
+def test_torch_without_cuda_raises_cuda_error(monkeypatch, call, op):
+    """A GPU pyccl sees but a torch built without CUDA: pyccl.CudaError saying so (not torch's
+    AssertionError "Torch not compiled with CUDA enabled" or an AttributeError)."""
+    from pyccl import _gpu
+    monkeypatch.setattr(_gpu, "_C", type("C", (), {"_gpu_count": staticmethod(lambda op: 1),
+                                                   "CudaError": pyccl.CudaError}))
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(pyccl.CudaError, match="^" + re.escape(
+            f"{op}: this torch ({torch.__version__}) is built without CUDA; pyccl needs a CUDA build of "
+            "torch") + "$"):
+        call()
+
+
+def test_input_first_and_keywords(tmp_path_factory):
+    """The methods that move data between tensors keep NCCL's order (input first) positionally,
+    and take both by name in any order (how code ported from torch.distributed says which is
+    which); one rank copies input into output, so a swap would leave output zero."""
+    got = _stand_in(tmp_path_factory, "keyword_order")
+    assert got == {label: [[1.0, 2.0], [1.0, 2.0]] for label in (
+        "all_gather positional", "all_gather input=, output=", "all_gather output=, input=",
+        "reduce_scatter output=, input=", "reduce_scatter output=, input=, op='sum'")}
+    for name, first in (("all_gather", "input"), ("reduce_scatter", "input"), ("all_to_all_single", "input"),
+                        ("all_to_all", "input"), ("scatter", "inputs"), ("gather", "tensor")):
+        params = list(inspect.signature(getattr(pyccl.Communicator, name)).parameters.values())
+        assert params[1].name == first and params[1].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, name
+        if name != "gather":
+            assert "torch.distributed puts the output first" in getattr(pyccl.Communicator, name).__doc__, name

@@ -88,7 +88,9 @@ COLLECTIVES = {
     "reduce_scatter": lambda ins, **kw: nccl.reduce_scatter(
         ins, kw.pop("outputs", [fake(2, d) for d in range(len(ins))]), **kw),
 }
-OP_TEXT = "is not a reduction op (SUM=0, PROD=1, MAX=2, MIN=3, AVG=4)"
+OPS = ("SUM=0, PROD=1, MAX=2, MIN=3, AVG=4, their names as strings ('sum', ...), "
+       "or a torch.distributed.ReduceOp")
+OP_TEXT = f"is not a reduction op ({OPS})"
 
 
 def _deprecated_outputs_of_wrong_size():
@@ -192,11 +194,21 @@ def _cpu_cases():
         add(f"op_{op}-reduce_scatter", "nccl", lambda h, op=op: nccl.reduce_scatter([fake(4, 0)], [fake(4, 0)], op=op),
             ValueError, f"reduce_scatter: op={op} {OP_TEXT}")
     add("op_2^40", "nccl", lambda h: nccl.all_reduce([fake(4, 0)], op=1 << 40), ValueError,
-        "all_reduce: op=1099511627776 is out of range")
-    add("op_str", "nccl", lambda h: nccl.all_reduce([fake(4, 0)], op="sum"), TypeError,
-        "all_reduce: op must be an int, got str")
+        f"all_reduce: op=1099511627776 {OP_TEXT}")
+    add("op_str", "nccl", lambda h: nccl.all_reduce([fake(4, 0)], op="xor"), ValueError,
+        f"all_reduce: op='xor' {OP_TEXT}")
     add("op_bool", "nccl", lambda h: nccl.reduce([fake(4, 0)], op=True), TypeError,
-        "reduce: op must be an int, got bool")
+        f"reduce: op must be a reduction op ({OPS}), got bool")
+    add("op_float", "nccl", lambda h: nccl.reduce_scatter([fake(4, 0)], [fake(4, 0)], op=1.0), TypeError,
+        f"reduce_scatter: op must be a reduction op ({OPS}), got float")
+    add("op_premul_sum", "nccl", lambda h: nccl.all_reduce([fake(4, 0)], op=pyccl.premul_sum(2)), TypeError,
+        f"all_reduce: op must be a reduction op ({OPS}), got premul_sum")
+    if torch.distributed.is_available():
+        R = torch.distributed.ReduceOp
+        add("op_ReduceOp_BAND", "nccl", lambda h: nccl.all_reduce([fake(4, 0)], op=R.BAND), ValueError,
+            f"all_reduce: op=ReduceOp.BAND has no NCCL reduction ({OPS})")
+        add("op_ReduceOp_PREMUL_SUM", "nccl", lambda h: nccl.reduce([fake(4, 0)], op=R.PREMUL_SUM), ValueError,
+            "reduce: op=ReduceOp.PREMUL_SUM is not taken here")
     # in-place forms: only NCCL's own (the same buffer, or this rank's slot) may overlap
     add("all_gather_output_overlaps_input", "nccl",
         lambda h: nccl.all_gather([h.view(0, 1, 5)], [h.view(0, 0, 4)]), ValueError,
@@ -260,22 +272,32 @@ def _cpu_cases():
         "Communicator: rank 2 is out of range for world_size 2 (ranks are 0..1)")
     add("rank_2^40", "comm", lambda h: pyccl.Communicator(2, uid, 1 << 40), ValueError,
         "Communicator: rank=1099511627776 is out of range")
-    add("device_str", "comm", lambda h: pyccl.Communicator(1, uid, 0, device="0"), TypeError,
-        "Communicator: device must be an int, got str")
+    add("device_str", "comm", lambda h: pyccl.Communicator(1, uid, 0, device="0"), ValueError,
+        "Communicator: device must be a CUDA device ('cuda:N'), got '0'")
+    add("device_float", "comm", lambda h: pyccl.Communicator(1, uid, 0, device=0.0), TypeError,
+        "Communicator: device must be an int, 'cuda:N' or a CUDA torch.device, got float")
+    add("device_cpu", "comm", lambda h: pyccl.Communicator(1, uid, 0, device=torch.device("cpu")), ValueError,
+        "Communicator: device must be a CUDA device ('cuda:N'), got 'cpu'")
+    add("device_negative", "comm", lambda h: pyccl.init_rank(1, uid, 0, device=-2), ValueError,
+        "Communicator: device must be >= 0, got -2")
     add("unique_id_short", "comm", lambda h: pyccl.Communicator(1, b"x" * 5, 0), RuntimeError,
-        "invalid unique_id (expected 128 bytes, got 5)")
+        "Communicator: invalid unique_id (expected 128 bytes, got 5)")
     add("unique_id_str", "comm", lambda h: pyccl.Communicator(1, "u" * 128, 0), TypeError,
         "Communicator: unique_id must be bytes (from unique_id()), got str")
     add("init_ranks_lengths", "comm", lambda h: pyccl.init_ranks(2, uid, [0, 1], [0]), ValueError,
         "init_ranks: ranks and devices must be non-empty and of one length, got 2 and 1")
     add("init_ranks_unique_id", "comm", lambda h: pyccl.init_ranks(2, b"abc", [0], [0]), RuntimeError,
-        "invalid unique_id (expected 128 bytes, got 3)")
+        "init_ranks: invalid unique_id (expected 128 bytes, got 3)")
     add("init_ranks_rank_twice", "comm", lambda h: pyccl.init_ranks(2, uid, [1, 1], [0, 1]), ValueError,
         "init_ranks: rank 1 is listed twice (ranks[0] and ranks[1])")
     add("init_ranks_rank_out_of_range", "comm", lambda h: pyccl.init_ranks(2, uid, [0, 5], [0, 1]), ValueError,
         "init_ranks: ranks[1]=5 is out of range for world_size 2")
-    add("init_ranks_device_str", "comm", lambda h: pyccl.init_ranks(2, uid, [0, 1], ["0", 1]), TypeError,
-        "init_ranks: devices[0] must be an int, got str")
+    add("init_ranks_device_str", "comm", lambda h: pyccl.init_ranks(2, uid, [0, 1], ["0", 1]), ValueError,
+        "init_ranks: devices[0] must be a CUDA device ('cuda:N'), got '0'")
+    add("init_ranks_device_float", "comm", lambda h: pyccl.init_ranks(2, uid, [0, 1], [0, 1.0]), TypeError,
+        "init_ranks: devices[1] must be an int, 'cuda:N' or a CUDA torch.device, got float")
+    add("init_ranks_device_current", "comm", lambda h: pyccl.init_ranks(2, uid, [0, 1], [0, "cuda"]), ValueError,
+        "init_ranks: devices[1] must name its index ('cuda:N'), got 'cuda'")
     add("init_ranks_world_0", "comm", lambda h: pyccl.init_ranks(0, uid, [0], [0]), ValueError,
         "init_ranks: world_size must be >= 1, got 0")
     add("group_end_without_start", "comm", lambda h: pyccl._C._nccl_group_end(), RuntimeError,
@@ -294,7 +316,11 @@ def _cpu_cases():
     add("empty_dtype_str", "comm", lambda h: pyccl.empty(8, dtype="float32"), TypeError,
         "empty: dtype must be a torch.dtype, got str")
     add("empty_cpu_device", "comm", lambda h: pyccl.empty(8, device="cpu"), ValueError,
-        "empty: device must be a CUDA device, got 'cpu'")
+        "empty: device must be a CUDA device ('cuda:N'), got 'cpu'")
+    add("empty_cpu_torch_device", "comm", lambda h: pyccl.empty(8, device=torch.device("cpu")), ValueError,
+        "empty: device must be a CUDA device ('cuda:N'), got 'cpu'")
+    add("empty_bool_device", "comm", lambda h: pyccl.empty(8, device=True), TypeError,
+        "empty: device must be an int, 'cuda:N' or a CUDA torch.device, got bool")
     add("empty_negative_device", "comm", lambda h: pyccl.empty(8, device=-1), ValueError,
         "empty: device must be >= 0, got -1")
     _hostile_cpu_cases(add)
@@ -455,6 +481,9 @@ def _usable_without_gpu(h):
     nccl.reduce([z(0, 3), z(1, 5)], z(1, 7), root=1, op=nccl.MAX)
     nccl.all_gather([z(0, 3), z(1, 5)], [z(0, 11), z(1, 11)])
     nccl.reduce_scatter([z(0, 3), z(1, 5)], [z(0, 11), z(1, 11)], op=nccl.PROD)
+    nccl.all_reduce([z(0, 3), z(1, 5)], op="Min")  # the other spellings of an op
+    if torch.distributed.is_available():
+        nccl.reduce_scatter([z(0, 3), z(1, 5)], [z(0, 11), z(1, 11)], op=torch.distributed.ReduceOp.AVG)
     for d in before:
         assert same_bits(h.buf[d], before[d])
     uid = pyccl.unique_id()
@@ -738,7 +767,9 @@ class Gpu:
         return f"{self.buf.data_ptr() + 4 * elem:#x}"
 
 
-NOT_OP = "is not a reduction op (SUM=0, PROD=1, MAX=2, MIN=3, AVG=4, or pyccl.premul_sum(x))"
+OPS_PREMUL = ("SUM=0, PROD=1, MAX=2, MIN=3, AVG=4, their names as strings ('sum', ...), "
+              "a torch.distributed.ReduceOp, or pyccl.premul_sum(x)")
+NOT_OP = f"is not a reduction op ({OPS_PREMUL})"
 BOOL = "cannot reduce torch.bool tensors (NCCL has no boolean reduction); convert to torch.uint8 first"
 INT64_RANGE = "from -9223372036854775808 to 9223372036854775807"
 ON_1 = "is on cuda:1 but the communicator (rank 0) is on cuda:0"
@@ -851,8 +882,12 @@ def _gpu_cases():
     add("op_2^70", "comm", lambda g: g.comm.all_reduce(ones(2), op=1 << 70), ValueError,
         f"all_reduce: op=1180591620717411303424 {NOT_OP}")
     add("reduce_op_17", "comm", lambda g: g.comm.reduce(ones(2), 0, 17), ValueError, f"reduce: op=17 {NOT_OP}")
-    add("op_str", "comm", lambda g: g.comm.all_reduce(ones(2), op="sum"), TypeError,
-        "all_reduce: op must be pyccl.SUM/PROD/MAX/MIN/AVG or pyccl.premul_sum(x), got str")
+    add("op_str", "comm", lambda g: g.comm.all_reduce(ones(2), op="bitwise_or"), ValueError,
+        f"all_reduce: op='bitwise_or' {NOT_OP}")
+    add("op_float", "comm", lambda g: g.comm.all_reduce(ones(2), op=2.0), TypeError,
+        f"all_reduce: op must be a reduction op ({OPS_PREMUL}), got float")
+    add("op_ReduceOp_BOR", "comm", lambda g: g.comm.reduce(ones(2), 0, torch.distributed.ReduceOp.BOR), ValueError,
+        f"reduce: op=ReduceOp.BOR has no NCCL reduction ({OPS_PREMUL})")
     add("bool-all_reduce", "comm", lambda g: g.comm.all_reduce(ones(2, dtype=torch.bool)), RuntimeError,
         f"all_reduce: {BOOL}")
     add("bool-reduce", "comm", lambda g: g.comm.reduce(ones(2, dtype=torch.bool), 0), RuntimeError, f"reduce: {BOOL}")

@@ -466,7 +466,8 @@ def test_argparse_defaults_follow_nccl_tests():
     assert (a.minbytes, a.maxbytes, a.stepbytes, a.stepfactor) == (32 * M, 32 * M, M, 1)
     assert (a.iters, a.warmup_iters, a.check, a.cudagraph, a.blocking) == (20, 5, 1, 0, 0)
     assert (a.coll, a.op, a.datatype, a.root) == (["all_reduce"], ["sum"], ["float"], 0)
-    assert a.average == 3 and a.api == "comm" and a.ngpus is None
+    assert a.average == 1 and a.api == "comm" and a.ngpus is None  # nccl-tests' -a default: average
+    assert (a.nthreads, a.agg_iters, a.parallel_init, a.local_register) == (1, 1, 0, 0)
     assert not a.compare and not a.host_overhead and a.json is None and a.repeats == 5
     cfg = cli.make_config(a)
     assert cfg["sizes"] == [32 * M] and cfg["mode"] == "sweep" and cfg["blocking"] is False
@@ -474,7 +475,7 @@ def test_argparse_defaults_follow_nccl_tests():
 
 def test_argparse_flags():
     a = cli.build_parser().parse_args(
-        "-b 8 -e 128M -f 2 -g 2 -t all -o all -d half,int8 -r 1 -n 5 -w 0 -c 0 -G 3 -z 1 -a 1 "
+        "-b 8 -e 128M -f 2 -g 2 --coll all -o all -d half,int8 -r 1 -n 5 -w 0 -c 0 -G 3 -z 1 -a 1 "
         "--api nccl --compare --json o.json --csv o.csv --plot o.png".split())
     cfg = cli.make_config(a)
     assert cfg["sizes"][0] == 8 and cfg["sizes"][-1] == 128 * M and len(cfg["sizes"]) == 25
@@ -490,7 +491,18 @@ def test_argparse_flags():
 @pytest.mark.parametrize("argv, message", [
     (["-b", "12Q"], "invalid minbytes '12Q'"),
     (["-d", "float8"], "unknown datatype 'float8'"),
-    (["-t", "scatter"], "unknown collective 'scatter'"),
+    (["--coll", "scatter"], "unknown collective 'scatter'"),
+    (["-t", "broadcast"], "argument -t/--nthreads: 'broadcast' is not a thread count (nccl-tests' -t; "
+                          "the collective is --coll)"),
+    (["-t", "2"], "argument -t/--nthreads: 2: each rank is a process of its own with one thread; "
+                  "use -g for the number of GPUs"),
+    (["-m", "4"], "argument -m/--agg_iters: 4: pyccl.bench times single calls, not groups of them (1 only)"),
+    (["-p", "2"], "argument -p/--parallel_init: invalid choice: 2"),
+    (["-R", "1"], "-R/--local_register 1 (local registration) is not measured by pyccl.bench; "
+                  "-R 2 is --registered (symmetric windows)"),
+    (["-C", "1"], "-C/--report_cputime (nccl-tests) is not supported by pyccl.bench"),
+    (["-N", "3"], "-N/--run_cycles (nccl-tests) is not supported by pyccl.bench"),
+    (["-R", "2", "--api", "nccl"], "--registered adds a system to the sweep of pyccl's per-rank API"),
     (["-b", "2M", "-e", "1M"], "invalid sizes for 'minbytes' and 'maxbytes'"),
     (["-n", "0"], "--iters must be >= 1, got 0"),
     (["-a", "4"], "invalid choice: 4"),
@@ -516,7 +528,7 @@ def test_too_many_gpus_and_bad_root(monkeypatch, capsys):
     assert "-g/--ngpus 4 asks for more GPUs than the 2 visible" in capsys.readouterr().err
     assert cli.main(["-g", "4", "--compare"]) == 1
     assert "-g/--ngpus 4 asks for more GPUs than the 2 visible" in capsys.readouterr().err
-    assert cli.main(["-t", "broadcast", "-r", "2"]) == 1
+    assert cli.main(["--coll", "broadcast", "-r", "2"]) == 1
     assert "-r/--root 2 is not a rank of 2 GPUs (0..1)" in capsys.readouterr().err
 
 
@@ -792,6 +804,48 @@ def test_progress_names_every_system_in_a_log():
                                               "[pyccl.bench] pyccl.nccl: 0/1 host overhead"]
 
 
+def test_nccl_tests_flags_taken():
+    """-t 1, -m 1, -p 0/1 are nccl-tests' flags at the values pyccl.bench runs with; -R 2 is
+    --registered."""
+    a = cli.build_parser().parse_args("-t 1 -m 1 -p 1 -R 2 -g 2".split())
+    cfg = cli.make_config(a)
+    assert a.registered and cfg["mode"] == "sweep" and a.ngpus == 2
+    assert not cli.build_parser().parse_args([]).registered
+
+
+class _Tty(__import__("io").StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_with_tqdm():
+    """On a terminal with tqdm installed: a bar per system, erased by clear() and when done."""
+    pytest.importorskip("tqdm")
+    stream = _Tty()
+    progress = cli._Progress(True, stream)
+    assert progress.bar_type is not None
+    progress("pyccl", 3, 9, "all_reduce 1K")
+    text = stream.getvalue()
+    assert "[pyccl.bench] pyccl" in text and "3/9" in text and "all_reduce 1K" in text
+    progress.clear()
+    progress("pyccl", 9, 9, "done")
+    assert progress.bar is None  # closed (leave=False: erased)
+    progress("pyccl.nccl", 1, 2, "x")
+    assert "[pyccl.bench] pyccl.nccl" in stream.getvalue() and progress.bar.total == 2
+
+
+def test_progress_line_without_tqdm(monkeypatch):
+    """Without tqdm the terminal gets the self-overwriting line."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    stream = _Tty()
+    progress = cli._Progress(True, stream)
+    assert progress.bar_type is None
+    progress("pyccl", 3, 9, "all_reduce 1K")
+    assert stream.getvalue() == "\r\033[K[pyccl.bench] pyccl: 3/9 all_reduce 1K"
+    progress.clear()
+    assert stream.getvalue().endswith("\r\033[K")
+
+
 def _fake_sweep(wrong_system=None, fail_system=None):
     """Stands in for runner.run_sweep: deterministic timings per system, through the callbacks."""
     speed = {"pyccl": 1.0, "torch.distributed": 2.0, "torch.distributed:pyccl": 1.5, "torch.cuda.nccl": 1.25,
@@ -961,8 +1015,8 @@ def test_algos_variants_and_breakdown_parse():
                                     "and CUDA-graph calls both)"),
     (["--host-breakdown", "-z", "1"], "-z/--blocking does not apply to --host-breakdown"),
     (["--algos", "all", "-d", "half"], "--algos measures all_reduce float sum in place: "
-                                       "-t/--coll, -d/--datatype and -o/--op do not apply"),
-    (["--algos", "all", "-t", "broadcast"], "--algos measures all_reduce float sum in place"),
+                                       "--coll, -d/--datatype and -o/--op do not apply"),
+    (["--algos", "all", "--coll", "broadcast"], "--algos measures all_reduce float sum in place"),
     (["--algos", "all", "-b", "2", "-e", "8", "-f", "2"],
      "--algos: sizes start at 4 bytes (one float), got -b 2"),
     (["--host-breakdown", "--host-iters", "0"], "--host_iters must be >= 1, got 0"),

@@ -23,7 +23,7 @@ def bench(*args, timeout=240):
 @needs_ranks(2)
 def test_every_collective_checked_exactly(tmp_path):
     out = tmp_path / "all.json"
-    r = bench("-g", str(max(2, W)), "-t", "all", "-b", "8", "-e", "1M", "-f", "32", "-n", "3", "-w", "1",
+    r = bench("-g", str(max(2, W)), "--coll", "all", "-b", "8", "-e", "1M", "-f", "32", "-n", "3", "-w", "1",
               "--repeats", "1", "-c", "1", "--json", str(out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [x for x in json.load(open(out))["results"] if x["system"] == "pyccl"]

@@ -3,6 +3,7 @@ tests/_ranks.py and pyccl.bench shares): a rank that fails, crashes, hangs, or d
 reporting fails the test promptly, names the rank, and leaves no process behind."""
 import multiprocessing.util
 import os
+import re
 import signal
 import sys
 import time
@@ -186,6 +187,33 @@ def test_with_expect_gpus_a_missing_tool_fails(tmp_path):
     assert "1 failed, 2 passed, 2 skipped" in r.stdout, r.stdout
     assert ("_ test_a_missing_tool _" in r.stdout and "PYCCL_EXPECT_GPUS=0: this test would have been "
             "skipped (Skipped: mpirun is not installed); on this machine that is a failure" in r.stdout), r.stdout
+
+
+_SAME_REASONS = '''
+import pytest
+
+@pytest.mark.parametrize("k", range(3))
+def test_tool(k):
+    pytest.skip("mpirun is not installed")
+
+def test_other_tool():
+    pytest.skip("cupy is not installed")
+'''
+
+
+def test_skips_are_counted_by_reason(tmp_path):
+    """Without -rs (tools/test.sh): one line per skip reason with its count, not one per skip."""
+    (tmp_path / "test_reasons.py").write_text(_SAME_REASONS)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))
+    env.pop("PYCCL_EXPECT_GPUS", None)
+    r = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull,
+                     "-p", "_gpu_tier", str(tmp_path / "test_reasons.py")], 120, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout
+    # (the file as pytest names it: relative to its rootdir, here /dev with -c /dev/null)
+    lines = [re.sub(r"\(in \S*test_reasons\.py\)", "(in test_reasons.py)", x) for x in r.stdout.splitlines()]
+    at = lines.index("skipped 3 (in test_reasons.py): mpirun is not installed")
+    assert lines[at + 1] == "skipped 1 (in test_reasons.py): cupy is not installed", r.stdout
+    assert "SKIPPED [" not in r.stdout and "4 skipped" in r.stdout, r.stdout
 
 
 def test_expect_gpus_with_broken_cuda_stops_the_session(tmp_path):

@@ -98,8 +98,10 @@ def test_refcounts_unchanged_after_errors():
             nccl.all_reduce(ins, outs, streams=streams)
         with pytest.raises(RuntimeError):
             nccl.all_gather(ins, outs)
-        with pytest.raises(TypeError):
+        with pytest.raises(ValueError):
             nccl.all_reduce(ins, outs, op="x")
+        with pytest.raises(TypeError):
+            nccl.all_reduce(ins, outs, op=1.5)
     after = [sys.getrefcount(x) for x in (ins, outs, streams, ins[0], ins[1], outs[0], outs[1])]
     assert before == after
 

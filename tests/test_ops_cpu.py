@@ -21,6 +21,8 @@ import pyccl.ops as ops
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
 RANK = 0
+OPS = ("SUM=0, PROD=1, MAX=2, MIN=3, AVG=4, their names as strings ('sum', ...), "
+       "or a torch.distributed.ReduceOp")
 
 
 class SameInputComm:
@@ -117,6 +119,10 @@ def test_schemas():
     assert got == want
 
 
+TORCH_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+             "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
 def test_each_op_computes_its_collective(group, dtype):
     pg, comm = group
@@ -129,6 +135,10 @@ def test_each_op_computes_its_collective(group, dtype):
             assert ops.all_reduce_(y, handle, op) is y and torch.equal(y, _want(comm, "all_reduce", x, op))
             r = ops.reduce_scatter(x, handle, op)
             assert torch.equal(r, _want(comm, "reduce_scatter", x, op)), op
+            # the other spellings of the op: its name in capitals, pyccl's constant, torch's ReduceOp
+            for other in (op.upper(), ops.REDUCE_OPS[op], TORCH_OPS[op], dist.ReduceOp(TORCH_OPS[op])):
+                assert torch.equal(ops.all_reduce(x, handle, other), _want(comm, "all_reduce", x, op)), other
+                assert comm.log[-1] == ("all_reduce", ops.REDUCE_OPS[op]), other
         assert torch.equal(ops.all_gather(x, handle), _want(comm, "all_gather", x))
         assert torch.equal(ops.broadcast(x, handle, 0), x) and comm.log[-1] == ("broadcast", 0)
         y = x.clone()
@@ -187,6 +197,28 @@ def test_compiled_fullgraph_equals_eager(group):
     assert sorted(map(repr, comm.log)) == eager_calls
 
 
+def test_compiled_op_spellings(group):
+    """Every spelling of an op compiles with fullgraph=True (no graph break) and reaches the
+    communicator as pyccl's op, as in eager code."""
+    pg, comm = group
+    torch._dynamo.reset()
+
+    def f(x):
+        return (ops.all_reduce(x, pg, "MAX"), ops.all_reduce(x, pg, pyccl.PROD),
+                ops.all_reduce(x, pg, dist.ReduceOp.MIN), ops.reduce_scatter(x, pg, dist.ReduceOp.SUM))
+    x = _x(torch.float32)
+    comm.log.clear()
+    want = f(x)
+    assert comm.log == [("all_reduce", pyccl.MAX), ("all_reduce", pyccl.PROD), ("all_reduce", pyccl.MIN),
+                        ("reduce_scatter", pyccl.SUM)]
+    comm.log.clear()
+    got = torch.compile(f, fullgraph=True)(x)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert comm.log == [("all_reduce", pyccl.MAX), ("all_reduce", pyccl.PROD), ("all_reduce", pyccl.MIN),
+                        ("reduce_scatter", pyccl.SUM)]
+
+
 def test_communicator_is_a_compile_time_constant_per_group(group, monkeypatch):
     """Two groups into one compiled function: each call uses its own group (no stale name)."""
     pg, comm = group
@@ -243,9 +275,15 @@ def test_torch_functional_collectives_compile_on_a_pyccl_group(group):
 
 @pytest.mark.parametrize("call,exc,text", [
     (lambda x, g: ops.all_reduce(x, g, "xor"), ValueError,
-     "pyccl.ops.all_reduce: op must be one of 'sum', 'prod', 'min', 'max', 'avg', got 'xor'"),
-    (lambda x, g: ops.reduce_scatter(x, g, op="SUM"), ValueError,
-     "pyccl.ops.reduce_scatter: op must be one of 'sum', 'prod', 'min', 'max', 'avg', got 'SUM'"),
+     f"pyccl.ops.all_reduce: op='xor' is not a reduction op ({OPS})"),
+    (lambda x, g: ops.reduce_scatter(x, g, op=7), ValueError,
+     f"pyccl.ops.reduce_scatter: op=7 is not a reduction op ({OPS})"),
+    (lambda x, g: ops.all_reduce_(x, g, op=pyccl.premul_sum(2)), TypeError,
+     f"pyccl.ops.all_reduce_: op must be a reduction op ({OPS}), got premul_sum"),
+    (lambda x, g: ops.all_reduce(x, g, dist.ReduceOp.BAND), ValueError,
+     f"pyccl.ops.all_reduce: op=ReduceOp.BAND has no NCCL reduction ({OPS})"),
+    (lambda x, g: torch.ops.pyccl.all_reduce(x, "g", "xor"), ValueError,
+     f"pyccl.ops.all_reduce: op='xor' is not a reduction op ({OPS})"),
     (lambda x, g: ops.all_reduce_(x, "no-such-group"), ValueError,
      "pyccl.ops.all_reduce_: group 'no-such-group' names no live pyccl Communicator and no "
      "torch.distributed process group"),

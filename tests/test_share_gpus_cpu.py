@@ -20,7 +20,12 @@ def gpus(monkeypatch):
     class G:
         n = 1
         current = None
+    def need_gpu(op):  # pyccl._gpu.need_gpu's answer on a machine with G.n GPUs
+        if G.n == 0:
+            raise pyccl.CudaError(f"{op}: no CUDA GPU is available")
+        return G.n
     monkeypatch.setattr(torch.cuda, "device_count", lambda: G.n)
+    monkeypatch.setattr(launch, "need_gpu", need_gpu)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(G, "current", d))
     for k in SET_BY_SHARING + ("PYCCL_SHARE_GPUS",):
         monkeypatch.setenv(k, "")  # recorded, so that teardown restores what place_rank sets

@@ -16,6 +16,8 @@ $PY -c "import pytest" 2>/dev/null || missing+=(pytest)
 # needs 64; before 70.1 also the wheel package)
 $PY -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null \
   || missing+=("setuptools>=77")
+# the stub test (tests/test_stubs_cpu.py) runs mypy's stubtest, as CI does (.ci/run)
+$PY -c "import mypy" 2>/dev/null || missing+=(mypy)
 $PY -c "import setuptools, sys; v = tuple(map(int, setuptools.__version__.split('.')[:2])); v >= (70, 1) or __import__('wheel')" \
   2>/dev/null || missing+=(wheel)
 # Headers for the build: NCCL's and the CUDA runtime's (setup.py says where it looks).

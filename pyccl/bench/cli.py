@@ -1,4 +1,5 @@
-"""Command line of `python -m pyccl.bench`: nccl-tests' flags and output, plus --compare
+"""Command line of `python -m pyccl.bench`: nccl-tests' flags with nccl-tests' meanings and its
+output (the collective, which nccl-tests picks by program name, is --coll), plus --compare
 (torch.distributed and torch.cuda.nccl in the same run), --host-overhead, --api and files, and
 two modes of pyccl's own all_reduce kernels: --algos (an algo sweep, with --variants of their
 settings; eager, CUDA-graph and host time per call) and --host-breakdown (where the host time of
@@ -30,10 +31,17 @@ _DESCRIBE = {"pyccl": "per-rank API, one process per GPU",
                                  "windows, one process per GPU"}
 
 _EPILOG = """\
+Flags are nccl-tests' with nccl-tests' meanings. Each rank is a process of its own with one
+thread and one GPU, so -t/--nthreads is 1 and -g/--ngpus is the number of GPUs (= ranks), as in
+an nccl-tests run of one process (`all_reduce_perf -g 2`); -p/--parallel_init is always
+parallel; -R 2 is --registered; -m/--agg_iters is 1. nccl-tests picks the collective by program
+(all_reduce_perf, ...): here it is --coll. Other nccl-tests flags (-C, -N, -y, -J, -M, -S, -x, -D,
+-V, -R 1) are refused with a message.
+
 examples:
   python -m pyccl.bench -b 8 -e 128M -f 2 -g 2                 all_reduce sweep on 2 GPUs
   python -m pyccl.bench -b 8 -e 128M -f 2 --algo nccl --registered   NCCL on plain vs window memory
-  python -m pyccl.bench -t all -b 1K -e 1G -f 4 --compare --json out.json --plot out.png
+  python -m pyccl.bench --coll all -b 1K -e 1G -f 4 --compare --json out.json --plot out.png
   python -m pyccl.bench -b 8 -e 256K -f 8 -G 10                 captured in a CUDA graph
   python -m pyccl.bench --host-overhead                          CPU us per call, 4 systems
   python -m pyccl.bench -b 8 -e 16M -f 4 -n 100 --algos all --variants PYCCL_AR_PDL=0
@@ -60,8 +68,11 @@ def build_parser():
         description="nccl-tests style benchmark of pyccl, optionally side by side with "
                     "torch.distributed and torch.cuda.nccl.")
     a = p.add_argument
-    a("-t", "--coll", type=_typed(S.parse_colls, "coll"), default=["all_reduce"],
-      help=f"collective(s), comma separated: {', '.join(S.COLLS)} or all (default all_reduce)")
+    a("--coll", type=_typed(S.parse_colls, "coll"), default=["all_reduce"],
+      help=f"collective(s), comma separated: {', '.join(S.COLLS)} or all (default all_reduce; "
+           "nccl-tests: the program's name)")
+    a("-t", "--nthreads", type=_typed(_nthreads, "nthreads"), default=1,
+      help="threads per process: 1 (each rank is a process of its own)")
     size = lambda what: _typed(lambda t: S.parse_size(t, what), what)  # noqa: E731
     a("-b", "--minbytes", type=size("minbytes"), default=32 << 20,
       help="smallest size, bytes with optional K/M/G suffix (default 32M)")
@@ -71,7 +82,8 @@ def build_parser():
       help="size increment when -f is not > 1 (default 1M)")
     a("-f", "--stepfactor", type=int, default=1, help="size multiplication factor (default 1: off)")
     a("-g", "--ngpus", type=int, default=None,
-      help="GPUs = ranks, one process each (default: every visible GPU)")
+      help="GPUs = ranks, one process each (default: every visible GPU); nccl-tests' GPUs per "
+           "thread, with its one thread")
     a("-o", "--op", type=_typed(S.parse_ops, "op"), default=["sum"],
       help="reduction op(s): sum, prod, max, min, avg or all (default sum)")
     a("-d", "--datatype", type=_typed(S.parse_dtypes, "datatype"), default=["float"],
@@ -79,14 +91,23 @@ def build_parser():
     a("-r", "--root", type=int, default=0, help="root of broadcast and reduce (default 0)")
     a("-n", "--iters", type=int, default=20, help="iterations per timed loop (default 20)")
     a("-w", "--warmup_iters", type=int, default=5, help="untimed warm-up iterations (default 5)")
+    a("-m", "--agg_iters", type=_typed(_one_agg, "agg_iters"), default=1,
+      help="operations aggregated in one group: 1 (pyccl.bench times single calls)")
+    a("-p", "--parallel_init", type=int, choices=(0, 1), default=0,
+      help="0/1: initialise NCCL from threads in parallel; ranks are processes, so always parallel")
     a("-c", "--check", type=int, default=1,
       help="verification runs per size, counting wrong elements; 0 = off (default 1)")
     a("-G", "--cudagraph", type=int, default=0,
       help="capture the iterations in a CUDA graph and replay it N times (default 0: eager)")
     a("-z", "--blocking", type=int, default=0,
       help="1: synchronize and barrier after every collective (default 0)")
-    a("-a", "--average", type=int, choices=(0, 1, 2, 3), default=3,
-      help="time across ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum (default 3)")
+    a("-a", "--average", type=int, choices=(0, 1, 2, 3), default=1,
+      help="time across ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum (default 1)")
+    a("-R", "--local_register", type=int, choices=(0, 1, 2), default=0,
+      help="2: --registered (symmetric windows); 0: off (default); 1 (local registration) is "
+           "not measured")
+    for short, long in _REFUSED:
+        a(short, "--" + long, default=None, help=argparse.SUPPRESS)
     a("-T", "--timeout", type=float, default=300.0,
       help="seconds without progress before the run is killed (default 300; process "
            "start-up, importing torch, gets at least 60)")
@@ -126,6 +147,34 @@ def build_parser():
                                          "call per timing; --host-breakdown: bars (needs matplotlib)")
     a("--no-progress", action="store_true", help="no progress line on stderr")
     return p
+
+
+# nccl-tests flags pyccl.bench has no counterpart for: taken, then refused with a message
+_REFUSED = (("-C", "report_cputime"), ("-N", "run_cycles"), ("-y", "stream_null"),
+            ("-J", "output_file"), ("-M", "memory"), ("-S", "report_timestamps"),
+            ("-x", "cta_policy"), ("-D", "device_implementation"), ("-V", "device_cta_count"))
+
+
+def _nthreads(text):
+    try:
+        n = int(text, 0)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a thread count (nccl-tests' -t; the collective is "
+                         "--coll)") from None
+    if n != 1:
+        raise ValueError(f"{n}: each rank is a process of its own with one thread; use -g for "
+                         "the number of GPUs")
+    return n
+
+
+def _one_agg(text):
+    try:
+        n = int(text, 0)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a count") from None
+    if n != 1:
+        raise ValueError(f"{n}: pyccl.bench times single calls, not groups of them (1 only)")
+    return n
 
 
 def _parse_algos(text):
@@ -178,13 +227,21 @@ def _mode(args):
         raise ValueError(f"-z/--blocking does not apply to {flag}")
     if flag == "--algos" and (args.coll != ["all_reduce"] or args.datatype != ["float"]
                               or args.op != ["sum"]):
-        raise ValueError("--algos measures all_reduce float sum in place: -t/--coll, "
+        raise ValueError("--algos measures all_reduce float sum in place: --coll, "
                          "-d/--datatype and -o/--op do not apply")
     return ("algos" if flag == "--algos" else "breakdown"), flag
 
 
 def make_config(args):
     """Validated plain-dict configuration handed to the runner (and to child processes)."""
+    for short, long in _REFUSED:
+        if getattr(args, long) is not None:
+            raise ValueError(f"{short}/--{long} (nccl-tests) is not supported by pyccl.bench")
+    if args.local_register == 1:
+        raise ValueError("-R/--local_register 1 (local registration) is not measured by pyccl.bench; "
+                         "-R 2 is --registered (symmetric windows)")
+    if args.local_register == 2:
+        args.registered = True
     mode, flag = _mode(args)
     variants = _variants(args)
     if args.host_iters is None:
@@ -213,17 +270,32 @@ def make_config(args):
             "algos": args.algos, "variants": variants}
 
 
+def _tqdm():
+    """tqdm's bar class where tqdm is installed (an optional dependency), else None."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm
+
+
 class _Progress:
-    """One self-overwriting line on a terminal; otherwise a line at most every 10 s, and always
-    the first and last of each system (so a log shows which system a hang is in)."""
+    """On a terminal, a progress bar per system (tqdm, where installed; else one self-overwriting
+    line); otherwise a line at most every 10 s, and always the first and last of each system (so a
+    log shows which system a hang is in)."""
 
     def __init__(self, enabled, stream=None):
         stream = stream or sys.stderr
         self.stream, self.enabled = stream, enabled
         self.tty, self.last, self.shown, self.system = stream.isatty(), 0.0, False, None
+        self.bar_type = _tqdm() if enabled and self.tty else None
+        self.bar = None
 
     def __call__(self, system, done, total, what):
         if not self.enabled:
+            return
+        if self.bar_type is not None:
+            self._bar(system, done, total, what)
             return
         line = f"[pyccl.bench] {system}: {done}/{total} {what}"
         now = time.monotonic()
@@ -236,7 +308,26 @@ class _Progress:
         self.system = system
         self.stream.flush()
 
+    def _bar(self, system, done, total, what):
+        if self.bar is None or system != self.system or self.bar.total != total:
+            self._close()
+            self.bar = self.bar_type(total=total, desc=f"[pyccl.bench] {system}", file=self.stream,
+                                     leave=False, dynamic_ncols=True, unit="step")
+        self.system = system
+        self.bar.set_postfix_str(what, refresh=False)
+        self.bar.n = done  # a call per size or phase: drawn every time
+        self.bar.refresh()
+        if done >= total:
+            self._close()
+
+    def _close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
     def clear(self):
+        if self.bar is not None:
+            self.bar.clear()  # the next update draws it again, below what was printed
         if self.shown:
             self.stream.write("\r\033[K")
             self.stream.flush()

@@ -91,7 +91,7 @@ static __thread int group_nops;
     X(inits) X(aborts) X(destroys) X(finalizes) X(ops) X(misuse)            \
     X(concurrent) X(events_live) X(event_records) X(event_queries)          \
     X(capture_mode_calls) X(capture_violations) X(stream_syncs) X(splits)   \
-    X(redops) X(module_error) X(no_p2p)                                     \
+    X(redops) X(module_error) X(no_p2p) X(last_redop)                      \
     X(mem_live) X(ipc_live) X(host_live) X(launches)                        \
     X(nccl_mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)    \
     X(dereg_calls) X(reg_delay) X(reg_hang) X(reg_quiet) X(cumem_held)
@@ -581,6 +581,7 @@ ncclResult_t
 ncclAllReduce(const void *s, void *r, size_t n, int type, int op, ncclComm_t c,
               cudaStream_t st)
 {
+    last_redop = op; /* the op pyccl passed (tests of its spellings) */
 #ifdef FAKE_PEER_MEMORY
     if (xproc(c)) {
         return xproc_all_reduce(c, s, r, n, type, op);
@@ -593,7 +594,8 @@ ncclResult_t
 ncclReduce(const void *s, void *r, size_t n, int type, int op, int root,
            ncclComm_t c, cudaStream_t st)
 {
-    (void)op; (void)root;
+    (void)root;
+    last_redop = op;
     return coll(c, st, s, r, n, type, 0);
 }
 
@@ -622,7 +624,7 @@ ncclResult_t
 ncclReduceScatter(const void *s, void *r, size_t n, int type, int op,
                   ncclComm_t c, cudaStream_t st)
 {
-    (void)op;
+    last_redop = op;
     return coll(c, st, s, r, n, type, 0);
 }
 
