@@ -47,7 +47,7 @@ fi
 # mypy, for the stub test (tests/test_stubs_cpu.py, as in CI): wanted, not needed; offline
 # (a GPU machine without it) the test says it is missing
 if ! $PY -c "import mypy" 2>/dev/null; then
-  $PY -m pip install -q mypy >/dev/null 2>&1 && echo "setup: installed mypy" \
+  $PY -m pip install -q --retries 1 --timeout 10 mypy >/dev/null 2>&1 && echo "setup: installed mypy" \
     || echo "setup: mypy is not installed and could not be (the stub test will say so)"
 fi
 if [ ${#missing[@]} -gt 0 ]; then
