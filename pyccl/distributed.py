@@ -281,7 +281,21 @@ class ProcessGroupPyccl(dist.ProcessGroup):
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         """dist.all_to_all: input_tensors[j] to rank j, output_tensors[i] from rank i."""
-        self._comm.all_to_all(input_tensors, output_tensors)
+        sizes = {t.numel() for t in input_tensors} | {t.numel() for t in output_tensors}
+        if len(sizes) <= 1:  # equal chunks: NCCL's all_to_all through the Communicator
+            self._comm.all_to_all(input_tensors, output_tensors)
+        else:
+            # torch allows a size per peer (the sizes must match the peers'): one NCCL group
+            # of a send and a receive per rank, as NCCL builds all_to_all itself
+            if len(input_tensors) != self.size() or len(output_tensors) != self.size():
+                raise ValueError(f"pyccl backend: alltoall: {len(input_tensors)} inputs and "
+                                 f"{len(output_tensors)} outputs, expected {self.size()} each "
+                                 "(one per rank)")
+            from . import group
+            with group():
+                for peer, (inp, out) in enumerate(zip(input_tensors, output_tensors)):
+                    self._comm.send(inp, peer)
+                    self._comm.recv(out, peer)
         return self._work(output_tensors)
 
     def send(self, tensors, dst, tag=0):

@@ -3,6 +3,7 @@ the ReduceOp mapping, every refused call's message, the unique-id handshake thro
 real stores, and the Work/future plumbing through dist.* with a stand-in communicator
 that does at one rank what each collective means there (so a swapped input/output or
 a wrong argument shows in the data)."""
+import contextlib
 import datetime
 import threading
 import types
@@ -464,3 +465,28 @@ def test_get_backend_refuses_a_device_id_the_communicator_is_not_on():
     assert str(e.value) == ("pyccl backend: device_id=cuda:2 but the communicator is on cuda:0 (the current "
                             "device when the group was made); call torch.cuda.set_device(2) before "
                             "init_process_group")
+
+
+def test_all_to_all_of_uneven_sizes_is_a_group_of_sends_and_receives(world, monkeypatch):
+    """torch's list all_to_all allows a size per peer; the Communicator's all_to_all takes equal
+    chunks only (it refused: 'input[1] has 6 elements, expected 3'), so uneven lists become one
+    NCCL group of a send and a receive per rank, and equal ones stay NCCL's all_to_all."""
+    log, _ = world
+
+    @contextlib.contextmanager
+    def group():
+        log.append(("group start",))
+        yield
+        log.append(("group end",))
+
+    monkeypatch.setattr(pyccl, "group", group)
+    pg = dist.group.WORLD
+    x = torch.arange(1, 4, dtype=torch.int64) * 5
+    assert pg.alltoall([torch.full((5,), -1)], [x]).is_completed()
+    assert log[-4:] == [("group start",), ("send", 0), ("recv", 0), ("group end",)], log[-4:]
+    assert pg.alltoall([torch.full((3,), -1)], [x]).is_completed()
+    assert log[-1] == ("all_to_all",)
+    with pytest.raises(ValueError) as e:
+        pg.alltoall([torch.full((5,), -1), torch.full((5,), -1)], [x])
+    assert str(e.value) == ("pyccl backend: alltoall: 1 inputs and 2 outputs, expected 1 each "
+                            "(one per rank)")
