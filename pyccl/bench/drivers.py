@@ -194,8 +194,11 @@ class _TorchDist(_Driver):
         import datetime
         import torch.distributed as dist
 
-        import pyccl
-        dev = pyccl.place_rank(rank, nranks)  # ranks beyond the GPU count share them
+        if self.uses_cuda:
+            import pyccl
+            dev = pyccl.place_rank(rank, nranks)  # ranks beyond the GPU count share them
+        else:
+            dev = rank  # gloo on the CPU: a "device" per rank, for the tables
         super().__init__([dev], nranks, barrier, timeout, ranks=[rank])
         extra = {"device_id": self.place(dev)} if self.backend == "nccl" else {}
         # twice the benchmark's no-progress timeout: a silent peer is reported (with its
