@@ -539,35 +539,6 @@ def recreated_late_first_call(comm, rounds=3):
     return rounds
 
 
-def abort_own_kernel_from_thread(comm, flag):
-    """A communicator without a timeout whose own kernel waits on a peer that never calls:
-    comm.abort() from another thread stops the kernel (its stop word), so comm.wait() returns."""
-    import threading
-
-    r, dev = comm.rank, f"cuda:{comm.device}"
-    t = torch.ones(1 << 12, device=dev)
-    comm.all_reduce(t, algo="oneshot")  # every rank: set up
-    torch.cuda.synchronize()
-    if r != 0:
-        t0 = time.monotonic()
-        while not os.path.exists(flag) and time.monotonic() - t0 < 120:
-            time.sleep(0.05)
-        return None
-    comm.all_reduce(t, algo="oneshot")
-    threading.Timer(1.0, comm.abort).start()
-    t0 = time.monotonic()
-    err = None
-    try:
-        comm.wait()
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001 - reported to the parent
-        err = f"{type(e).__name__}: {e}"
-    dt = time.monotonic() - t0
-    destroyed = comm.destroyed
-    open(flag, "w").write("done")
-    return dt, err, destroyed
-
-
 def aborted_communicators_memory(comm, n=4):
     """n communicators with a timeout, each sets the own kernels up and runs them; every other
     one is aborted instead of destroyed.  -> (free bytes before, after, the region's bytes,

@@ -49,3 +49,24 @@ def build_fakegpu(out_dir):
                              "-lpthread", "-lm"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return out
+
+
+def run_stand_in(out_dir, scenario, stdin=None):
+    """tests/child_fakegpu.py's `scenario` run on the stand-in GPU library (built into
+    out_dir) in a process of its own; its RESULT.  Skips where there is no C compiler."""
+    import json
+    import subprocess
+    import sys
+
+    import pytest
+    lib = build_fakegpu(out_dir)
+    if lib is None:
+        pytest.skip("no C compiler to build the stand-in GPU library")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run([sys.executable, os.path.join(here, "child_fakegpu.py"), lib, scenario],
+                       input=stdin, capture_output=True, text=True, timeout=120, env=env)
+    results = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and results, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return results[0]

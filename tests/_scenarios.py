@@ -407,12 +407,13 @@ def nccl_graph_capture(comm):
     return 3
 
 
-def abort_untimed_from_thread(comm, flag):
+def abort_untimed_from_thread(comm, flag, algo="nccl"):
     """A communicator without a timeout: rank 0 waits on an all_reduce its peer never
-    joins; comm.abort() from another thread is the way out (README, "On failure")."""
+    joins (NCCL's kernel, or with algo="oneshot" pyccl's own, which the abort's stop word
+    ends); comm.abort() from another thread is the way out (docs: failures and timeouts)."""
     r, dev = comm.rank, f"cuda:{comm.device}"
     t = torch.ones(1 << 16, device=dev)
-    comm.all_reduce(t, algo="nccl")  # every rank: connected
+    comm.all_reduce(t, algo=algo)  # every rank: connected (and the own kernels set up)
     torch.cuda.synchronize()
     if r != 0:
         t0 = time.monotonic()
@@ -420,7 +421,7 @@ def abort_untimed_from_thread(comm, flag):
             time.sleep(0.05)
         return None
     assert comm.timeout is None
-    comm.all_reduce(t, algo="nccl")
+    comm.all_reduce(t, algo=algo)
     threading.Timer(1.0, comm.abort).start()
     t0 = time.monotonic()
     err = None

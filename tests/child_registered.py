@@ -256,7 +256,13 @@ def allocation_errors():
     expect(ValueError, "empty: the size must be > 0 bytes, got 0", _C._nccl_mem_alloc, 0, 0)
     expect(ValueError, "empty: the size must be > 0 bytes, got -8", _C._nccl_mem_alloc, -8, 0)
     expect(ValueError, "empty: device 2 does not exist (this process sees 2 GPUs)", _C._nccl_mem_alloc, 8, 2)
-    expect(ValueError, "empty: device -1 does not exist (this process sees 2 GPUs)", _C._nccl_mem_alloc, 8, -1)
+    expect(ValueError, "empty: device -2 does not exist (this process sees 2 GPUs)", _C._nccl_mem_alloc, 8, -2)
+    # -1: the current device (pyccl.empty's device=None)
+    assert fake.cudaSetDevice(1) == 0
+    cur = _C._nccl_mem_alloc(8, -1)
+    assert cur.device == 1 and get("nccl_mem_live") == 1
+    del cur
+    assert get("nccl_mem_live") == 0 and fake.cudaSetDevice(0) == 0
     expect(TypeError, "_nccl_mem_alloc(nbytes: int, device: int)", _C._nccl_mem_alloc, 8.0, 0)
     expect(TypeError, "cannot create 'pyccl._C.NcclBuffer' instances", _C.NcclBuffer)
     expect(TypeError, "cannot create 'pyccl.Registration' instances", pyccl.Registration)

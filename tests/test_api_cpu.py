@@ -153,22 +153,8 @@ OPS_TAKEN = ("SUM=0, PROD=1, MAX=2, MIN=3, AVG=4, their names as strings ('sum',
 
 def _stand_in(tmp_path_factory, scenario):
     """Run tests/child_fakegpu.py's `scenario` on the stand-in GPU library; its RESULT."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from _fakes import build_fakegpu
-    lib = build_fakegpu(tmp_path_factory.mktemp("fakegpu"))
-    if lib is None:
-        pytest.skip("no C compiler to build the stand-in GPU library")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    r = subprocess.run([sys.executable, os.path.join(here, "child_fakegpu.py"), lib, scenario],
-                       capture_output=True, text=True, timeout=120, env=env)
-    results = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert r.returncode == 0 and results, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    return results[0]
+    from _fakes import run_stand_in
+    return run_stand_in(tmp_path_factory.mktemp("fakegpu"), scenario)
 
 
 def test_op_spellings_reach_nccl_as_its_ops(tmp_path_factory):

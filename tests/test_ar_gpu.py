@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import _ar as fa
+import _scenarios as sc
 from _ranks import _kill_group, run_ranks
 from conftest import gpu_count, needs_gpus, needs_ranks
 
@@ -249,7 +250,7 @@ def test_recreated_communicators_first_call_with_a_late_rank():
 @needs_ranks(2)
 @needs_kernels
 def test_abort_from_another_thread_stops_a_waiting_own_kernel(tmp_path):
-    res = run_ranks(fa.abort_own_kernel_from_thread, 2, str(tmp_path / "flag"), timeout=180)
+    res = run_ranks(sc.abort_untimed_from_thread, 2, str(tmp_path / "flag"), "oneshot", timeout=180)
     dt, err, destroyed = res[0]
     assert 0.9 <= dt < 20 and destroyed, (dt, err, destroyed)
 

@@ -710,22 +710,10 @@ STAND_IN_CASES = [
 
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory):
-    from _fakes import build_fakegpu
     import json
-    import os
-    import subprocess
-    lib = build_fakegpu(tmp_path_factory.mktemp("fakegpu"))
-    if lib is None:
-        pytest.skip("no C compiler to build the stand-in GPU library")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
+    from _fakes import run_stand_in
     rows = [{"id": f"{c.api}-{c.id}", "code": c.code} for c in STAND_IN_CASES]
-    r = subprocess.run([sys.executable, os.path.join(here, "child_fakegpu.py"), lib, "bad_input"],
-                       input=json.dumps(rows), capture_output=True, text=True, timeout=120, env=env)
-    results = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert r.returncode == 0 and results, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    return results[0]
+    return run_stand_in(tmp_path_factory.mktemp("fakegpu"), "bad_input", stdin=json.dumps(rows))
 
 
 @pytest.mark.parametrize("case", STAND_IN_CASES, ids=_ids(STAND_IN_CASES))

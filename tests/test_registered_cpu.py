@@ -74,13 +74,14 @@ BAD_EMPTY = [
     (((2, None),), {}, TypeError, "empty: shape must hold ints, got NoneType in (2, None)"),
     ((4,), {"dtype": "float32"}, TypeError, "empty: dtype must be a torch.dtype, got str"),
     ((4,), {"dtype": float}, TypeError, "empty: dtype must be a torch.dtype, got type"),
-    ((4,), {"device": "cpu"}, ValueError, "empty: device must be a CUDA device, got 'cpu'"),
-    ((4,), {"device": torch.device("cpu")}, ValueError, "empty: device must be a CUDA device, got 'cpu'"),
-    ((4,), {"device": "gpu0"}, ValueError, "empty: device must be a CUDA device, got 'gpu0'"),
+    ((4,), {"device": "cpu"}, ValueError, "empty: device must be a CUDA device ('cuda:N'), got 'cpu'"),
+    ((4,), {"device": torch.device("cpu")}, ValueError,
+     "empty: device must be a CUDA device ('cuda:N'), got 'cpu'"),
+    ((4,), {"device": "gpu0"}, ValueError, "empty: device must be a CUDA device ('cuda:N'), got 'gpu0'"),
     ((4,), {"device": -1}, ValueError, "empty: device must be >= 0, got -1"),
     ((4,), {"device": 1.0}, TypeError, "empty: device must be an int, 'cuda:N' or a CUDA torch.device, got float"),
     ((4,), {"device": True}, TypeError,
-     "empty: device must be an int, 'cuda:N' or a CUDA torch.device, got True"),
+     "empty: device must be an int, 'cuda:N' or a CUDA torch.device, got bool"),
     (((1 << 40, 1 << 40),), {}, ValueError,
      "empty: 4835703278458516698824704 bytes (shape (1099511627776, 1099511627776), torch.float32) is too large"),
 ]
@@ -201,6 +202,8 @@ def test_empty_wraps_the_buffer_zero_copy(monkeypatch):
     seen = []
 
     class FakeC:
+        _read_device = staticmethod(pyccl._C._read_device)
+
         @staticmethod
         def _nccl_mem_alloc(nbytes, device):
             b = Buf(nbytes, device)
@@ -212,6 +215,7 @@ def test_empty_wraps_the_buffer_zero_copy(monkeypatch):
         return torch.zeros(obj.nbytes, dtype=torch.uint8)  # a host stand-in for the CUDA bytes
 
     monkeypatch.setattr(mem, "_C", FakeC)
+    monkeypatch.setattr(mem, "need_gpu", lambda op: 4)  # a machine with 4 GPUs
     monkeypatch.setattr(torch, "as_tensor", as_tensor)
     for shape, dtype, dev in [((3, 5), torch.float32, 1), (7, torch.bfloat16, 0), ((), torch.float64, 2),
                               ((2, 3, 4), torch.int8, 0), ([4, 1], torch.complex64, 1), (3, torch.bool, 0)]:
@@ -232,10 +236,13 @@ def test_empty_without_numpy_says_so_before_allocating(monkeypatch):
     monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy raises ImportError
 
     class NoAlloc:
+        _read_device = staticmethod(pyccl._C._read_device)
+
         @staticmethod
         def _nccl_mem_alloc(nbytes, device):
             raise AssertionError("allocated")
     monkeypatch.setattr(mem, "_C", NoAlloc)
+    monkeypatch.setattr(mem, "need_gpu", lambda op: 1)  # a machine with a GPU
     with raises(RuntimeError, "empty: torch.as_tensor needs NumPy to wrap the memory (__cuda_array_interface__); "
                               "pip install numpy"):
         pyccl.empty(4, device=0)
