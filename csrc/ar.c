@@ -6,6 +6,7 @@
  * caller's stream (graph capture works: the kernels keep their epochs on the
  * device).  Where anything is missing the reason is kept
  * (comm.all_reduce_info) and logged once, and NCCL does the work. */
+#include "call.h"
 #include "ar_setup.h"
 
 #include <stdlib.h>
@@ -111,9 +112,11 @@ kernel_op(int redop)
 }
 
 /* The settings of c's kernels, from the environment and c's timeout (every
- * rank must see the same values; the set-up checks the ones that matter). */
-static void
-read_settings(pyccl_ar *f, const pyccl_comm *c)
+ * rank must see the same values; the set-up checks the ones that matter).
+ * -1 with ValueError naming op for a PYCCL_AR_TIMEOUT that is no number of
+ * seconds > 0 (where it is used: c has no timeout of its own). */
+static int
+read_settings(pyccl_ar *f, const pyccl_comm *c, const char *op)
 {
     f->rank = c->rank;
     f->nranks = c->size;
@@ -127,7 +130,19 @@ read_settings(pyccl_ar *f, const pyccl_comm *c)
      * PYCCL_AR_TIMEOUT seconds for one without) */
     const char *to = getenv("PYCCL_AR_TIMEOUT");
     const double ct = pyccl_comm_timeout(c);
-    f->timeout = ct > 0 ? ct : to ? atof(to) : 0.0;
+    f->timeout = ct;
+    if (ct <= 0 && to != NULL) {
+        char *end = NULL;
+        double v = strtod(to, &end);
+        /* the kernels count nanoseconds in 64 bits: up to a century */
+        if (end == to || *end != '\0' || !(v > 0.0) || !(v < 3.0e9)) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: PYCCL_AR_TIMEOUT must be a finite number of seconds > 0, got '%s'",
+                         op, to);
+            return -1;
+        }
+        f->timeout = v;
+    }
     /* with a watchdog, a second later than it: the watchdog fails the
      * communicator first, so a call that gave up is never mistaken for a
      * finished one */
@@ -137,10 +152,11 @@ read_settings(pyccl_ar *f, const pyccl_comm *c)
      * kernel is scheduled, not what it does), so ranks need not agree; the
      * set-up turns it off where the GPU or the driver lacks it */
     f->pdl = (int)env_long("PYCCL_AR_PDL", 1, 0, 1);
+    return 0;
 }
 
 static pyccl_ar *
-ar_of(pyccl_comm *c)
+ar_of(pyccl_comm *c, const char *op)
 {
     if (c->ar == NULL) {
         pyccl_ar *f = PyMem_RawCalloc(1, sizeof *f);
@@ -148,7 +164,10 @@ ar_of(pyccl_comm *c)
             PyErr_NoMemory();
             return NULL;
         }
-        read_settings(f, c);
+        if (read_settings(f, c, op) < 0) {
+            PyMem_RawFree(f);
+            return NULL;
+        }
         pthread_mutex_init(&f->setup_mu, NULL);
         c->ar = f;
     }
@@ -183,8 +202,9 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
     const pyccl_api *a = &st->api;
     int prev, ran = 0;
     ncclResult_t r = ncclSuccess;
-    c->inflight++; /* destroy() refuses meanwhile */
-    c->setups++;   /* abort() does not wait for it: it holds the lock per NCCL call */
+    /* inside the caller's call (begun, so destroy() refuses meanwhile);
+     * abort() does not wait for a set-up: it holds the lock per NCCL call */
+    c->setups++;
     Py_BEGIN_ALLOW_THREADS
     /* one set-up per communicator: another thread's call waits here, then
      * finds it done */
@@ -193,6 +213,7 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
         ran = 1;
         f->deadline = f->timeout > 0 ? pyccl_now_s() + f->timeout : 0;
         f->gone = 0;
+        f->sent = 0;
         f->last[0] = '\0';
         if (pyccl_device_enter(a, f->device, &prev) != cudaSuccess) {
             r = ncclUnhandledCudaError;
@@ -204,7 +225,6 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
     pthread_mutex_unlock(&f->setup_mu);
     Py_END_ALLOW_THREADS
     c->setups--;
-    c->inflight--;
     if (ran && f->gone) { /* abort() or the watchdog ended it meanwhile */
         f->state = FA_OFF;
         if (pyccl_comm_alive(st, op, c) == 0) {
@@ -301,7 +321,7 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const pyccl_
         return -1;
     }
     /* as an NCCL call would be: watched with a timeout, else noted for wait() */
-    return pyccl_comm_track(st, op, c, s) < 0 ? -1 : 1;
+    return pyccl_call_track(st, op, c, s) < 0 ? -1 : 1;
 }
 
 /* Whether the own kernels may take this call at all (kt, ko: the kernel's type
@@ -402,7 +422,7 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
     const size_t nbytes = (size_t)t->numel * (size_t)t->itemsize;
     /* the struct is made (without any GPU work) on the first call that gets
      * here, so the settings from the environment are read once */
-    pyccl_ar *f = ar_of(c);
+    pyccl_ar *f = ar_of(c, op);
     if (f == NULL) {
         return -1;
     }
@@ -427,7 +447,8 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
     if (set_up_first(st, c, f, op, algo, forced, s) < 0) {
         return -1;
     }
-    if (f->state != FA_READY) {
+    /* acquire: pairs with the set-up's release (another thread's maybe) */
+    if (__atomic_load_n(&f->state, __ATOMIC_ACQUIRE) != FA_READY) {
         if (forced) {
             PyErr_Format(PyExc_RuntimeError, "%s: algo='%s' is unavailable on rank %d: %s", op,
                          algo_name(algo), f->rank, f->reason);
@@ -463,7 +484,9 @@ pyccl_ar_info(pyccl_state *st, pyccl_comm *c)
     pyccl_ar *f = c->ar;
     if (f == NULL) {
         memset(&unset, 0, sizeof unset);
-        read_settings(&unset, c);
+        if (read_settings(&unset, c, "all_reduce_info") < 0) {
+            return NULL;
+        }
         f = &unset;
     }
     const char *state = f->state == FA_UNTRIED ? "not set up"

@@ -281,12 +281,14 @@ typedef struct {
 } fa_record;
 _Static_assert(sizeof(fa_record) == 256, "fa_record: 256 bytes, the same on every rank");
 
-/* cudaStreamSynchronize, bounded by the set-up's deadline (a peer that
- * never comes leaves the NCCL kernel waiting): ncclInProgress past it. */
+/* Until the work on s finished: bounded by the set-up's deadline (a peer
+ * that never comes leaves the NCCL kernel waiting), and given up when
+ * abort() came while destroy() ran (c->abort_asked): ncclInProgress then,
+ * the kernel maybe still queued. */
 static ncclResult_t
-sync_stream(const pyccl_api *a, cudaStream_t s, double deadline)
+sync_stream(const pyccl_api *a, const pyccl_comm *c, cudaStream_t s, double deadline)
 {
-    if (deadline <= 0 || a->cudaStreamQuery == NULL) {
+    if (a->cudaStreamQuery == NULL) {
         return a->cudaStreamSynchronize(s) == cudaSuccess ? ncclSuccess : ncclUnhandledCudaError;
     }
     for (;;) {
@@ -297,7 +299,9 @@ sync_stream(const pyccl_api *a, cudaStream_t s, double deadline)
         if (e != cudaErrorNotReady) {
             return ncclUnhandledCudaError;
         }
-        if (pyccl_now_s() > deadline) {
+        if ((deadline > 0 && pyccl_now_s() > deadline) ||
+            __atomic_load_n(&c->abort_asked, __ATOMIC_ACQUIRE)) {
+            a->cudaGetLastError();
             return ncclInProgress;
         }
         usleep(20);
@@ -320,15 +324,22 @@ held_call(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, int gather, const void
         f->gone = 1;
         return ncclInvalidUsage;
     }
+    f->sent = 1; /* a peer may get what this call sends from here on */
     ncclResult_t r = gather ? a->ncclAllGather(send, recv, count, ncclUint8, comm, s)
                             : a->ncclAllReduce(send, recv, count, ncclInt32, ncclMin, comm, s);
+    if (pyccl_comm_held_done(c, held, "all_reduce")) {
+        /* the watchdog aborted the handle under the stuck call */
+        pthread_mutex_unlock(held);
+        f->gone = 1;
+        return ncclInvalidUsage;
+    }
     r = pyccl_nccl_settle(a, comm, r, f->deadline);
     if (r != ncclInProgress) {
         pyccl_nccl_failed(a, r, comm, f->last, sizeof f->last);
     }
     pthread_mutex_unlock(held);
     if (r == ncclSuccess) {
-        r = sync_stream(a, s, f->deadline);
+        r = sync_stream(a, c, s, f->deadline);
     }
     return r;
 }
@@ -632,8 +643,9 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
         r = ncclUnhandledCudaError;
         goto out;
     }
-    exchanged = 1;
     r = held_call(a, f, c, 1, dev + (size_t)me * sizeof(fa_record), dev, sizeof(fa_record), s);
+    /* not when the communicator was gone before the exchange was enqueued */
+    exchanged = !(r == ncclInvalidUsage && f->gone && !f->sent);
     if (r != ncclSuccess) {
         goto out;
     }
@@ -682,11 +694,12 @@ out:
                     : "the set-up exchange failed");
     }
     if (ok) {
-        f->state = FA_READY;
         f->reason[0] = '\0';
         live_add(f);
+        /* release: a thread that reads READY (acquire) sees the mappings */
+        __atomic_store_n(&f->state, FA_READY, __ATOMIC_RELEASE);
     } else {
-        f->state = FA_OFF;
+        __atomic_store_n(&f->state, FA_OFF, __ATOMIC_RELEASE);
         /* once exchanged, a peer may have mapped this region (and on a time-out
          * an NCCL kernel of the exchange may still be queued): keep it */
         free_local(a, f, !exchanged);
@@ -704,41 +717,53 @@ pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
          * itself; the rest goes with the communicator */
         return;
     }
-    c->ar = NULL;
-    live_remove(f);
     const pyccl_api *a = &st->api;
-    if (f->state == FA_READY && !st->exiting && a->loaded) {
-        /* Peers may read this rank's region until they closed their mapping:
-         * free it only after a barrier that follows every rank's close (bounded
-         * by the timeout where there is one).  Without it (abort, garbage
-         * collection, a peer that did not come) the region is kept (leaked). */
-        int prev;
+    int ready = f->state == FA_READY && !st->exiting && a->loaded;
+    int prev = -1, entered = 0;
+    if (ready) {
+        /* Its kernels end first (they poll the host word free_local frees).
+         * c->ar stays linked meanwhile: abort() from another thread finds
+         * the stop word there and ends kernels that wait for a dead peer. */
         Py_BEGIN_ALLOW_THREADS
-        if (pyccl_device_enter(a, f->device, &prev) == cudaSuccess) {
-            wait_launched(a, f); /* they poll the host word free_local frees */
-            char *base = f->base;
-            f->base = NULL;
-            free_local(a, f, 0);
-            int freed = 0;
-            if (collective) {
-                int *dev = NULL, ok = 1;
-                f->deadline = f->timeout > 0 ? pyccl_now_s() + f->timeout : 0;
-                if (a->cudaMalloc((void **)&dev, sizeof(int)) == cudaSuccess) {
-                    ncclResult_t r = agree(a, f, c, dev, &ok, NULL);
-                    freed = r == ncclSuccess;
-                    if (r != ncclInProgress) { /* else its kernel may still use it */
-                        a->cudaFree(dev);
-                    }
-                }
-                a->cudaGetLastError();
-            }
-            if (freed) {
-                a->cudaFree(base);
-            }
+        entered = pyccl_device_enter(a, f->device, &prev) == cudaSuccess;
+        if (entered) {
+            wait_launched(a, f);
         }
-        pyccl_device_leave(a, f->device, prev);
         Py_END_ALLOW_THREADS
     }
+    /* with the GIL: from here on no other thread reaches f */
+    c->ar = NULL;
+    live_remove(f);
+    if (ready && entered) {
+        /* Peers may read this rank's region until they closed their mapping:
+         * free it only after a barrier that follows every rank's close (bounded
+         * by the timeout where there is one; given up when abort() comes).
+         * Without it (abort, garbage collection, a peer that did not come) the
+         * region is kept (leaked). */
+        int aborted = __atomic_load_n(&c->abort_asked, __ATOMIC_ACQUIRE);
+        Py_BEGIN_ALLOW_THREADS
+        char *base = f->base;
+        f->base = NULL;
+        free_local(a, f, 0);
+        int freed = 0;
+        if (collective && !aborted) {
+            int *dev = NULL, ok = 1;
+            f->deadline = f->timeout > 0 ? pyccl_now_s() + f->timeout : 0;
+            if (a->cudaMalloc((void **)&dev, sizeof(int)) == cudaSuccess) {
+                ncclResult_t r = agree(a, f, c, dev, &ok, NULL);
+                freed = r == ncclSuccess;
+                if (r != ncclInProgress) { /* else its kernel may still use it */
+                    a->cudaFree(dev);
+                }
+            }
+            a->cudaGetLastError();
+        }
+        if (freed) {
+            a->cudaFree(base);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    pyccl_device_leave(a, f->device, prev); /* prev -1: nothing to do */
     pthread_mutex_destroy(&f->setup_mu);
     PyMem_RawFree(f);
 }

@@ -10,6 +10,7 @@
  * comm_split.c's. */
 #include "pyccl.h"
 #include "args.h"
+#include "call.h"
 #include "comm_ops.h"
 
 #include <limits.h>
@@ -189,8 +190,9 @@ float_to_bf16(float f)
 }
 
 /* An op argument: any spelling pyccl_read_redop takes, or a
- * pyccl.premul_sum(scalar), made into an NCCL op for this comm and dtype.
- * *made is set when the caller must ncclRedOpDestroy it after enqueueing. */
+ * pyccl.premul_sum(scalar), checked here and kept in x (*made set, *redop
+ * -1): ops_submit makes it into an NCCL op for this comm and dtype inside
+ * the begun call, and destroys it after enqueueing. */
 static int
 read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
         int *redop, int *made)
@@ -272,23 +274,35 @@ read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
                      "%s: premul_sum needs NCCL >= 2.11", x->op);
         return -1;
     }
+    /* made into an NCCL op once the call has begun (ops_finish) */
+    x->premul_type = type;
+    memcpy(x->premul_scalar, &buf, sizeof buf);
+    *redop = -1;
+    *made = 1;
+    return 0;
+}
+
+/* ncclRedOpCreatePreMulSum of the op read_op read, inside the begun call,
+ * under c's lock (with a timeout: not while the watchdog may abort the
+ * handle). */
+static int
+make_op(call_ctx *x, int *redop)
+{
     ncclRedOp_t op;
-    /* the scalar's own code may have destroyed the communicator; with a
-     * timeout: not while the watchdog may abort the handle */
-    if (pyccl_comm_alive(x->st, x->op, x->c) < 0 ||
-        pyccl_comm_enter(x->st, x->op, x->c) < 0) {
+    if (pyccl_comm_enter(x->st, x->op, x->c) < 0) {
         return -1;
     }
     ncclResult_t r = x->st->api.ncclRedOpCreatePreMulSum(
-        &op, &buf, (ncclDataType_t)type, ncclScalarHostImmediate, x->c->comm);
-    pyccl_comm_leave(x->c);
+        &op, x->premul_scalar, (ncclDataType_t)x->premul_type, ncclScalarHostImmediate,
+        x->c->comm);
     char last[PYCCL_LAST_ERROR_SIZE] = "";
-    if (pyccl_nccl_failed(&x->st->api, r, x->c->comm, last, sizeof last)) {
+    pyccl_nccl_failed(&x->st->api, r, x->c->comm, last, sizeof last);
+    pyccl_comm_leave(x->c);
+    if (r != ncclSuccess) {
         pyccl_raise_nccl(x->st, x->op, r, last);
         return -1;
     }
     *redop = (int)op;
-    *made = 1;
     return 0;
 }
 
@@ -312,28 +326,34 @@ PyObject *
 ops_finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop,
            int made)
 {
-    int rc = 0;
+    if (n == 0) {
+        Py_RETURN_NONE; /* nothing to move: NCCL is not called */
+    }
     /* The last user code (array attributes, stream, op) has run: a
      * communicator it destroyed or aborted is reported here, not by NCCL.
      * The tasks hold c->comm as it was when they were made, after that code. */
-    if (n > 0 && pyccl_comm_alive(x->st, x->op, x->c) < 0) {
-        if (made) {
-            destroy_op(x, redop);
-        }
+    if (pyccl_call_begin(x->st, x->op, x->c) < 0) {
         return NULL;
     }
-    if (n > 0) {
-        x->c->inflight++; /* another thread's destroy() must wait for this */
-        rc = pyccl_submit(x->st, x->op, tasks, n, redop, NULL, &x->c, 1);
-        x->c->inflight--;
-    }
-    if (made) {
-        destroy_op(x, redop);
-    }
+    int rc = ops_submit(x, tasks, n, redop, made);
+    pyccl_call_end(x->c);
     if (rc < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+int
+ops_submit(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop, int made)
+{
+    if (made && make_op(x, &redop) < 0) {
+        return -1;
+    }
+    int rc = pyccl_call_submit(x->st, x->op, tasks, n, redop, NULL, &x->c, 1);
+    if (made) {
+        destroy_op(x, redop);
+    }
+    return rc;
 }
 
 void
@@ -431,21 +451,29 @@ pyccl_comm_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         read_op(&x, a[1], &t, type, &redop, &made) < 0) {
         return NULL;
     }
-    if (!made) { /* premul_sum ops are NCCL's */
-        int done = pyccl_ar_all_reduce(x.st, x.c, x.op, algo, &t, &o, redop, s);
-        if (done != 0) {
-            return done < 0 ? NULL : Py_NewRef(Py_None);
-        }
-    } else if (algo == PYCCL_ALGO_ONESHOT || algo == PYCCL_ALGO_TWOSHOT) {
-        x.st->api.ncclRedOpDestroy((ncclRedOp_t)redop, x.c->comm);
+    if (made && (algo == PYCCL_ALGO_ONESHOT || algo == PYCCL_ALGO_TWOSHOT)) {
+        /* refused before anything is made */
         PyErr_Format(PyExc_ValueError,
                      "all_reduce: algo='%s' supports SUM, MAX and MIN, not premul_sum",
                      algo == PYCCL_ALGO_ONESHOT ? "oneshot" : "twoshot");
         return NULL;
     }
+    if (t.numel == 0) {
+        Py_RETURN_NONE; /* nothing to move: NCCL is not called */
+    }
     pyccl_task tk;
     ops_task(&tk, PYCCL_ALL_REDUCE, t.ptr, o.ptr, (size_t)t.numel, type, 0, &x, s);
-    return ops_finish(&x, &tk, t.numel > 0, redop, made);
+    /* one call: begun after the last user code, own kernels or NCCL, ended */
+    if (pyccl_call_begin(x.st, x.op, x.c) < 0) {
+        return NULL;
+    }
+    /* premul_sum ops are NCCL's */
+    int rc = made ? 0 : pyccl_ar_all_reduce(x.st, x.c, x.op, algo, &t, &o, redop, s);
+    if (rc == 0) {
+        rc = ops_submit(&x, &tk, 1, redop, made);
+    }
+    pyccl_call_end(x.c);
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 /* broadcast(tensor, root, *, out=None, stream=None) and
@@ -533,9 +561,6 @@ per_rank(call_ctx *x, pyccl_coll coll, void *mine, const pyccl_tensor *list, siz
 {
     pyccl_task *tasks = PyMem_Calloc((size_t)x->c->size, sizeof(pyccl_task));
     if (tasks == NULL) {
-        if (made) {
-            destroy_op(x, redop);
-        }
         return PyErr_NoMemory();
     }
     for (int r = 0; r < x->c->size; r++) {
@@ -634,21 +659,18 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
         read_op(&x, a[2], &out, type, &redop, &made) < 0) {
         goto done;
     }
-    redop = pyccl_reduce_scatter_op(redop, x.c->size);
+    if (!made) {
+        redop = pyccl_reduce_scatter_op(redop, x.c->size);
+    }
     size_t count = (size_t)out.numel;
     if (list == NULL) {
         pyccl_task tk;
         ops_task(&tk, PYCCL_REDUCE_SCATTER, in.ptr, out.ptr, count, type, 0, &x, s);
         res = ops_finish(&x, &tk, count > 0, redop, made);
-        made = 0;
         goto done;
     }
     res = per_rank(&x, PYCCL_REDUCE, out.ptr, list, count, type, s, redop, made);
-    made = 0;
 done:
-    if (made) {
-        destroy_op(&x, redop);
-    }
     PyMem_Free(list);
     Py_XDECREF(keep);
     return res;
@@ -665,8 +687,16 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     call_ctx x;
     cudaStream_t s;
     if (pyccl_parse_args("barrier", args, nargs, kwnames, names, 1, 0, 0, a) < 0 ||
-        ops_ctx_init(&x, self, "barrier") < 0 || ops_stream(&x, a[0], &s) < 0 ||
-        pyccl_comm_alive(x.st, "barrier", x.c) < 0) { /* after the stream's code */
+        ops_ctx_init(&x, self, "barrier") < 0 || ops_stream(&x, a[0], &s) < 0) {
+        return NULL;
+    }
+    if (pyccl_group_depth() > 0) {
+        /* a group's work runs at its end: nothing to wait for yet */
+        PyErr_SetString(PyExc_RuntimeError,
+                        "barrier: cannot wait inside pyccl.group(); call it after the group ends");
+        return NULL;
+    }
+    if (pyccl_call_begin(x.st, "barrier", x.c) < 0) { /* after the stream's code */
         return NULL;
     }
     const pyccl_api *api = &x.st->api;
@@ -681,6 +711,7 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         pyccl_device_leave(api, c->device, prev);
         Py_END_ALLOW_THREADS
         if (ce != cudaSuccess) {
+            pyccl_call_end(c);
             pyccl_raise_cuda(x.st, "barrier", "cudaMalloc", ce);
             return NULL;
         }
@@ -693,13 +724,12 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     }
     pyccl_task tk;
     ops_task(&tk, PYCCL_ALL_REDUCE, c->scratch, c->scratch, 1, ncclFloat32, 0, &x, s);
-    c->inflight++;
-    int rc = pyccl_submit(x.st, "barrier", &tk, 1, ncclSum, NULL, &c, 1);
-    c->inflight--;
-    if (rc < 0 || ops_wait_call(&x, s) < 0) {
-        return NULL;
+    int rc = pyccl_call_submit(x.st, "barrier", &tk, 1, ncclSum, NULL, &c, 1);
+    if (rc == 0) {
+        rc = ops_wait_call(&x, s);
     }
-    Py_RETURN_NONE;
+    pyccl_call_end(c);
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 int

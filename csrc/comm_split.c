@@ -4,6 +4,7 @@
  * ends, so the child stays pending until then (communicator.c). */
 #include "pyccl.h"
 #include "args.h"
+#include "call.h"
 #include "comm_ops.h"
 
 /* The split of a communicator with a timeout: the watchdog makes the child's
@@ -69,7 +70,13 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     if (x.c->watch != NULL) {
-        return split_watched(&x, color, key); /* the child gets a watch too */
+        /* the child gets a watch too */
+        if (pyccl_call_begin(x.st, "split", x.c) < 0) {
+            return NULL;
+        }
+        PyObject *child = split_watched(&x, color, key);
+        pyccl_call_end(x.c);
+        return child;
     }
     if (pyccl_group_depth() > 0) {
         /* NCCL writes the child's handle when the group ends, so it goes
@@ -87,10 +94,16 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
             slot = &((pyccl_comm *)child)->comm;
         }
         char last[PYCCL_LAST_ERROR_SIZE] = "";
+        /* NCCL uses the parent at the group's end: it is in the group */
+        if (pyccl_call_begin(x.st, "split", x.c) < 0 || pyccl_call_note_group(x.c) < 0) {
+            Py_XDECREF(child);
+            return NULL;
+        }
         pyccl_comm_lock(x.c); /* a short call: no GIL release around it */
         ncclResult_t r = api->ncclCommSplit(x.c->comm, color, key, slot, NULL);
         pyccl_nccl_failed(api, r, x.c->comm, last, sizeof last);
         pthread_mutex_unlock(&x.c->mu);
+        pyccl_call_end(x.c);
         if (r != ncclSuccess) {
             Py_XDECREF(child); /* stays pending until the group ends */
             pyccl_raise_nccl(x.st, "split", r, last);
@@ -105,7 +118,9 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     ncclResult_t r;
     int rank = -1, size = 0;
     char last[PYCCL_LAST_ERROR_SIZE] = "";
-    x.c->inflight++;
+    if (pyccl_call_begin(x.st, "split", x.c) < 0) {
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     pyccl_comms_lock(&x.c, 1);
     r = api->ncclCommSplit(x.c->comm, color, key, &nc, NULL);
@@ -118,7 +133,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     pyccl_nccl_failed(api, r, x.c->comm, last, sizeof last);
     pyccl_comms_unlock(&x.c, 1);
     Py_END_ALLOW_THREADS
-    x.c->inflight--;
+    pyccl_call_end(x.c);
     if (r != ncclSuccess) {
         pyccl_raise_nccl(x.st, "split", r, last);
         return NULL;

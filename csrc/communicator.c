@@ -10,6 +10,7 @@
  * which then owns its handle. */
 #include "pyccl.h"
 #include "args.h"
+#include "call.h"
 #include "comm_ops.h"
 
 #include <string.h>
@@ -72,9 +73,12 @@ destroy_comm(pyccl_state *st, pyccl_comm *c, int may_raise)
         return r;
     }
     const pyccl_api *a = &st->api;
+    /* abort() came while destroy() ran (its peers may be gone): the
+     * handle is aborted, not destroyed, which could wait for them */
+    int aborted = __atomic_load_n(&c->abort_asked, __ATOMIC_ACQUIRE);
     Py_BEGIN_ALLOW_THREADS
     if (comm != NULL) {
-        r = a->ncclCommDestroy(comm);
+        r = aborted ? a->ncclCommAbort(comm) : a->ncclCommDestroy(comm);
     }
     if (scratch != NULL) {
         int prev;
@@ -222,10 +226,11 @@ comm_dealloc(PyObject *self)
     }
     pyccl_state *st = PyType_GetModuleState(tp);
     if (st != NULL && (c->comm != NULL || c->watch != NULL) &&
-        !Py_IsFinalizing()) {
+        !Py_IsFinalizing() && pyccl_call_destroy_begin(st, "destroy", c) == 0) {
         /* A failure here has nobody to report to; the memory is gone either
          * way once the process ends. */
         (void)destroy_comm(st, c, 0);
+        pyccl_call_destroy_end(c);
     }
     if (c->name != NULL) {
         PyObject *exc = PyErr_GetRaisedException();
@@ -257,18 +262,13 @@ comm_destroy(PyObject *self, PyObject *Py_UNUSED(ignored))
     if (st == NULL) {
         return NULL;
     }
-    if (c->pending) {
-        pyccl_raise_not_ready("destroy");
-        return NULL;
-    }
-    if (c->inflight > 0) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "destroy: the communicator (rank %d of %d) is in use by "
-                     "another thread; destroy it once that call returned",
-                     c->rank, c->size);
-        return NULL;
+    /* decided once, before anything is done: other threads' entries see it */
+    int d = pyccl_call_destroy_begin(st, "destroy", c);
+    if (d != 0) {
+        return d < 0 ? NULL : Py_NewRef(Py_None);
     }
     ncclResult_t r = destroy_comm(st, c, 1);
+    pyccl_call_destroy_end(c);
     if (r == ncclInProgress) {
         return NULL; /* timed communicator: raised by watchdog.c */
     }
@@ -378,16 +378,59 @@ comm_ar_epoch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
 {
-    pyccl_ar_stop((pyccl_comm *)self);
-    PyObject *res = pyccl_comm_abort(self, NULL);
+    pyccl_comm *c = (pyccl_comm *)self;
     pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
-    if (res != NULL && st != NULL) {
-        /* the own kernels returned (the stop word): what they held goes now,
-         * but the exported region (a peer may still map it) */
-        pyccl_ar_release(st, (pyccl_comm *)self, 0);
-        /* the handle is gone: so are its registrations */
-        pyccl_release_registrations(st, (pyccl_comm *)self, 2);
+    if (st == NULL) {
+        return NULL;
     }
+    /* decided before any side effect: a refused abort() changes nothing */
+    int d = pyccl_call_abort_check(st, c);
+    if (d < 0) {
+        return NULL;
+    }
+    pyccl_ar_stop(c); /* the own kernels waiting for peers return first */
+    if (d > 0) {
+        Py_RETURN_NONE; /* destroy() runs: it aborts the handle itself */
+    }
+    pyccl_call_hold(c);
+    int rc = pyccl_watch_abort(st, c);
+    pyccl_call_end(c);
+    if (rc < 0) {
+        return NULL;
+    }
+    /* the own kernels returned (the stop word): what they held goes now,
+     * but the exported region (a peer may still map it) */
+    pyccl_ar_release(st, c, 0);
+    /* the handle is gone: so are its registrations */
+    pyccl_release_registrations(st, c, 2);
+    Py_RETURN_NONE;
+}
+
+/* wait() and get_async_error() look at the watch: counted in flight, so
+ * destroy() from another thread waits for them to leave it.  A wait()
+ * without a watch is not: it never touches the handle, and abort() from
+ * another thread is how such a wait ends early. */
+static PyObject *
+comm_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    pyccl_comm *c = (pyccl_comm *)self;
+    int held = c->watch != NULL;
+    if (held) {
+        pyccl_call_hold(c);
+    }
+    PyObject *res = pyccl_comm_wait(self, args, nargs, kwnames);
+    if (held) {
+        pyccl_call_end(c);
+    }
+    return res;
+}
+
+static PyObject *
+comm_get_async_error(PyObject *self, PyObject *unused)
+{
+    pyccl_call_hold((pyccl_comm *)self);
+    PyObject *res = pyccl_comm_get_async_error(self, unused);
+    pyccl_call_end((pyccl_comm *)self);
     return res;
 }
 
@@ -502,7 +545,7 @@ static PyMethodDef comm_methods[] = {
      "later call raises RuntimeError. Idempotent; for the emergency (another "
      "thread may call it while this one waits on the GPU). Without a timeout "
      "it refuses while another thread is inside a call on it."},
-    {"wait", (PyCFunction)(void (*)(void))pyccl_comm_wait,
+    {"wait", (PyCFunction)(void (*)(void))comm_wait,
      METH_FASTCALL | METH_KEYWORDS,
      "wait($self, /, timeout=None)\n--\n\nBlock (GIL released; Ctrl-C "
      "interrupts) until the work enqueued on this communicator so far has "
@@ -512,7 +555,7 @@ static PyMethodDef comm_methods[] = {
      "passed), or the error that aborted it. Without a timeout of its own "
      "it waits for everything enqueued so far on the streams it was used "
      "on."},
-    {"get_async_error", pyccl_comm_get_async_error, METH_NOARGS,
+    {"get_async_error", comm_get_async_error, METH_NOARGS,
      "get_async_error($self, /)\n--\n\nNone while all is well, else the exception "
      "(not raised) that the next call would raise: an NcclTimeoutError or "
      "NcclError instance once the communicator failed, or an NcclError for "

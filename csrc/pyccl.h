@@ -321,6 +321,12 @@ int pyccl_stream(pyccl_state *st, const char *op, const char *what,
 PyObject *pyccl_dtype_name(const pyccl_tensor *t);
 
 /* ---- communicator.c ---- */
+/* c->life (call.h says the states) */
+enum {
+    PYCCL_LIFE_USABLE = 0,
+    PYCCL_LIFE_DESTROYING,
+    PYCCL_LIFE_GONE,
+};
 typedef struct {
     PyObject_HEAD
     ncclComm_t comm;     /* NULL once destroyed */
@@ -328,7 +334,13 @@ typedef struct {
     int size;
     int device;
     void *scratch;       /* barrier()'s device word, allocated on first use */
-    int inflight;        /* calls using comm with the GIL released; destroy() refuses meanwhile */
+    /* The door's (call.c, the only writer): calls between begin and end,
+     * pyccl.group()s not ended that hold work of it, and its life
+     * (PYCCL_LIFE_*); abort_asked: abort() came while destroy() ran. */
+    int inflight;
+    int in_group;
+    int life;
+    int abort_asked;
     int pending;         /* split inside pyccl.group(): NCCL writes `comm` at the group's end */
     PyObject *weakreflist;
     PyObject *name;      /* str, made on first read of .name; NULL before */
@@ -536,6 +548,11 @@ int pyccl_comm_failed(const pyccl_comm *c);
  * was aborted, failed or destroyed.  Unlock the returned mutex after the
  * NCCL call (and its completion poll).  For the own kernels' set-up. */
 pthread_mutex_t *pyccl_comm_hold(pyccl_comm *c, ncclComm_t *comm);
+/* The NCCL call made under what pyccl_comm_hold returned came back (the
+ * lock still held): 1 when the watchdog gave up on it meanwhile (stuck past
+ * the timeout) and aborted the handle (c is failed then), else 0.  Without
+ * the GIL. */
+int pyccl_comm_held_done(pyccl_comm *c, pthread_mutex_t *held, const char *op);
 /* -1 raising c's failure when it failed (then c->comm is cleared), else 0. */
 int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
 /* -1 with RuntimeError when c was destroyed (or is pending, or failed). */
@@ -555,12 +572,12 @@ int pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out,
  * returns -1 on failure. */
 int pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
                        double timeout);
-/* THE way to enqueue NCCL work: the tasks on `comms` (their communicators,
- * repeats allowed; NULL and 0 for a clique's, which `serialize` covers):
- * under the watch when one of them has a timeout, else pyccl_enqueue; the
- * streams of communicators without a timeout noted for wait(). */
-int pyccl_submit(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize_t n, int redop,
-                 PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms);
+/* pyccl_enqueue for tasks on communicators of which some have a watch
+ * (comms: the communicators of the tasks, repeats allowed); the door's
+ * submit (call.c) chooses it. */
+int pyccl_enqueue_timed(pyccl_state *st, const char *op,
+                        const pyccl_task *tasks, Py_ssize_t n, int redop,
+                        pyccl_comm *const *comms, Py_ssize_t ncomms);
 /* The outermost pyccl.group() of this thread ended with NCCL result r:
  * poll and track the watched communicators used inside it.  -1 with an
  * exception. */
@@ -582,8 +599,10 @@ int pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
  * ops); no-op without a watch.  Enter: -1 raising c's failure. */
 int pyccl_comm_enter(pyccl_state *st, const char *op, pyccl_comm *c);
 void pyccl_comm_leave(pyccl_comm *c);
-/* Communicator.abort(), .wait(timeout=None), .get_async_error() */
-PyObject *pyccl_comm_abort(PyObject *self, PyObject *unused);
+/* Communicator.wait(timeout=None), .get_async_error() */
+/* abort() once the door (call.c) allowed it: ncclCommAbort, or the
+ * watch's failure; -1 with an exception. */
+int pyccl_watch_abort(pyccl_state *st, pyccl_comm *c);
 PyObject *pyccl_comm_wait(PyObject *self, PyObject *const *args,
                           Py_ssize_t nargs, PyObject *kwnames);
 PyObject *pyccl_comm_get_async_error(PyObject *self, PyObject *unused);

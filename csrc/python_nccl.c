@@ -5,6 +5,7 @@
  * reduced natively, bool is never reduced as bytes, and NCCL errors raise
  * NcclError instead of terminating the process. */
 #include "pyccl.h"
+#include "call.h"
 #include "args.h"
 
 #include <string.h>
@@ -488,19 +489,18 @@ enqueue_call(nccl_call *x)
         tasks[i].type = x->type;
         tasks[i].peer = x->root;
     }
-    /* user communicators: another thread's destroy() waits for this */
-    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-        call_comm(x, i)->inflight++;
-    }
     /* Two threads on one clique would interleave their groups differently
      * on each device and deadlock: clique calls are serialized. */
     pyccl_comm *const *comms =
         have_comms ? (pyccl_comm *const *)PySequence_Fast_ITEMS(x->comms) : NULL;
-    int rc = pyccl_submit(st, op, tasks, n, x->redop, have_comms ? NULL : st->clique_call_lock,
-                          comms, have_comms ? n : 0);
-    for (Py_ssize_t i = 0; have_comms && i < n; i++) {
-        call_comm(x, i)->inflight--;
+    Py_ssize_t ncomms = have_comms ? n : 0;
+    /* user communicators: begun (another thread's destroy() refuses) */
+    if (pyccl_call_begin_all(st, op, comms, ncomms) < 0) {
+        return -1;
     }
+    int rc = pyccl_call_submit(st, op, tasks, n, x->redop,
+                               have_comms ? NULL : st->clique_call_lock, comms, ncomms);
+    pyccl_call_end_all(comms, ncomms);
     return rc;
 }
 
@@ -682,8 +682,11 @@ nccl_group(PyObject *m, int start)
     if (outermost) {
         pyccl_resolve_pending_splits(st);
         /* communicators with a timeout: poll and track the group's work
-         * (ncclInProgress is how a non-blocking group ends) */
-        if (pyccl_watch_group_end(st, r) < 0) {
+         * (ncclInProgress is how a non-blocking group ends); then every
+         * communicator used in the group leaves it */
+        int rc = pyccl_watch_group_end(st, r);
+        pyccl_call_group_done();
+        if (rc < 0) {
             return NULL;
         }
         r = r == ncclInProgress ? ncclSuccess : r;

@@ -11,6 +11,7 @@
  * communicator itself, that every rank registers the same number of bytes of
  * usable memory, and all raise together otherwise. */
 #include "pyccl.h"
+#include "call.h"
 #include "comm_ops.h"
 
 #include <dlfcn.h>
@@ -98,11 +99,9 @@ call_on_comm(pyccl_state *st, const char *op, pyccl_comm *c, int kind, void *ptr
     int late = 0;
     char last[PYCCL_LAST_ERROR_SIZE] = "";
     ncclResult_t r;
-    c->inflight++; /* destroy() from another thread refuses meanwhile */
     Py_BEGIN_ALLOW_THREADS
     r = nccl_call(a, comm, kind, ptr, n, handle, deadline, &late, last, sizeof last);
     Py_END_ALLOW_THREADS
-    c->inflight--;
     pyccl_comm_leave(c);
     if (late) {
         char reason[256];
@@ -124,24 +123,41 @@ call_on_comm(pyccl_state *st, const char *op, pyccl_comm *c, int kind, void *ptr
 }
 
 /* Deregister r if its communicator can still take the call; mark it closed
- * either way.  -1 with an exception when NCCL refused. */
+ * either way.  The registration is claimed (closed, unlinked) with the GIL
+ * held before anything else, so a second close() (another thread's, or
+ * destroy()'s) finds it closed and never deregisters it again.
+ * `by_comm`: destroy()'s or abort()'s own release (c is theirs); otherwise
+ * the call is begun on c like any other, and skipped (NCCL frees the
+ * registration with the handle) while c is being destroyed.  -1 with an
+ * exception when NCCL refused. */
 static int
-close_reg(pyccl_state *st, pyccl_reg *r, int forget)
+close_reg(pyccl_state *st, pyccl_reg *r, int forget, int by_comm)
 {
     if (!r->open) {
         return 0;
     }
     pyccl_comm *c = r->comm;
-    int rc = 0;
-    int usable = c->comm != NULL && !pyccl_comm_failed(c) && !c->pending;
-    if (!forget && usable && st != NULL && st->api.loaded && !st->exiting) {
-        void *h = r->handle;
-        rc = call_on_comm(st, "Registration.close", c,
-                          r->window ? 3 : 2, NULL, 0, &h);
-    }
+    void *h = r->handle;
+    int window = r->window;
+    PyObject *tensor = r->tensor;
     unlink_reg(r);
     r->handle = NULL;
-    Py_CLEAR(r->tensor);
+    r->tensor = NULL;
+    int rc = 0;
+    int usable = c->comm != NULL && !pyccl_comm_failed(c) && !c->pending &&
+                 (by_comm || c->life == PYCCL_LIFE_USABLE);
+    if (!forget && usable && st != NULL && st->api.loaded && !st->exiting) {
+        if (by_comm || pyccl_call_begin(st, "Registration.close", c) == 0) {
+            rc = call_on_comm(st, "Registration.close", c, window ? 3 : 2, NULL, 0, &h);
+            if (!by_comm) {
+                pyccl_call_end(c);
+            }
+        }
+        else {
+            PyErr_Clear(); /* cannot happen: usable was checked with the GIL */
+        }
+    }
+    Py_XDECREF(tensor);
     return rc;
 }
 
@@ -155,7 +171,7 @@ pyccl_release_registrations(pyccl_state *st, pyccl_comm *c, int forget)
         pyccl_reg *r = c->regs;
         PyObject *exc = PyErr_GetRaisedException();
         r->gone = gone;
-        if (close_reg(st, r, forget || st->exiting) < 0) {
+        if (close_reg(st, r, forget || st->exiting, 1) < 0) {
             PyErr_Clear();
         }
         PyErr_SetRaisedException(exc);
@@ -244,9 +260,7 @@ exchange(call_ctx *x, cudaStream_t s, const int64_t mine[2], int64_t *all)
     }
     pyccl_task tk;
     ops_task(&tk, PYCCL_ALL_GATHER, dev + rec * (size_t)c->rank, dev, rec, ncclUint8, 0, x, s);
-    c->inflight++;
-    int rc = pyccl_submit(st, x->op, &tk, 1, ncclSum, NULL, &c, 1);
-    c->inflight--;
+    int rc = pyccl_call_submit(st, x->op, &tk, 1, ncclSum, NULL, &c, 1);
     if (rc < 0 || ops_wait_call(x, s) < 0) {
         goto error;
     }
@@ -419,13 +433,17 @@ do_register(PyObject *self, PyObject *tensor, int window)
     pyccl_tensor t;
     memset(&t, 0, sizeof t);
     void *handle = NULL;
+    PyObject *res = NULL;
     if (!window) {
-        if (check_tensor(&x, tensor, &t) < 0 ||
-            pyccl_comm_alive(x.st, op, x.c) < 0 || /* the tensor's code may destroy it */
-            call_on_comm(x.st, op, x.c, 0, t.ptr, (size_t)t.nbytes, &handle) < 0) {
+        /* begun after the tensor's code, which may destroy c */
+        if (check_tensor(&x, tensor, &t) < 0 || pyccl_call_begin(x.st, op, x.c) < 0) {
             return NULL;
         }
-        return make_reg(&x, tensor, &t, handle, 0);
+        if (call_on_comm(x.st, op, x.c, 0, t.ptr, (size_t)t.nbytes, &handle) == 0) {
+            res = make_reg(&x, tensor, &t, handle, 0);
+        }
+        pyccl_call_end(x.c);
+        return res;
     }
     /* Collective: a local refusal is exchanged too, so every rank raises. */
     int64_t mine[2] = {0, REC_OK};
@@ -445,14 +463,19 @@ do_register(PyObject *self, PyObject *tensor, int window)
         Py_XDECREF(own);
         return PyErr_NoMemory();
     }
-    int rc = pyccl_comm_alive(x.st, op, x.c) < 0 || exchange(&x, s, mine, all) < 0 ||
-             agree(&x, all, own) < 0;
-    PyMem_Free(all);
-    Py_XDECREF(own);
-    if (rc || call_on_comm(x.st, op, x.c, 1, t.ptr, (size_t)t.nbytes, &handle) < 0) {
+    if (pyccl_call_begin(x.st, op, x.c) < 0) {
+        PyMem_Free(all);
+        Py_XDECREF(own);
         return NULL;
     }
-    return make_reg(&x, tensor, &t, handle, 1);
+    int rc = exchange(&x, s, mine, all) < 0 || agree(&x, all, own) < 0;
+    PyMem_Free(all);
+    Py_XDECREF(own);
+    if (!rc && call_on_comm(x.st, op, x.c, 1, t.ptr, (size_t)t.nbytes, &handle) == 0) {
+        res = make_reg(&x, tensor, &t, handle, 1);
+    }
+    pyccl_call_end(x.c);
+    return res;
 }
 
 PyObject *
@@ -481,7 +504,7 @@ static PyObject *
 reg_close(PyObject *self, PyObject *Py_UNUSED(ignored))
 {
     pyccl_reg *r = (pyccl_reg *)self;
-    if (close_reg(reg_state(self), r, 0) < 0) {
+    if (close_reg(reg_state(self), r, 0, 0) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -514,7 +537,7 @@ reg_dealloc(PyObject *self)
     if (r->open) {
         PyObject *exc = PyErr_GetRaisedException();
         /* nobody to report a failure to; at exit: nothing is freed */
-        if (close_reg(st, r, st == NULL || st->exiting || Py_IsFinalizing()) < 0) {
+        if (close_reg(st, r, st == NULL || st->exiting || Py_IsFinalizing(), 0) < 0) {
             PyErr_Clear();
         }
         PyErr_SetRaisedException(exc);

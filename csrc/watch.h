@@ -101,12 +101,6 @@ int acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room, int *
 int wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit);
 int wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit, int interruptible);
 
-/* pyccl_enqueue for tasks on communicators of which some have a watch
- * (comms: the communicators of the tasks, repeats allowed). */
-int pyccl_enqueue_timed(pyccl_state *st, const char *op,
-                        const pyccl_task *tasks, Py_ssize_t n, int redop,
-                        pyccl_comm *const *comms, Py_ssize_t ncomms);
-
 #pragma GCC visibility pop
 
 #endif

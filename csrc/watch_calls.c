@@ -426,9 +426,6 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
     cudaError_t rec_err = cudaSuccess;
     tl_group = NULL;
     tl_group_n = tl_group_cap = 0;
-    for (int i = 0; i < n; i++) {
-        ((pyccl_comm *)g[i].comm)->inflight++; /* destroy() waits */
-    }
     waiter wt;
     waiter_start(&wt, 1);
     double t0 = pyccl_now_s();
@@ -497,7 +494,6 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
         rc = -1;
     }
     for (int i = 0; i < n; i++) {
-        ((pyccl_comm *)g[i].comm)->inflight--;
         Py_DECREF(g[i].comm);
     }
     PyMem_RawFree(g);
@@ -578,9 +574,7 @@ int
 pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
                  double timeout)
 {
-    c->inflight++; /* destroy() waits for this */
     int rc = wait_work(st, op, c->watch, timeout, 1);
-    c->inflight--;
     if (rc > 0) {
         return pyccl_watch_check(st, op, c);
     }
@@ -719,34 +713,6 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
 }
 
 int
-pyccl_submit(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize_t n, int redop,
-             PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms)
-{
-    int timed = 0;
-    for (Py_ssize_t j = 0; j < ncomms; j++) {
-        pyccl_comm *c = comms[j];
-        timed |= c->watch != NULL;
-        for (Py_ssize_t i = 0; c->watch == NULL && i < n; i++) {
-            /* for wait(): the streams its work went to */
-            if (tasks[i].comm == c->comm && pyccl_comm_note_stream(c, tasks[i].stream) < 0) {
-                return -1;
-            }
-        }
-    }
-    if (pyccl_group_depth() > 0 && pyccl_group_join(timed) < 0) {
-        /* refused on every rank alike, before anything is enqueued */
-        return pyccl_raise_refusal(st, op, ncclInvalidArgument,
-                                   "one pyccl.group() cannot mix communicators with and without "
-                                   "a timeout (NCCL's non-blocking and blocking kinds); this "
-                                   "call was not enqueued");
-    }
-    if (timed) {
-        return pyccl_enqueue_timed(st, op, tasks, n, redop, comms, ncomms);
-    }
-    return pyccl_enqueue(st, op, tasks, n, redop, serialize, comms, ncomms);
-}
-
-int
 pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
                  cudaStream_t s)
 {
@@ -763,18 +729,15 @@ pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
             return -1;
         }
         if (fresh) { /* the group's end counts it down once */
-            c->inflight++;
             lock_watch(w);
             w->in_group++;
             pthread_mutex_unlock(&w->mu);
-            c->inflight--;
         }
         return 0;
     }
     int which = 0;
     cudaError_t e = cudaSuccess;
     waiter wt;
-    c->inflight++;
     waiter_start(&wt, 1);
     int got = acquire_all(&wt, &w, 1, 1, &which);
     if (got == 0) {
@@ -784,7 +747,6 @@ pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
         pthread_mutex_unlock(&w->mu);
     }
     waiter_finish(&wt);
-    c->inflight--;
     if (got < 0) {
         return -1;
     }
@@ -829,5 +791,18 @@ pyccl_comm_hold(pyccl_comm *c, ncclComm_t *comm)
         return NULL;
     }
     *comm = w->comm;
+    /* one call in NCCL, as an enqueue is: the watchdog claims it and aborts
+     * the handle when it is stuck past the timeout and the grace */
+    call_begin(w);
     return &w->mu;
+}
+
+int
+pyccl_comm_held_done(pyccl_comm *c, pthread_mutex_t *held, const char *op)
+{
+    struct pyccl_watch *w = c->watch;
+    if (w != NULL && held == &w->mu) {
+        return call_end(w, op);
+    }
+    return 0;
 }

@@ -40,7 +40,6 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
     char last[512] = "";
     int which = 0, got, polled = 0, rank = -1, size = 0;
     waiter wt;
-    c->inflight++; /* destroy() waits for this */
     waiter_start(&wt, 1);
     got = acquire_all(&wt, &w, 1, 0, &which);
     if (got == 0) {
@@ -90,7 +89,6 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
         }
     }
     waiter_finish(&wt);
-    c->inflight--;
     if (got < 0 || polled < 0) {
         if (got == 0) {
             c->comm = NULL;
@@ -144,6 +142,15 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
     c->comm = NULL;
     c->watch = NULL;
     unregister_watch(st, w);
+    if (__atomic_load_n(&c->abort_asked, __ATOMIC_ACQUIRE) && !failed_kind(w)) {
+        /* abort() came while destroy() ran: no finalize, which waits for peers */
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&w->mu);
+        fail(w, PYCCL_FAIL_ABORTED, 0, "the communicator (rank %d of %d) has been aborted",
+             w->rank, w->size);
+        pthread_mutex_unlock(&w->mu);
+        Py_END_ALLOW_THREADS
+    }
     int rc = 0;
     if (!failed_kind(w) && w->comm != NULL) {
         /* First the tracked work, then NCCL's finalize, each bounded by the
@@ -230,61 +237,30 @@ mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
     return 0;
 }
 
-PyObject *
-pyccl_comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
+int
+pyccl_watch_abort(pyccl_state *st, pyccl_comm *c)
 {
-    pyccl_comm *c = (pyccl_comm *)self;
-    pyccl_state *st = state_of(self);
-    if (st == NULL) {
-        return NULL;
-    }
-    if (c->pending) {
-        pyccl_raise_not_ready("abort");
-        return NULL;
-    }
+    /* the door (call.c) decided that c may be aborted now */
     struct pyccl_watch *w = c->watch;
     if (w == NULL) {
         if (c->comm == NULL) {
-            Py_RETURN_NONE; /* destroyed: nothing to abort */
-        }
-        /* an own-kernel set-up holds the lock per NCCL call only: it sees
-         * the abort between its calls (pyccl_comm_hold) */
-        if (c->inflight > c->setups) {
-            PyErr_Format(PyExc_RuntimeError,
-                         "abort: the communicator (rank %d of %d) is in use by "
-                         "another thread; abort it once that call returned",
-                         c->rank, c->size);
-            return NULL;
+            return 0; /* destroyed: nothing to abort */
         }
         char reason[128];
         snprintf(reason, sizeof reason,
                  "the communicator (rank %d of %d) has been aborted", c->rank,
                  c->size);
-        if (mark_untimed(st, c, PYCCL_FAIL_ABORTED, reason) < 0) {
-            return NULL;
-        }
-        Py_RETURN_NONE;
+        return mark_untimed(st, c, PYCCL_FAIL_ABORTED, reason);
     }
-    c->inflight++; /* destroy() waits for this */
     lock_watch(w);
-    if (w->in_group > 0) {
-        pthread_mutex_unlock(&w->mu);
-        c->inflight--;
-        PyErr_Format(PyExc_RuntimeError,
-                     "abort: the communicator (rank %d of %d) was used inside "
-                     "a pyccl.group() that has not ended; end the group first",
-                     c->rank, c->size);
-        return NULL;
-    }
     /* A thread polling it (busy) sees the abort and raises. */
     Py_BEGIN_ALLOW_THREADS
     fail(w, PYCCL_FAIL_ABORTED, 0,
          "the communicator (rank %d of %d) has been aborted", c->rank, c->size);
     Py_END_ALLOW_THREADS
     pthread_mutex_unlock(&w->mu);
-    c->inflight--;
     c->comm = NULL;
-    Py_RETURN_NONE;
+    return 0;
 }
 
 PyObject *
@@ -359,7 +335,6 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
         r = a->ncclCommGetAsyncError(c->comm, &e);
     }
     else {
-        c->inflight++;
         lock_watch(w);
         if (w->comm != NULL && !w->busy && !w->in_group) {
             r = a->ncclCommGetAsyncError(w->comm, &e);
@@ -371,7 +346,6 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
             }
         }
         pthread_mutex_unlock(&w->mu);
-        c->inflight--;
         if (failed_kind(w)) {
             c->comm = NULL;
             return pyccl_failure_exception(st, "get_async_error",
@@ -413,13 +387,11 @@ pyccl_comm_mark_failed(pyccl_comm *c, const char *reason)
         }
         return;
     }
-    c->inflight++;
     lock_watch(w);
     Py_BEGIN_ALLOW_THREADS
     fail(w, PYCCL_FAIL_TIMEOUT, 0, "%s", reason);
     Py_END_ALLOW_THREADS
     pthread_mutex_unlock(&w->mu);
-    c->inflight--;
     c->comm = NULL;
 }
 

@@ -642,7 +642,8 @@ pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
     if (c->pending) {
         return pyccl_raise_not_ready(op);
     }
-    if (c->comm == NULL) {
+    /* destroy() begun (call.c) counts as done for every other caller */
+    if (c->comm == NULL || c->life != PYCCL_LIFE_USABLE) {
         PyErr_Format(PyExc_RuntimeError,
                      "%s: the communicator (rank %d of %d) has been destroyed",
                      op, c->rank, c->size);
@@ -692,11 +693,9 @@ pyccl_comm_enter(pyccl_state *st, const char *op, pyccl_comm *c)
         pyccl_comm_lock(c); /* abort() cannot change watch while it is held */
         return 0;
     }
-    c->inflight++; /* destroy() waits for pyccl_comm_leave */
-    lock_watch(c->watch);
+    lock_watch(c->watch); /* the caller's call is begun: destroy() waits */
     if (failed_kind(c->watch)) {
         pthread_mutex_unlock(&c->watch->mu);
-        c->inflight--;
         return pyccl_watch_check(st, op, c);
     }
     return 0;
@@ -707,7 +706,6 @@ pyccl_comm_leave(pyccl_comm *c)
 {
     if (c->watch != NULL) {
         pthread_mutex_unlock(&c->watch->mu);
-        c->inflight--;
     }
     else {
         pthread_mutex_unlock(&c->mu);

@@ -1,0 +1,216 @@
+/* The one door for using a communicator: begin, submit, end; destroy()'s and
+ * abort()'s decisions (call.h says the states).
+ *
+ * Everything here runs with the GIL held, which orders it: a decision taken
+ * here (destroy begun, a call counted) is seen by every thread's next entry.
+ * The GIL may be released between a call's begin and end (NCCL calls,
+ * kernel launches, waits); c->inflight says how many calls are in that
+ * stretch, and destroy() refuses while any is.  This file is the only one
+ * that writes c->inflight, c->in_group and c->life. */
+#include "call.h"
+
+/* ---------------- begin / end ---------------- */
+
+int
+pyccl_call_begin(pyccl_state *st, const char *op, pyccl_comm *c)
+{
+    if (pyccl_comm_alive(st, op, c) < 0) {
+        return -1;
+    }
+    c->inflight++;
+    return 0;
+}
+
+void
+pyccl_call_hold(pyccl_comm *c)
+{
+    c->inflight++;
+}
+
+void
+pyccl_call_end(pyccl_comm *c)
+{
+    c->inflight--;
+}
+
+int
+pyccl_call_begin_all(pyccl_state *st, const char *op, pyccl_comm *const *cs,
+                     Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (pyccl_call_begin(st, op, cs[i]) < 0) {
+            pyccl_call_end_all(cs, i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+void
+pyccl_call_end_all(pyccl_comm *const *cs, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        pyccl_call_end(cs[i]);
+    }
+}
+
+/* ---------------- groups ----------------
+ * The communicators this thread enqueued on inside its open pyccl.group(),
+ * each once, with a reference (NCCL uses them at the group's end). */
+static _Thread_local PyObject **group_comms;
+static _Thread_local Py_ssize_t group_n, group_cap;
+
+int
+pyccl_call_note_group(pyccl_comm *c)
+{
+    for (Py_ssize_t i = 0; i < group_n; i++) {
+        if (group_comms[i] == (PyObject *)c) {
+            return 0;
+        }
+    }
+    if (group_n == group_cap) {
+        Py_ssize_t cap = group_cap ? 2 * group_cap : 8;
+        PyObject **v = PyMem_Realloc(group_comms, (size_t)cap * sizeof *v);
+        if (v == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        group_comms = v;
+        group_cap = cap;
+    }
+    group_comms[group_n++] = Py_NewRef((PyObject *)c);
+    c->in_group++;
+    return 0;
+}
+
+void
+pyccl_call_group_done(void)
+{
+    PyObject **v = group_comms;
+    Py_ssize_t n = group_n;
+    group_comms = NULL;
+    group_n = group_cap = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ((pyccl_comm *)v[i])->in_group--;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_DECREF(v[i]);
+    }
+    PyMem_Free(v);
+}
+
+/* ---------------- submit ---------------- */
+
+int
+pyccl_call_submit(pyccl_state *st, const char *op, const pyccl_task *tasks,
+                  Py_ssize_t n, int redop, PyThread_type_lock serialize,
+                  pyccl_comm *const *comms, Py_ssize_t ncomms)
+{
+    int timed = 0;
+    for (Py_ssize_t j = 0; j < ncomms; j++) {
+        pyccl_comm *c = comms[j];
+        timed |= c->watch != NULL;
+        for (Py_ssize_t i = 0; c->watch == NULL && i < n; i++) {
+            /* for wait(): the streams its work went to */
+            if (tasks[i].comm == c->comm && pyccl_comm_note_stream(c, tasks[i].stream) < 0) {
+                return -1;
+            }
+        }
+    }
+    if (pyccl_group_depth() > 0) {
+        if (pyccl_group_join(timed) < 0) {
+            /* refused on every rank alike, before anything is enqueued */
+            return pyccl_raise_refusal(st, op, ncclInvalidArgument,
+                                       "one pyccl.group() cannot mix communicators with and "
+                                       "without a timeout (NCCL's non-blocking and blocking "
+                                       "kinds); this call was not enqueued");
+        }
+        for (Py_ssize_t j = 0; j < ncomms; j++) {
+            if (pyccl_call_note_group(comms[j]) < 0) {
+                return -1;
+            }
+        }
+    }
+    if (timed) {
+        return pyccl_enqueue_timed(st, op, tasks, n, redop, comms, ncomms);
+    }
+    return pyccl_enqueue(st, op, tasks, n, redop, serialize, comms, ncomms);
+}
+
+int
+pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s)
+{
+    if (pyccl_group_depth() > 0 && pyccl_call_note_group(c) < 0) {
+        return -1;
+    }
+    return pyccl_comm_track(st, op, c, s);
+}
+
+/* ---------------- destroy and abort ---------------- */
+
+int
+pyccl_call_destroy_begin(pyccl_state *st, const char *op, pyccl_comm *c)
+{
+    if (c->pending) {
+        return pyccl_raise_not_ready(op);
+    }
+    if (c->life != PYCCL_LIFE_USABLE) {
+        return 1; /* destroyed already, or by another thread right now */
+    }
+    if (c->in_group > 0) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: the communicator (rank %d of %d) is in use: "
+                     "enqueued on inside a pyccl.group() that has not "
+                     "ended, or by another thread; destroy it afterwards",
+                     op, c->rank, c->size);
+        return -1;
+    }
+    if (c->inflight > 0) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: the communicator (rank %d of %d) is in use by "
+                     "another thread; destroy it once that call returned",
+                     op, c->rank, c->size);
+        return -1;
+    }
+    c->life = PYCCL_LIFE_DESTROYING;
+    return 0;
+}
+
+void
+pyccl_call_destroy_end(pyccl_comm *c)
+{
+    c->life = PYCCL_LIFE_GONE;
+}
+
+int
+pyccl_call_abort_check(pyccl_state *st, pyccl_comm *c)
+{
+    (void)st;
+    if (c->pending) {
+        return pyccl_raise_not_ready("abort");
+    }
+    if (c->life == PYCCL_LIFE_DESTROYING) {
+        /* destroy() owns the handle now; what it may wait for (the own
+         * kernels, its release barrier) is told to give up */
+        __atomic_store_n(&c->abort_asked, 1, __ATOMIC_RELEASE);
+        return 1;
+    }
+    if (c->in_group > 0) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "abort: the communicator (rank %d of %d) was used inside "
+                     "a pyccl.group() that has not ended; end the group first",
+                     c->rank, c->size);
+        return -1;
+    }
+    /* Without a timeout, NCCL's handle is in use by a thread inside a call
+     * (not thread-safe to abort under it), except an own-kernel set-up, which
+     * holds the lock per NCCL call only and sees the abort between them. */
+    if (c->watch == NULL && c->comm != NULL && c->inflight > c->setups) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "abort: the communicator (rank %d of %d) is in use by "
+                     "another thread; abort it once that call returned",
+                     c->rank, c->size);
+        return -1;
+    }
+    return 0;
+}

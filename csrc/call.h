@@ -1,0 +1,79 @@
+/* The one door for using a communicator (call.c).
+ *
+ * Every use of a pyccl_comm's NCCL handle, own-kernel state, registrations
+ * or watch goes through here: a call is begun once (the communicator is
+ * usable, and counted in flight), submitted (NCCL rows or the own kernel's
+ * launch, tracked alike), and ended once.  destroy() and abort() take their
+ * decision here, with the GIL held and before any side effect, so every
+ * other thread's entry sees it.
+ *
+ * A communicator's states (c->life, plus the counters that only this file
+ * writes):
+ *   usable      calls begin;
+ *   in a group  c->in_group > 0: enqueued on inside a pyccl.group() of some
+ *               thread that has not ended (NCCL runs that work at the group's
+ *               end): destroy() and abort() are refused;
+ *   in use      c->inflight > 0: calls of other threads are between begin and
+ *               end (the GIL may be released there): destroy() is refused;
+ *   destroying  destroy() decided: every entry refuses as destroyed, abort()
+ *               only ends the own kernels' waits that destroy() may be in;
+ *   gone        the handle is freed (destroyed, or its failure was raised).
+ * Failed and aborted communicators are the watch's record (watchdog.c) or,
+ * without a timeout, a watch made for the record (watch_life.c). */
+#ifndef PYCCL_CALL_H
+#define PYCCL_CALL_H
+
+#include "pyccl.h"
+
+/* Begin a call on c, with the GIL held, after the last user code of the
+ * call's arguments ran (a tensor's attributes or a stream's code may destroy
+ * or abort c): -1 raising "<op>: ... destroyed" (or c's failure, or "not
+ * ready") when c is not usable; else 0 and c counted in flight until
+ * pyccl_call_end. */
+int pyccl_call_begin(pyccl_state *st, const char *op, pyccl_comm *c);
+void pyccl_call_end(pyccl_comm *c);
+/* Count c in flight without the checks of begin: for abort(), wait() and
+ * get_async_error(), which look at c's watch whatever its state (they
+ * check it themselves); ended by pyccl_call_end. */
+void pyccl_call_hold(pyccl_comm *c);
+/* The same for the n communicators of one call (repeats allowed): all
+ * begun, or none and -1. */
+int pyccl_call_begin_all(pyccl_state *st, const char *op, pyccl_comm *const *cs,
+                         Py_ssize_t n);
+void pyccl_call_end_all(pyccl_comm *const *cs, Py_ssize_t n);
+
+/* Own-kernel work of a begun call was launched on stream s: tracked as
+ * NCCL work would be (pyccl_comm_track), and noted in this thread's open
+ * group like it.  -1 with an exception. */
+int pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s);
+
+/* Submit NCCL tasks of a begun call: on `comms` (their communicators,
+ * repeats allowed; NULL and 0 for a clique's, which `serialize` covers):
+ * under the watch when one of them has a timeout, else pyccl_enqueue; the
+ * streams of communicators without a timeout noted for wait(); inside a
+ * pyccl.group(), each communicator noted as in the group until its end. */
+int pyccl_call_submit(pyccl_state *st, const char *op, const pyccl_task *tasks,
+                      Py_ssize_t n, int redop, PyThread_type_lock serialize,
+                      pyccl_comm *const *comms, Py_ssize_t ncomms);
+/* c is used inside this thread's open pyccl.group() (NCCL takes it up at
+ * the group's end): counted there once until pyccl_call_group_done.  -1
+ * with MemoryError. */
+int pyccl_call_note_group(pyccl_comm *c);
+/* The outermost pyccl.group() of this thread ended (after its watched
+ * communicators were settled): the communicators used in it leave it. */
+void pyccl_call_group_done(void);
+
+/* destroy(): 0 with c in the destroying state (nothing done yet), or -1
+ * with RuntimeError when c is in use by another thread, used inside a
+ * group that has not ended, or not ready.  `op` names the call. */
+int pyccl_call_destroy_begin(pyccl_state *st, const char *op, pyccl_comm *c);
+/* destroy() (or garbage collection) finished: c is gone. */
+void pyccl_call_destroy_end(pyccl_comm *c);
+/* abort(): -1 with RuntimeError when it must be refused (a group that has
+ * not ended holds work of c; without a timeout, another thread's call other
+ * than an own-kernel set-up is in flight); 1 when c is being destroyed (only
+ * the own kernels' waits are to be ended); else 0.  Decided before any side
+ * effect. */
+int pyccl_call_abort_check(pyccl_state *st, pyccl_comm *c);
+
+#endif /* PYCCL_CALL_H */
