@@ -64,8 +64,8 @@ FAULTS = [
          "        int r = PyErr_CheckSignals();\n")],
         tests=["tests/test_timeout_cpu.py"]),
     dict(name="leak the peer buffer on destroy", tier="cpu", file="csrc/ar_setup.c", edits=[(
-        "            if (freed) {\n                a->cudaFree(base);\n            }\n",
-        "            (void)freed;\n            (void)base; /* MUTANT: never freed */\n")],
+        "        if (freed) {\n            a->cudaFree(base);\n        }\n",
+        "        (void)freed;\n        (void)base; /* MUTANT: never freed */\n")],
         tests=["tests/test_selection_cpu.py", "-k", "ten_communicators"]),
     dict(name="watchdog fires at half the timeout", tier="cpu", file="csrc/watchdog.c", edits=[(
         "    if (w->nq > 0 && now - w->q[0].t > w->timeout) {\n",
