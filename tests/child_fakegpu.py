@@ -1133,6 +1133,339 @@ def keyword_order():
     return out
 
 
+
+# ---- lifecycle: threads, groups, registrations
+# tests/test_lifecycle_cpu.py: a communicator's end (destroy, abort, a registration's
+# close) decided once, whatever other threads or an open pyccl.group() do meanwhile.
+# The parameters come as JSON on stdin; a thread that does not finish in time ends the
+# process (exit 3, every thread's stack on stderr), so a hang is a failure, not a wait.
+
+LIFE_JOIN = 15.0  # s a scenario's thread may take before it counts as hung
+
+
+def _params():
+    return json.loads(sys.stdin.read() or "{}")
+
+
+def _join(threads):
+    import faulthandler
+    for t in threads:
+        t.join(LIFE_JOIN)
+        if t.is_alive():
+            print(f"HUNG: thread {t.name} still running after {LIFE_JOIN} s", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(all_threads=True)
+            os._exit(3)
+
+
+def _expect(exc, text, fn, *args):
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001 - compared below
+        assert type(e) is exc and str(e) == text, f"{type(e).__name__}: {e}\n  wanted {exc.__name__}: {text}"
+        return
+    raise AssertionError(f"no {exc.__name__}: {text}")
+
+
+def _who(c):
+    return f"the communicator (rank {c.rank} of {c.size})"
+
+
+def _destroy_refusals(c):
+    """What destroy() says while another thread is inside a call on c: try again later."""
+    return {f"destroy: {_who(c)} is in use by another thread; destroy it once that call returned",
+            f"destroy: {_who(c)} is in use: enqueued on inside a pyccl.group() that has not ended, "
+            "or by another thread; destroy it afterwards"}
+
+
+def destroy_beside():
+    """Thread A repeats one call on a communicator (op: abort, premul, all_reduce, close,
+    get_async_error) while thread B destroys it, retrying while destroy() says the
+    communicator is in use.  Each try: a fresh communicator with registrations (destroy
+    deregisters them first, each call held open for dereg_delay s: the window in which
+    A's call meets the destroy half done), A starting after a random delay."""
+    import faulthandler
+    import random
+    faulthandler.enable()
+    p = _params()
+    op, timeout, tries, nregs = p["op"], p["timeout"], p["tries"], p.get("regs", 2)
+    put("dereg_delay", p.get("dereg_delay", 0.0005))
+    rng = random.Random(p.get("seed", 1))
+    name = {"abort": "abort", "premul": "all_reduce", "all_reduce": "all_reduce",
+            "close": "Registration.close", "get_async_error": "get_async_error"}[op]
+    seen = {}
+    made = 0
+    for k in range(tries):
+        c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=timeout)
+        regs = [c.register(Array([float(i + 1)] * 4)) for i in range(nregs)]
+        made += nregs
+        before = get("dereg_calls")
+        a = Array([1.0, 2.0])
+        allowed = {f"{name}: {_who(c)} has been destroyed", f"{name}: {_who(c)} has been aborted"}
+        if op == "abort":
+            allowed.add(f"abort: {_who(c)} is in use by another thread; abort it once that call returned")
+        refusals = _destroy_refusals(c)
+        # destroy() whose wait an abort() on A ended: it says so, and the communicator is gone
+        ended = {f"destroy: {_who(c)} has been aborted"} if op == "abort" else set()
+        calls = {"abort": c.abort,
+                 "premul": lambda: c.all_reduce(a, op=pyccl.premul_sum(0.5)),
+                 "all_reduce": lambda: c.all_reduce(a),
+                 "close": lambda: regs[rng.randrange(nregs)].close(),
+                 "get_async_error": c.get_async_error}
+        call = calls[op]
+        start = threading.Barrier(2, timeout=LIFE_JOIN)
+        b_done = threading.Event()
+        bad = []
+        delay_a, delay_b = rng.uniform(0, 0.002), rng.uniform(0, 0.001)
+
+        def note(who, e):
+            key = f"{who} {type(e).__name__}: {e}"
+            seen[key] = seen.get(key, 0) + 1
+
+        def thread_a():
+            start.wait()
+            time.sleep(delay_a)
+            deadline = time.monotonic() + LIFE_JOIN / 2
+            while time.monotonic() < deadline:
+                last = b_done.is_set()
+                try:
+                    got = call()
+                    if op == "get_async_error" and got is not None:
+                        bad.append(f"A: get_async_error returned {got!r}")
+                except BaseException as e:  # noqa: BLE001 - checked
+                    note("A", e)
+                    if not (isinstance(e, RuntimeError) and str(e) in allowed):
+                        bad.append(f"A: {type(e).__name__}: {e}")
+                if last:
+                    return
+                time.sleep(rng.uniform(0, 0.0003))  # a gap: destroy() must find one
+            bad.append("A: the destroy on thread B did not end within its time")
+
+        def thread_b():
+            start.wait()
+            time.sleep(delay_b)
+            deadline = time.monotonic() + LIFE_JOIN / 2
+            try:
+                while True:
+                    try:
+                        c.destroy()
+                        return
+                    except BaseException as e:  # noqa: BLE001 - checked
+                        note("B", e)
+                        if isinstance(e, RuntimeError) and str(e) in ended:
+                            return
+                        if not (type(e) is RuntimeError and str(e) in refusals):
+                            bad.append(f"B: {type(e).__name__}: {e}")
+                            return
+                    if time.monotonic() > deadline:
+                        bad.append("B: destroy() refused for its whole time")
+                        return
+                    time.sleep(0.0002)
+            finally:
+                b_done.set()
+
+        ts = [threading.Thread(target=thread_a, name="A"), threading.Thread(target=thread_b, name="B")]
+        for t in ts:
+            t.start()
+        _join(ts)
+        assert not bad, (k, bad)
+        assert c.destroyed, (k, repr(c))
+        assert all(r.closed for r in regs), (k, regs)
+        deregs = get("dereg_calls") - before
+        # abort() forgets the registrations it finds open (the handle is gone); every other
+        # end deregisters each exactly once
+        if op == "abort":
+            assert deregs <= nregs, f"try {k}: {deregs} deregister calls for {nregs} registrations"
+        else:
+            assert deregs == nregs, f"try {k}: {deregs} deregister calls for {nregs} registrations"
+        clean()
+    put("dereg_delay", 0)
+    return {"tries": tries, "registrations": made, "dereg_calls": get("dereg_calls"), "seen": seen}
+
+
+def _group_holder(c, a, go, ready, errs):
+    """Another thread: a pyccl.group() with an all_reduce of c queued, held open until go."""
+    def run():
+        try:
+            with pyccl.group():
+                c.all_reduce(a)
+                ready.set()
+                if not go.wait(LIFE_JOIN / 2):
+                    errs.append("the group was never let go")
+        except BaseException as e:  # noqa: BLE001 - reported
+            errs.append(repr(e))
+        finally:
+            ready.set()
+    return threading.Thread(target=run, name="group")
+
+
+def group_keeps_comm():
+    """destroy() and abort() on a communicator enqueued on inside a pyccl.group() that has
+    not ended (whose: this thread's or another's) refuse, and change nothing: once the group
+    ended its all_reduce is right, the registrations are still open, the communicator works,
+    and destroy() then succeeds."""
+    p = _params()
+    timeout, whose = p["timeout"], p["whose"]
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=timeout)
+    regs = [c.register(Array([float(i + 1)] * 4)) for i in range(2)]
+    counts = {k: get(k) for k in ("dereg_calls", "aborts", "destroys", "finalizes")}
+    a = Array([1.0, 2.0, 3.0])
+    destroy_text = (f"destroy: {_who(c)} is in use: enqueued on inside a pyccl.group() that has not "
+                    "ended, or by another thread; destroy it afterwards")
+    abort_text = (f"abort: {_who(c)} was used inside a pyccl.group() that has not ended; "
+                  "end the group first")
+
+    def refused():
+        _expect(RuntimeError, abort_text, c.abort)
+        _expect(RuntimeError, destroy_text, c.destroy)  # the refused abort left it as it was
+        _expect(RuntimeError, abort_text, c.abort)      # and so did the refused destroy
+        assert not c.destroyed and "aborted" not in repr(c) and "destroyed" not in repr(c), repr(c)
+        assert c.handle != 0
+        assert [r.closed for r in regs] == [False, False], regs
+        now = {k: get(k) for k in counts}
+        assert now == counts, (counts, now)
+
+    if whose == "mine":
+        with pyccl.group():
+            c.all_reduce(a)
+            refused()
+    else:
+        go, ready, errs = threading.Event(), threading.Event(), []
+        t = _group_holder(c, a, go, ready, errs)
+        t.start()
+        assert ready.wait(LIFE_JOIN), "the other thread's group did not start"
+        try:
+            refused()
+        finally:
+            go.set()
+            _join([t])
+        assert not errs, errs
+    c.wait()
+    assert a.tolist() == [2.0, 4.0, 6.0], a.tolist()
+    assert c.get_async_error() is None
+    assert [r.closed for r in regs] == [False, False], regs
+    b = Array([5.0, 7.0])
+    c.all_reduce(b)
+    c.wait()
+    assert b.tolist() == [10.0, 14.0], b.tolist()
+    c.destroy()
+    assert c.destroyed and [r.closed for r in regs] == [True, True], regs
+    assert get("dereg_calls") - counts["dereg_calls"] == 2, get("dereg_calls") - counts["dereg_calls"]
+    assert get("aborts") == counts["aborts"], "a refused abort() aborted"
+    clean()
+    return "ok"
+
+
+def barrier_in_group():
+    """barrier() waits on the host, which cannot be inside a pyccl.group() (its all-reduce
+    runs only at the group's end): refused, and the group ends cleanly with its own work."""
+    p = _params()
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=p["timeout"])
+    text = "barrier: cannot wait inside pyccl.group(); call it after the group ends"
+    a = Array([1.0, 2.0])
+    ops = get("ops")
+    with pyccl.group():
+        _expect(RuntimeError, text, c.barrier)   # first in the group
+        c.all_reduce(a)
+        _expect(RuntimeError, text, c.barrier)   # after queued work
+    c.wait()
+    assert a.tolist() == [2.0, 4.0], a.tolist()
+    assert get("ops") == ops + 1, f"{get('ops') - ops} collectives ran for one all_reduce"
+    c.barrier()  # after the group: a real one
+    assert get("ops") == ops + 2, f"{get('ops') - ops} collectives ran for one all_reduce and one barrier"
+    c.destroy()
+    clean()
+    return "ok"
+
+
+def close_once():
+    """One registration closed by two threads at once (how: close, both call close();
+    destroy, one closes it while the other destroys its communicator): NCCL's deregister
+    is called once, each deregister held open for dereg_delay s.  Each try a fresh
+    communicator."""
+    import faulthandler
+    import random
+    faulthandler.enable()
+    p = _params()
+    how, timeout, tries = p["how"], p["timeout"], p["tries"]
+    put("dereg_delay", p.get("dereg_delay", 0.002))
+    rng = random.Random(p.get("seed", 2))
+    seen = {}
+    for k in range(tries):
+        c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=timeout)
+        r = c.register(Array([1.0, 2.0, 3.0]))
+        before = get("dereg_calls")
+        start = threading.Barrier(2, timeout=LIFE_JOIN)
+        results, bad = {}, []
+        refusals = _destroy_refusals(c)
+        destroyed = f"Registration.close: {_who(c)} has been destroyed"
+
+        def closer(who):
+            start.wait()
+            time.sleep(rng.uniform(0, 0.0005))
+            try:
+                results[who] = r.close()
+            except BaseException as e:  # noqa: BLE001 - checked
+                seen[f"{type(e).__name__}: {e}"] = seen.get(f"{type(e).__name__}: {e}", 0) + 1
+                ok = how == "destroy" and type(e) is RuntimeError and str(e) == destroyed
+                results[who] = None if ok else f"{type(e).__name__}: {e}"
+
+        def destroyer():
+            start.wait()
+            time.sleep(rng.uniform(0, 0.0005))
+            deadline = time.monotonic() + LIFE_JOIN / 2
+            while True:
+                try:
+                    c.destroy()
+                    return
+                except BaseException as e:  # noqa: BLE001 - checked
+                    seen[f"{type(e).__name__}: {e}"] = seen.get(f"{type(e).__name__}: {e}", 0) + 1
+                    if not (type(e) is RuntimeError and str(e) in refusals) or time.monotonic() > deadline:
+                        bad.append(f"destroy: {type(e).__name__}: {e}")
+                        return
+                time.sleep(0.0002)
+
+        second = (lambda: closer("second")) if how == "close" else destroyer
+        ts = [threading.Thread(target=closer, args=("first",), name="first"),
+              threading.Thread(target=second, name="second")]
+        for t in ts:
+            t.start()
+        _join(ts)
+        assert not bad, (k, bad)
+        want = {"first": None, "second": None} if how == "close" else {"first": None}
+        assert results == want, (k, results)
+        assert r.closed, (k, r)
+        deregs = get("dereg_calls") - before
+        assert deregs == 1, f"try {k}: {deregs} deregister calls for one registration"
+        c.destroy()
+        assert get("dereg_calls") - before == 1, f"try {k}: destroy deregistered a closed registration"
+        clean()
+    put("dereg_delay", 0)
+    return {"tries": tries, "dereg_calls": get("dereg_calls"), "seen": seen}
+
+
+def premul_forced_algo():
+    """premul_sum with algo='oneshot'/'twoshot' (NCCL's op only): refused before the op is
+    made, so no ncclRedOpCreatePreMulSum (and no ncclRedOpDestroy outside the
+    communicator's lock); the communicator works on."""
+    p = _params()
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=p["timeout"])
+    a = Array([1.0, 2.0])
+    for algo in ("oneshot", "twoshot"):
+        made = get("redop_creates")
+        _expect(ValueError, f"all_reduce: algo='{algo}' supports SUM, MAX and MIN, not premul_sum",
+                lambda: c.all_reduce(a, op=pyccl.premul_sum(2.0), algo=algo))
+        assert get("redop_creates") == made, f"algo='{algo}': {get('redop_creates') - made} premul_sum ops made"
+        assert get("redops") == 0, get("redops")
+    assert a.tolist() == [1.0, 2.0], a.tolist()
+    c.all_reduce(a, op=pyccl.premul_sum(2.0))  # without algo=: NCCL's, made and destroyed
+    c.wait()
+    assert get("redops") == 0 and get("redop_creates") >= 1
+    assert not c.destroyed
+    c.destroy()
+    clean()
+    return "ok"
+
+
 if __name__ == "__main__":
     result = globals()[SCENARIO]()
     print("RESULT " + json.dumps(result), flush=True)

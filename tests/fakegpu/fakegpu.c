@@ -94,7 +94,8 @@ static __thread int group_nops;
     X(redops) X(module_error) X(no_p2p) X(last_redop)                      \
     X(mem_live) X(ipc_live) X(host_live) X(launches)                        \
     X(nccl_mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)    \
-    X(dereg_calls) X(reg_delay) X(reg_hang) X(reg_quiet) X(cumem_held)
+    X(dereg_calls) X(reg_delay) X(reg_hang) X(reg_quiet) X(cumem_held)    \
+    X(dereg_delay) X(redop_creates)
 #define DECL(k) static double k;
 KEYS(DECL)
 #undef DECL
@@ -395,6 +396,7 @@ ncclRedOpCreatePreMulSum(int *op, void *scalar, int type, int residence,
         return ncclInvalidArgument;
     }
     redops++;
+    redop_creates++;
     *op = 5;
     leave(c);
     pthread_mutex_unlock(&mu);
@@ -977,6 +979,19 @@ cuMemRelease(unsigned long long handle)
     return 0;
 }
 
+/* mu held, inside a deregister call (c entered): `dereg_delay` s with mu
+ * released and the call still open, so that another thread's call on the
+ * communicator (a second deregister, a destroy) meets it there. */
+static void
+dereg_wait(void)
+{
+    if (dereg_delay > 0) {
+        pthread_mutex_unlock(&mu);
+        usleep((useconds_t)(dereg_delay * 1e6));
+        pthread_mutex_lock(&mu);
+    }
+}
+
 /* A registration call on c: in progress for a while on a non-blocking one. */
 static ncclResult_t
 reg_finish(struct fcomm *c)
@@ -1020,6 +1035,7 @@ ncclCommDeregister(const ncclComm_t c, void *handle)
         pthread_mutex_unlock(&mu);
         return ncclInvalidArgument;
     }
+    dereg_wait();
     settle(c);
     if (handle == NULL || registered <= 0) {
         misuse++;
@@ -1070,6 +1086,7 @@ ncclCommWindowDeregister(ncclComm_t c, fwin *win)
         pthread_mutex_unlock(&mu);
         return ncclInvalidArgument;
     }
+    dereg_wait();
     settle(c);
     if (win == NULL || win->magic != MAGIC) {
         misuse++;

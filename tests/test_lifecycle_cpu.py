@@ -1,0 +1,113 @@
+"""CPU tier: the end of a communicator's life while other threads or an open pyccl.group()
+use it, on the stand-in GPU library (tests/fakegpu/fakegpu.c).
+
+destroy(), abort() and a Registration's close() each decide once, under the communicator's
+lock, before doing anything: a call on another thread meets either the live communicator or
+a destroyed one, never one half freed; a group that has not ended keeps its communicators
+(destroy and abort refuse, changing nothing); every registration is deregistered exactly
+once.  The scenarios are tests/child_fakegpu.py's "lifecycle" section, each in a process of
+its own, bounded in time: a crash is a nonzero exit, a hang is a thread the child reports
+stuck (exit 3) or, at the latest, the subprocess timeout.  The races are tried many times,
+each try on a fresh communicator, with the stand-in holding each deregister call open a
+little (dereg_delay) so that the other thread meets the destroy half done.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _fakes import build_fakegpu
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LIMIT = 60  # s for one scenario's process
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    out = build_fakegpu(tmp_path_factory.mktemp("fakegpu"))
+    if out is None:
+        pytest.skip("no C compiler to build the stand-in GPU library")
+    return out
+
+
+def run(lib, scenario, **params):
+    """The scenario's RESULT, run with params (JSON on its stdin); fails on a crash, a
+    nonzero exit, misuse or two threads inside NCCL counted at exit, or a hang."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    what = f"{scenario} {params}"
+    try:
+        r = subprocess.run([sys.executable, os.path.join(HERE, "child_fakegpu.py"), lib, scenario],
+                           input=json.dumps(params), capture_output=True, text=True, timeout=LIMIT,
+                           env=env)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        pytest.fail(f"{what}: still running after {LIMIT} s (hung)\n{out[-2000:]}\n{err[-3000:]}")
+    lines = r.stdout.splitlines()
+    results = [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")]
+    at_exit = [json.loads(line[8:]) for line in lines if line.startswith("AT_EXIT ")]
+    assert r.returncode == 0 and results, (
+        f"{what}: exit status {r.returncode}" + (" (hung: a thread did not finish)" if r.returncode == 3 else "")
+        + f"\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    assert at_exit and at_exit[0]["misuse"] == 0 and at_exit[0]["concurrent"] == 0, (what, at_exit)
+    return results[0]
+
+
+TIMEOUTS = [pytest.param(5.0, id="timeout"), pytest.param(None, id="untimed")]
+
+
+# ---------------------------------------------------------------- destroy beside another thread
+
+@pytest.mark.parametrize("timeout", TIMEOUTS)
+@pytest.mark.parametrize("op", ["abort", "premul", "all_reduce", "close", "get_async_error"])
+def test_destroy_beside_another_threads_call(lib, op, timeout):
+    # thread A repeats the call (abort(), all_reduce with premul_sum or plain, a
+    # Registration's close(), get_async_error()) while thread B destroys: no crash, no
+    # hang, A's errors only "has been destroyed"/"has been aborted" (or abort's "in use"),
+    # B's only "in use" (then it retries), each registration deregistered once
+    got = run(lib, "destroy_beside", op=op, timeout=timeout, tries=150)
+    assert got["tries"] == 150
+    if op != "abort":
+        assert got["dereg_calls"] == got["registrations"], got
+
+
+# ---------------------------------------------------------------- an open pyccl.group()
+
+@pytest.mark.parametrize("timeout", TIMEOUTS)
+@pytest.mark.parametrize("whose", ["mine", "other_thread"])
+def test_open_group_keeps_the_communicator(lib, whose, timeout):
+    # destroy() and abort() refused with their exact messages, with and without a timeout,
+    # the group this thread's or another's; nothing changed (registrations open, no
+    # deregister, not aborted); after the group: its all_reduce right, the communicator
+    # works, destroy() succeeds and deregisters
+    assert run(lib, "group_keeps_comm", timeout=timeout, whose=whose) == "ok"
+
+
+@pytest.mark.parametrize("timeout", TIMEOUTS)
+def test_barrier_refused_inside_a_group(lib, timeout):
+    # "barrier: cannot wait inside pyccl.group(); call it after the group ends", first in
+    # the group and after queued work; the group's own all_reduce still runs, once
+    assert run(lib, "barrier_in_group", timeout=timeout) == "ok"
+
+
+# ---------------------------------------------------------------- registrations
+
+@pytest.mark.parametrize("timeout", TIMEOUTS)
+@pytest.mark.parametrize("how", ["close", "destroy"])
+def test_registration_deregistered_once(lib, how, timeout):
+    # two threads close one registration at once (both return None), or one closes it
+    # while the other destroys its communicator: one deregister call per registration
+    got = run(lib, "close_once", how=how, timeout=timeout, tries=60)
+    assert got["tries"] == 60
+
+
+# ---------------------------------------------------------------- premul_sum with algo=
+
+@pytest.mark.parametrize("timeout", TIMEOUTS)
+def test_premul_with_own_kernel_algo_refused_before_the_op_is_made(lib, timeout):
+    # the existing ValueError, with no ncclRedOpCreatePreMulSum made (so none to destroy
+    # outside the communicator's lock)
+    assert run(lib, "premul_forced_algo", timeout=timeout) == "ok"
