@@ -17,8 +17,6 @@ Importing needs no GPU: GPU work raises pyccl.CudaError when none is there.
 Communicator(..., timeout=seconds) bounds every wait on peers: a lost peer
 makes the others raise pyccl.NcclTimeoutError instead of hanging.
 """
-import contextlib
-
 # torch first: it loads the libnccl and libcudart that pyccl must share
 # (one NCCL per process), which the C side then finds already in memory.
 import torch  # noqa: F401
@@ -44,6 +42,7 @@ from . import nccl  # noqa: E402
 from .memory import empty, mem_pool  # noqa: E402
 from .launch import init_from_env, init_from_mpi, init_ranks, place_rank  # noqa: E402
 from .launch import _share_at_import  # noqa: E402
+from ._api import group, premul_sum  # noqa: E402
 
 _share_at_import()
 
@@ -75,39 +74,6 @@ def unique_id() -> bytes:
 def init_rank(world_size: int, unique_id: bytes, rank: int, device=None, timeout=None) -> Communicator:
     """Same as Communicator(world_size, unique_id, rank, device, timeout)."""
     return Communicator(world_size, unique_id, rank, device, timeout)
-
-
-class premul_sum:
-    """Reduction op: multiply each rank's input by `scalar`, then sum (ncclRedOpCreatePreMulSum)."""
-
-    __slots__ = {"premul_scalar": "The factor (a float) each rank's input is multiplied by."}
-
-    def __init__(self, scalar):
-        # float() would also take a string such as "2": only numbers here.
-        if isinstance(scalar, (str, bytes, bytearray)):
-            raise TypeError(f"premul_sum: scalar must be a real number, got {type(scalar).__name__}")
-        try:
-            self.premul_scalar = float(scalar)
-        except (TypeError, ValueError):
-            raise TypeError(f"premul_sum: scalar must be a real number, got {type(scalar).__name__}") from None
-
-    def __repr__(self):
-        return f"pyccl.premul_sum({self.premul_scalar!r})"
-
-
-@contextlib.contextmanager
-def group():
-    """Batch the calls inside into one NCCL group (ncclGroupStart/End).
-
-    The group is ended even when the body raises.  Needed for send/recv pairs
-    that must progress together and for driving several communicators from
-    one thread.
-    """
-    _C._nccl_group_start()
-    try:
-        yield
-    finally:
-        _C._nccl_group_end()
 
 
 __all__ = [

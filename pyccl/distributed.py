@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, _create_work_from_future
 
-from . import _C
+from . import _C, _api
 from ._gpu import need_gpu
 
 BACKEND_NAME = "pyccl"
@@ -48,7 +48,6 @@ def reduce_op(opname, op):
         if (op if type(op) is _RedOp else op.op) != _PREMUL_SUM:
             raise
     # PREMUL_SUM: the factor is torch's
-    from . import premul_sum
     # torch >= 2.12 exposes the factor (a float, or a tensor) as ReduceOp.factor
     factor = getattr(op, "factor", None)
     if factor is None:
@@ -60,7 +59,7 @@ def reduce_op(opname, op):
                                f"{factor.numel()} elements on {factor.device} (only a number or a "
                                "1-element CPU tensor)")
         factor = factor.item()
-    return premul_sum(factor)
+    return _api.premul_sum(factor)
 
 
 def _one(opname, tensors):
@@ -189,8 +188,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         if len({t.dtype for t in tensors}) <= 1:
             self._comm.all_reduce_coalesced(tensors, op)  # one pack, one all_reduce, one unpack
         else:  # torch allows mixed dtypes here: one NCCL group of per-tensor all_reduces
-            from . import group
-            with group():
+            with _api.group():
                 for t in tensors:
                     self._comm.all_reduce(t, op)
         return self._work(tensors)
@@ -228,8 +226,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         """call(input, output) for each pair, as one NCCL group; outputs and inputs pair up."""
         if len(outputs) != len(inputs):
             raise ValueError(f"pyccl backend: {opname}: {len(outputs)} {what} for {len(inputs)} inputs")
-        from . import group
-        with group():
+        with _api.group():
             for out, inp in zip(outputs, inputs):
                 call(inp, out)
         return self._work(outputs)
@@ -291,8 +288,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
                 raise ValueError(f"pyccl backend: alltoall: {len(input_tensors)} inputs and "
                                  f"{len(output_tensors)} outputs, expected {self.size()} each "
                                  "(one per rank)")
-            from . import group
-            with group():
+            with _api.group():
                 for peer, (inp, out) in enumerate(zip(input_tensors, output_tensors)):
                     self._comm.send(inp, peer)
                     self._comm.recv(out, peer)

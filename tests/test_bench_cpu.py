@@ -612,7 +612,7 @@ def test_a_refused_rendezvous_port_is_tried_again(monkeypatch, capfd):
     another port and succeeds."""
     import contextlib
     import socket
-    real = runner.SP.reserved_port
+    real = runner.spawn.reserved_port
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -628,7 +628,7 @@ def test_a_refused_rendezvous_port_is_tried_again(monkeypatch, capfd):
             handed.append(port)
             yield port
 
-    monkeypatch.setattr(runner.SP, "reserved_port", first_one_taken)
+    monkeypatch.setattr(runner.spawn, "reserved_port", first_one_taken)
     try:
         h = runner.run_host_overhead(runner.CPU_SYSTEM, 2, _cfg(mode="host", host_iters=20))
     finally:

@@ -479,7 +479,7 @@ def test_all_to_all_of_uneven_sizes_is_a_group_of_sends_and_receives(world, monk
         yield
         log.append(("group end",))
 
-    monkeypatch.setattr(pyccl, "group", group)
+    monkeypatch.setattr(pyccl._api, "group", group)
     pg = dist.group.WORLD
     x = torch.arange(1, 4, dtype=torch.int64) * 5
     assert pg.alltoall([torch.full((5,), -1)], [x]).is_completed()

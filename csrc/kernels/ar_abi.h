@@ -1,8 +1,17 @@
-/* What the host (csrc/ar.c) and the all-reduce kernels (allreduce.cu)
- * agree on: the layout of each rank's registered region and the kernels'
- * single by-value parameter.  Plain C, included by both sides. */
+/* What the host (csrc/ar.c, csrc/ar_setup.c) and the all-reduce kernels
+ * (allreduce.cu) agree on: the layout of each rank's registered region and
+ * the kernels' single by-value parameter.  Plain C, included by both sides.
+ *
+ * The two sides are compiled apart (the C compiler for the host, nvcc for the
+ * kernels) and meet only through these bytes, so every offset and size either
+ * side relies on is asserted below with the same numbers: a change that moves
+ * one fails both compiles instead of running with disagreeing layouts.
+ * tests/_ar_sim.py mirrors the parameter block with ctypes. */
 #ifndef PYCCL_AR_ABI_H
 #define PYCCL_AR_ABI_H
+
+#include <assert.h> /* static_assert in C11; a keyword in C++ */
+#include <stddef.h> /* offsetof */
 
 #define PYCCL_AR_MAX_RANKS 8
 #define PYCCL_AR_MAX_BLOCKS 64
@@ -16,16 +25,37 @@
  *            returns at once (the host reports it and stops using the kernels)
  *   PROBE    uint32 [2][MAX_RANKS]: the set-up's write-then-read probe
  *   DATA     two halves of `half` bytes each, used by alternate calls
- *   LL       at DATA + 2 * half: [2 parity][MAX_RANKS? no: nranks src][ll_slot]
- *            16-byte lines {data, flag, data, flag} pushed by each source
+ *   LL       at DATA + 2 * half: [2 parity][nranks source ranks][ll_slot bytes]
+ *            of 16-byte lines {data, flag, data, flag} pushed by each source
  *            rank (the one-shot kernel for small sizes, "LL": the flag travels
- *            with every 4 bytes of data, so no separate barrier) */
+ *            with every 4 bytes of data, so no separate barrier)
+ * The region is DATA + 2 * half + 2 * nranks * ll_slot bytes; half and ll_slot
+ * are multiples of 16, so every data half and LL line is 16-byte aligned. */
 #define PYCCL_AR_FLAGS_OFF 0
 #define PYCCL_AR_COUNTER_OFF 8192
 #define PYCCL_AR_DEVERR_OFF 8448
 #define PYCCL_AR_PROBE_OFF 12288
 #define PYCCL_AR_DATA_OFF 65536
 
+/* each part ends before the next begins */
+static_assert(PYCCL_AR_FLAGS_OFF + 2 * 2 * PYCCL_AR_MAX_BLOCKS * PYCCL_AR_MAX_RANKS * 4 <=
+                  PYCCL_AR_COUNTER_OFF,
+              "ar_abi.h: FLAGS overlaps COUNTER");
+static_assert(PYCCL_AR_COUNTER_OFF + PYCCL_AR_MAX_BLOCKS * 4 <= PYCCL_AR_DEVERR_OFF,
+              "ar_abi.h: COUNTER overlaps DEVERR");
+static_assert(PYCCL_AR_DEVERR_OFF + 4 <= PYCCL_AR_PROBE_OFF, "ar_abi.h: DEVERR overlaps PROBE");
+static_assert(PYCCL_AR_PROBE_OFF + 2 * PYCCL_AR_MAX_RANKS * 4 <= PYCCL_AR_DATA_OFF,
+              "ar_abi.h: PROBE overlaps DATA");
+/* the kernels read and write the data in 16-byte vectors and the flags as
+ * 4-byte words */
+static_assert(PYCCL_AR_DATA_OFF % 16 == 0, "ar_abi.h: DATA is not 16-byte aligned");
+static_assert(PYCCL_AR_FLAGS_OFF % 4 == 0 && PYCCL_AR_COUNTER_OFF % 4 == 0 &&
+                  PYCCL_AR_DEVERR_OFF % 4 == 0 && PYCCL_AR_PROBE_OFF % 4 == 0,
+              "ar_abi.h: a flag word is not 4-byte aligned");
+
+/* The kernels' parameter: the host fills one and passes its address to
+ * cuLaunchKernel, which copies from it as many bytes as the kernel's by-value
+ * argument has in nvcc's layout, so the host's layout must be that one. */
 typedef struct {
     const void *in;
     void *out;
@@ -41,5 +71,36 @@ typedef struct {
     int nranks;
     unsigned int skew_ns;           /* testing only: block b starts b * skew_ns late */
 } pyccl_ar_params;
+
+#ifdef __cplusplus
+#define PYCCL_AR_ALIGNOF(t) alignof(t)
+#else
+#define PYCCL_AR_ALIGNOF(t) _Alignof(t)
+#endif
+
+/* 64-bit pointers and the widths of the integer fields, on both sides */
+static_assert(sizeof(void *) == 8, "ar_abi.h: pointers are not 8 bytes");
+static_assert(sizeof(unsigned long long) == 8 && sizeof(int) == 4 && sizeof(unsigned int) == 4,
+              "ar_abi.h: an integer field has an unexpected width");
+static_assert(offsetof(pyccl_ar_params, in) == 0, "ar_abi.h: pyccl_ar_params.in moved");
+static_assert(offsetof(pyccl_ar_params, out) == 8, "ar_abi.h: pyccl_ar_params.out moved");
+static_assert(offsetof(pyccl_ar_params, base) == 16, "ar_abi.h: pyccl_ar_params.base moved");
+static_assert(offsetof(pyccl_ar_params, host_error) == 80,
+              "ar_abi.h: pyccl_ar_params.host_error moved");
+static_assert(offsetof(pyccl_ar_params, nbytes) == 88, "ar_abi.h: pyccl_ar_params.nbytes moved");
+static_assert(offsetof(pyccl_ar_params, half) == 96, "ar_abi.h: pyccl_ar_params.half moved");
+static_assert(offsetof(pyccl_ar_params, timeout_ns) == 104,
+              "ar_abi.h: pyccl_ar_params.timeout_ns moved");
+static_assert(offsetof(pyccl_ar_params, magic) == 112, "ar_abi.h: pyccl_ar_params.magic moved");
+static_assert(offsetof(pyccl_ar_params, aligned) == 116,
+              "ar_abi.h: pyccl_ar_params.aligned moved");
+static_assert(offsetof(pyccl_ar_params, ll_slot) == 120,
+              "ar_abi.h: pyccl_ar_params.ll_slot moved");
+static_assert(offsetof(pyccl_ar_params, rank) == 128, "ar_abi.h: pyccl_ar_params.rank moved");
+static_assert(offsetof(pyccl_ar_params, nranks) == 132, "ar_abi.h: pyccl_ar_params.nranks moved");
+static_assert(offsetof(pyccl_ar_params, skew_ns) == 136,
+              "ar_abi.h: pyccl_ar_params.skew_ns moved");
+static_assert(sizeof(pyccl_ar_params) == 144, "ar_abi.h: pyccl_ar_params changed size");
+static_assert(PYCCL_AR_ALIGNOF(pyccl_ar_params) == 8, "ar_abi.h: pyccl_ar_params changed alignment");
 
 #endif

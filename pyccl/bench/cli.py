@@ -16,10 +16,10 @@ import sys
 import time
 import traceback
 
-from . import algos as A
-from . import report as R
+from . import algos
+from . import report
 from . import runner
-from . import sizes as S
+from . import sizes
 
 PEERS = ["torch.distributed", runner.DIST_PYCCL, "torch.cuda.nccl"]
 _DESCRIBE = {"pyccl": "per-rank API, one process per GPU",
@@ -68,12 +68,12 @@ def build_parser():
         description="nccl-tests style benchmark of pyccl, optionally side by side with "
                     "torch.distributed and torch.cuda.nccl.")
     a = p.add_argument
-    a("--coll", type=_typed(S.parse_colls, "coll"), default=["all_reduce"],
-      help=f"collective(s), comma separated: {', '.join(S.COLLS)} or all (default all_reduce; "
+    a("--coll", type=_typed(sizes.parse_colls, "coll"), default=["all_reduce"],
+      help=f"collective(s), comma separated: {', '.join(sizes.COLLS)} or all (default all_reduce; "
            "nccl-tests: the program's name)")
     a("-t", "--nthreads", type=_typed(_nthreads, "nthreads"), default=1,
       help="threads per process: 1 (each rank is a process of its own)")
-    size = lambda what: _typed(lambda t: S.parse_size(t, what), what)  # noqa: E731
+    size = lambda what: _typed(lambda t: sizes.parse_size(t, what), what)  # noqa: E731
     a("-b", "--minbytes", type=size("minbytes"), default=32 << 20,
       help="smallest size, bytes with optional K/M/G suffix (default 32M)")
     a("-e", "--maxbytes", type=size("maxbytes"), default=32 << 20,
@@ -84,10 +84,11 @@ def build_parser():
     a("-g", "--ngpus", type=int, default=None,
       help="GPUs = ranks, one process each (default: every visible GPU); nccl-tests' GPUs per "
            "thread, with its one thread")
-    a("-o", "--op", type=_typed(S.parse_ops, "op"), default=["sum"],
+    a("-o", "--op", type=_typed(sizes.parse_ops, "op"), default=["sum"],
       help="reduction op(s): sum, prod, max, min, avg or all (default sum)")
-    a("-d", "--datatype", type=_typed(S.parse_dtypes, "datatype"), default=["float"],
-      help=f"data type(s): {', '.join(S.DTYPES)}, nccl-tests/NCCL names, or all (default float)")
+    a("-d", "--datatype", type=_typed(sizes.parse_dtypes, "datatype"), default=["float"],
+      help=f"data type(s): {', '.join(sizes.DTYPES)}, nccl-tests/NCCL names, "
+           "or all (default float)")
     a("-r", "--root", type=int, default=0, help="root of broadcast and reduce (default 0)")
     a("-n", "--iters", type=int, default=20, help="iterations per timed loop (default 20)")
     a("-w", "--warmup_iters", type=int, default=5, help="untimed warm-up iterations (default 5)")
@@ -114,7 +115,7 @@ def build_parser():
     a("--repeats", type=int, default=5, help="timed loops per size; the median is reported (default 5)")
     a("--api", choices=("comm", "nccl"), default="comm",
       help="pyccl API: comm = per-rank Communicator (default), nccl = torch.cuda.nccl drop-in")
-    a("--algo", choices=A.ALGOS, default=None,
+    a("--algo", choices=algos.ALGOS, default=None,
       help="pyccl all_reduce algorithm (per-rank API): auto = pyccl's own kernels where they "
            "win, else NCCL (default auto)")
     a("--compare", action="store_true",
@@ -130,7 +131,7 @@ def build_parser():
       help="calls per loop for --host-overhead (default 2000) and --host-breakdown (default 400)")
     a("--algos", type=_typed(_parse_algos, "algos"), default=None,
       help="instead of the sweep: all_reduce float sum in place with each of these algos "
-           f"({', '.join(A.ALGOS)} or all), eager, CUDA graph and host CPU time per call, on "
+           f"({', '.join(algos.ALGOS)} or all), eager, CUDA graph and host CPU time per call, on "
            "pyccl's per-rank API; -n calls per loop up to 1M, a tenth above; then 100 small "
            "tensors, a call each against all_reduce_coalesced")
     a("--variants", nargs="+", metavar="NAME=VALUE", default=[],
@@ -180,10 +181,10 @@ def _one_agg(text):
 def _parse_algos(text):
     names = [t.strip() for t in text.split(",") if t.strip()]
     if names == ["all"]:
-        return list(A.ALGOS)
+        return list(algos.ALGOS)
     for t in names:
-        if t not in A.ALGOS:
-            raise ValueError(f"unknown algo {t!r}: choose from {', '.join(A.ALGOS)} or all")
+        if t not in algos.ALGOS:
+            raise ValueError(f"unknown algo {t!r}: choose from {', '.join(algos.ALGOS)} or all")
     if not names:
         raise ValueError(f"empty algo list {text!r}")
     return list(dict.fromkeys(names))
@@ -197,7 +198,7 @@ def _variants(args):
             raise ValueError(f"--variants: {v!r} is not NAME=VALUE")
     if out and args.algos is None:
         raise ValueError("--variants needs --algos (it repeats the own-kernel columns)")
-    if out and not any(a in A.OWN for a in args.algos):
+    if out and not any(a in algos.OWN for a in args.algos):
         raise ValueError("--variants measures the own kernels: --algos must include oneshot "
                          "or twoshot")
     return out
@@ -257,11 +258,11 @@ def make_config(args):
         raise ValueError(f"--ngpus must be >= 1, got {args.ngpus}")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
-    sizes = S.size_list(args.minbytes, args.maxbytes, args.stepbytes, args.stepfactor)
-    if mode == "algos" and sizes[0] < 4:
-        raise ValueError(f"--algos: sizes start at 4 bytes (one float), got -b {sizes[0]}")
+    byte_sizes = sizes.size_list(args.minbytes, args.maxbytes, args.stepbytes, args.stepfactor)
+    if mode == "algos" and byte_sizes[0] < 4:
+        raise ValueError(f"--algos: sizes start at 4 bytes (one float), got -b {byte_sizes[0]}")
     return {"mode": mode, "colls": args.coll,
-            "dtypes": args.datatype, "ops": args.op, "root": args.root, "sizes": sizes,
+            "dtypes": args.datatype, "ops": args.op, "root": args.root, "sizes": byte_sizes,
             "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepbytes": args.stepbytes,
             "stepfactor": args.stepfactor, "iters": args.iters, "warmup": args.warmup_iters,
             "repeats": args.repeats, "check": args.check, "graph": args.cudagraph,
@@ -355,7 +356,7 @@ class _Printer:
                      ngpus, c["minbytes"], c["maxbytes"], step[0], step[1], c["warmup"],
                      c["iters"], c["check"], c["graph"]),
                  f"# time: CUDA events, median of {c['repeats']} loops, "
-                 f"{R.AVERAGE_MODES[c['average']]} over ranks"]
+                 f"{report.AVERAGE_MODES[c['average']]} over ranks"]
         if c["blocking"]:
             lines.append("# Blocking Enabled: wait for completion and barrier after each collective")
         if c["graph"] and system in runner.SINGLE:
@@ -368,11 +369,11 @@ class _Printer:
     def row(self, oop, ip):
         if oop.coll != self.coll:
             self.coll = oop.coll
-            self.emit(f"# Collective: {oop.coll}\n" + R.format_header())
-        self.emit(R.format_row(oop, ip))
+            self.emit(f"# Collective: {oop.coll}\n" + report.format_header())
+        self.emit(report.format_row(oop, ip))
 
     def end(self, results):
-        self.emit(R.format_summary(results))
+        self.emit(report.format_summary(results))
 
 
 def main(argv=None):
@@ -399,7 +400,7 @@ def main(argv=None):
     if n > avail:
         print(f"# {n} ranks share {avail} GPU(s): results are checked, but times are not "
               f"those of {n} GPUs", flush=True)
-    if cfg["root"] >= n and S.ROOTED.intersection(cfg["colls"]):
+    if cfg["root"] >= n and sizes.ROOTED.intersection(cfg["colls"]):
         print(f"pyccl.bench: -r/--root {cfg['root']} is not a rank of {n} GPUs (0..{n - 1})",
               file=sys.stderr)
         return 1
@@ -439,9 +440,10 @@ def main(argv=None):
             print(f"pyccl.bench: error: {text}", file=sys.stderr, flush=True)
             failed.append(system)
     if host:
-        printer.emit(R.format_host(host, cfg["host_iters"], cfg["repeats"]))
+        printer.emit(report.format_host(host, cfg["host_iters"], cfg["repeats"]))
     if peers and results:
-        printer.emit(R.format_comparison(R.compare(results, primary, peers), primary, peers))
+        comparison = report.compare(results, primary, peers)
+        printer.emit(report.format_comparison(comparison, primary, peers))
     if any(r.wrong for r in results if r.system == primary):
         print(f"pyccl.bench: {primary} produced wrong results (see #wrong)", file=sys.stderr)
         status = 1
@@ -456,18 +458,18 @@ def main(argv=None):
 def _own_kernels(args, cfg, n, progress, printer, command):
     """--algos and --host-breakdown: pyccl's per-rank API, one table, the same files."""
     what = "--algos" if cfg["mode"] == "algos" else "--host-breakdown"
-    algos, breakdown = [], []
+    algo_results, breakdown = [], []
     try:
         progress("pyccl", 0, 1, what)
         if cfg["mode"] == "algos":
-            algos, info = runner.run_algos(n, cfg, progress)
-            text = R.format_algos(algos, cfg["algos"], cfg["variants"], cfg["sizes"], n, info,
-                                  command, cfg["repeats"])
+            algo_results, info = runner.run_algos(n, cfg, progress)
+            text = report.format_algos(algo_results, cfg["algos"], cfg["variants"], cfg["sizes"],
+                                       n, info, command, cfg["repeats"])
         else:
             import torch
             breakdown, info = runner.run_breakdown(n, cfg)
-            text = R.format_breakdown(breakdown, n, cfg["host_iters"], cfg["repeats"], info,
-                                      command, torch.__version__)
+            text = report.format_breakdown(breakdown, n, cfg["host_iters"], cfg["repeats"], info,
+                                           command, torch.__version__)
     except KeyboardInterrupt:
         progress.clear()
         print(f"pyccl.bench: interrupted during {what}", file=sys.stderr)
@@ -485,22 +487,23 @@ def _own_kernels(args, cfg, n, progress, printer, command):
                 "left out (auto is NCCL here)\n" + text)
     printer.emit(text)
     cfg = dict(cfg, all_reduce_info=info)
-    return _write_files(args, cfg, n, ["pyccl"], [], [], algos, breakdown)
+    return _write_files(args, cfg, n, ["pyccl"], [], [], algo_results, breakdown)
 
 
-def _write_files(args, cfg, n, systems, results, host, algos=(), breakdown=()):
+def _write_files(args, cfg, n, systems, results, host, algo_results=(), breakdown=()):
     status = 0
     if args.json:
         import torch
         config = dict(cfg, ngpus=n, systems=systems, api=args.api, torch=torch.__version__,
                       hostname=socket.gethostname())
-        R.write_json(args.json, config, results, host, algos, breakdown)
-    records = results or host or algos or breakdown
+        report.write_json(args.json, config, results, host, algo_results, breakdown)
+    records = results or host or algo_results or breakdown
     if args.csv and records:
-        R.write_csv(args.csv, records)
+        report.write_csv(args.csv, records)
     if args.plot:
-        plot = (R.write_plot, results) if results else (R.write_algo_plot, algos) if algos else \
-            (R.write_breakdown_plot, breakdown) if breakdown else None
+        plot = (report.write_plot, results) if results else \
+            (report.write_algo_plot, algo_results) if algo_results else \
+            (report.write_breakdown_plot, breakdown) if breakdown else None
         if plot is None:
             print("pyccl.bench: --plot: no sweep results to plot", file=sys.stderr)
         else:

@@ -10,7 +10,7 @@ import os
 import socket
 import time
 
-from . import sizes as S
+from . import sizes
 
 DIST_PYCCL = "torch.distributed:pyccl"  # torch.distributed on pyccl's backend
 PER_RANK = ("pyccl", "torch.distributed", DIST_PYCCL)
@@ -97,7 +97,7 @@ class _PycclComm(_Driver):
         super().__init__([dev], nranks, barrier, timeout, ranks=[rank])
         self.pyccl, self.rank = pyccl, rank
         self.comm = pyccl.Communicator(nranks, uid, rank, device=dev)
-        self.ops = {name: getattr(pyccl, name.upper()) for name in S.OPS}
+        self.ops = {name: getattr(pyccl, name.upper()) for name in sizes.OPS}
 
     def build(self, coll, placement, op, root, bufs):
         (inp, out), = bufs
@@ -306,7 +306,7 @@ class _Lists(_Driver):
     def build(self, coll, placement, op, root, bufs):
         m, ip = self.mod, placement == "in-place"
         ins, outs = [b[0] for b in bufs], [b[1] for b in bufs]
-        o = S.OPS.index(op) if op in S.OPS else 0
+        o = sizes.OPS.index(op) if op in sizes.OPS else 0
         if coll == "all_reduce":
             return (lambda: m.all_reduce(ins, op=o)) if ip else (lambda: m.all_reduce(ins, outs, op=o))
         if coll == "broadcast":

@@ -11,7 +11,7 @@ import statistics
 import typing
 from dataclasses import dataclass
 
-from . import sizes as S
+from . import sizes
 
 PLACEMENTS = ("out-of-place", "in-place")
 AVERAGE_MODES = {0: "rank 0", 1: "average", 2: "minimum", 3: "maximum"}
@@ -87,14 +87,14 @@ def aggregate_times(per_rank, mode=3):
 def make_result(system, coll, dtype, op, root, size, nranks, placement, per_rank=None,
                 wrongs=None, mode=3):
     """Result from raw per-rank timings (seconds per iteration, per loop); None timings = N/A."""
-    elsize = S.elem_size(dtype)
-    c = S.coll_counts(coll, size, elsize, nranks)
-    r = Result(system, coll, dtype, op, S.root_for(coll, root),
+    elsize = sizes.elem_size(dtype)
+    c = sizes.coll_counts(coll, size, elsize, nranks)
+    r = Result(system, coll, dtype, op, sizes.root_for(coll, root),
                max(c.sendcount, c.recvcount) * elsize, c.count, nranks, placement)
     if per_rank is not None:
         sec = aggregate_times(per_rank, mode)
         r.time_us = sec * 1e6
-        r.algbw, r.busbw = S.bandwidths(coll, c.count, elsize, nranks, sec)
+        r.algbw, r.busbw = sizes.bandwidths(coll, c.count, elsize, nranks, sec)
         if wrongs is not None and all(w is not None for w in wrongs):
             r.wrong = int(sum(wrongs))
     return r

@@ -22,11 +22,11 @@ import sys
 import time
 import traceback
 
-from . import algos as A
-from . import data as D
-from . import report as R
-from . import sizes as S
-from . import spawn as SP
+from . import algos
+from . import data
+from . import report
+from . import sizes
+from . import spawn
 from .drivers import (  # noqa: F401
     CPU_LISTS_SYSTEM, CPU_SYSTEM, DIST_PYCCL, ONE_PROCESS, PER_RANK, SINGLE, SYMM_SYSTEM, SYSTEMS,
     make_driver)
@@ -107,12 +107,12 @@ def _check(drv, call, bufs, coll, count, dtype, op, root, cfg, seed):
         s = seed * 1000 + c
         for (inp, out), r in zip(bufs, drv.ranks):
             out.zero_()  # before filling: in-place, the input lies inside the output
-            D.fill(inp, coll, r, drv.nranks, dtype, op, s)
+            data.fill(inp, coll, r, drv.nranks, dtype, op, s)
         drv.sync()
         drv.barrier()
         call()
         drv.sync()
-        wrong = [max(w, D.count_wrong(out, coll, r, drv.nranks, count, dtype, op, root, s))
+        wrong = [max(w, data.count_wrong(out, coll, r, drv.nranks, count, dtype, op, root, s))
                  for w, (_, out), r in zip(wrong, bufs, drv.ranks)]
     return wrong
 
@@ -122,19 +122,19 @@ def _sweep(drv, cfg, out):
     seed, n = 0, drv.nranks
     for coll in cfg["colls"]:
         for dtype in cfg["dtypes"]:
-            tdtype, el = getattr(torch, S.DTYPES[dtype][0]), S.elem_size(dtype)
-            counts = [S.coll_counts(coll, size, el, n) for size in cfg["sizes"]]
+            tdtype, el = getattr(torch, sizes.DTYPES[dtype][0]), sizes.elem_size(dtype)
+            counts = [sizes.coll_counts(coll, size, el, n) for size in cfg["sizes"]]
             cap = max([max(c.sendcount, c.recvcount) for c in counts] + [1])
             if hasattr(drv, "buffers"):  # nccl-symm: registered windows
                 send, recv = (list(x) for x in zip(*[drv.buffers(cap, tdtype, d) for d in drv.devices]))
             else:
                 send = [torch.empty(cap, dtype=tdtype, device=drv.place(d)) for d in drv.devices]
                 recv = [torch.empty(cap, dtype=tdtype, device=drv.place(d)) for d in drv.devices]
-            for op in S.ops_for(coll, cfg["ops"]):
+            for op in sizes.ops_for(coll, cfg["ops"]):
                 for si, cc in enumerate(counts):
                     entries = {}
-                    for placement in R.PLACEMENTS:
-                        bufs = [D.views(coll, placement, send[k], recv[k], cc, r)
+                    for placement in report.PLACEMENTS:
+                        bufs = [data.views(coll, placement, send[k], recv[k], cc, r)
                                 for k, r in enumerate(drv.ranks)]
                         call = drv.build(coll, placement, op, cfg["root"], bufs)
                         if call is None or (cfg["graph"] > 0 and not drv.can_graph):
@@ -142,7 +142,7 @@ def _sweep(drv, cfg, out):
                             continue
                         seed += 1
                         for (inp, _), r in zip(bufs, drv.ranks):
-                            D.fill(inp, coll, r, n, dtype, op, seed)
+                            data.fill(inp, coll, r, n, dtype, op, seed)
                         times = _time(drv, call, cfg)
                         wrong = _check(drv, call, bufs, coll, cc.count, dtype, op, cfg["root"],
                                        cfg, seed)
@@ -182,7 +182,8 @@ def _host(drv, cfg, out):
 
 
 # what a child runs for each mode (--algos and --host-breakdown: pyccl's per-rank API only)
-MODES = {"sweep": _sweep, "host": _host, "algos": A.algo_sweep, "breakdown": A.host_breakdown}
+MODES = {"sweep": _sweep, "host": _host, "algos": algos.algo_sweep,
+         "breakdown": algos.host_breakdown}
 
 
 def dump_after(timeout):
@@ -268,7 +269,7 @@ def _child(system, index, rank, nranks, cfg, rendezvous, barrier, dump_lock, con
     """Process entry point (spawned): run one system's share of the benchmark, sending messages
     to the parent through conn, the write end of this process's own pipe."""
     if cfg.get("_parent_pid"):
-        SP.die_with_parent(cfg["_parent_pid"])
+        spawn.die_with_parent(cfg["_parent_pid"])
     out = _Reporter(conn, f"{system} process {index}", cfg["timeout"], dump_lock)
     out.put(("hello", index))  # the parent's no-progress clock now starts after this one's
     try:
@@ -297,7 +298,7 @@ def _child(system, index, rank, nranks, cfg, rendezvous, barrier, dump_lock, con
 
 def _kill(procs, wait=KILL_WAIT_S):
     """spawn.kill_all, saying so when a process outlives its SIGKILL."""
-    left = SP.kill_all(procs, wait)
+    left = spawn.kill_all(procs, wait)
     if left:
         print(f"pyccl.bench: warning: process(es) {left} still alive {wait:.0f} s after SIGKILL "
               "(stuck in the GPU driver?); a next run may find the GPUs busy", file=sys.stderr,
@@ -322,7 +323,7 @@ def _run(system, nranks, cfg, handle):
     if system in ONE_PROCESS or system in ("pyccl", SYMM_SYSTEM):
         return _run_on(system, nranks, cfg, handle, None)
     for attempt in range(1, RENDEZVOUS_TRIES + 1):
-        with SP.reserved_port() as port:
+        with spawn.reserved_port() as port:
             try:
                 return _run_on(system, nranks, cfg, handle, port)
             except BenchError as e:
@@ -342,7 +343,7 @@ def _port_refused(text):
 
 
 def _run_on(system, nranks, cfg, handle, port):
-    ctx = SP.context()
+    ctx = spawn.context()
     cfg = dict(cfg, _parent_pid=os.getpid())
     if system in ONE_PROCESS:
         specs, barrier, rdv = [None], None, None
@@ -363,19 +364,19 @@ def _run_on(system, nranks, cfg, handle, port):
     # _child's conn comes last: spawn.start appends each process's write end
     argsets = [(system, i, rank, nranks, cfg, rdv, barrier, dump_lock)
                for i, rank in enumerate(specs)]
-    procs, readers = SP.start(ctx, _child, argsets,
-                              [f"pyccl.bench {system} {i}" for i in range(len(specs))])
+    procs, readers = spawn.start(ctx, _child, argsets,
+                                 [f"pyccl.bench {system} {i}" for i in range(len(specs))])
     done, started = set(), set()  # started: sent their first message
     last = t_spawn = time.monotonic()
     try:
         while len(done) < len(procs):
-            for i, msg in SP.receive(readers, 0.5):
+            for i, msg in spawn.receive(readers, 0.5):
                 if msg is None:  # end-of-file: everything it sent has been read
                     if i not in done:
                         procs[i].join(5.0)
                         raise BenchError(
                             f"{system}: process {_pids(procs, [i])} ended before reporting its "
-                            f"results ({SP.describe_exit(procs[i].exitcode)})")
+                            f"results ({spawn.describe_exit(procs[i].exitcode)})")
                     continue
                 last = time.monotonic()
                 started.add(i)
@@ -405,7 +406,7 @@ def _run_on(system, nranks, cfg, handle, port):
         _kill(procs)
         raise
     finally:
-        SP.close(readers)
+        spawn.close(readers)
     deadline = time.monotonic() + EXIT_GRACE_S
     for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
@@ -418,7 +419,7 @@ def _run_on(system, nranks, cfg, handle, port):
 
 
 def plan_length(cfg):
-    return sum(len(cfg["dtypes"]) * len(S.ops_for(c, cfg["ops"])) * len(cfg["sizes"])
+    return sum(len(cfg["dtypes"]) * len(sizes.ops_for(c, cfg["ops"])) * len(cfg["sizes"])
                for c in cfg["colls"])
 
 
@@ -433,7 +434,7 @@ def run_sweep(system, nranks, cfg, on_info=None, on_row=None, on_progress=None):
                 on_info(sorted(infos))
             return
         _, key, ranks, entries = msg
-        slot = slots.setdefault(key, {"n": 0, **{p: {} for p in R.PLACEMENTS}})
+        slot = slots.setdefault(key, {"n": 0, **{p: {} for p in report.PLACEMENTS}})
         slot["n"] += len(ranks)
         for p, e in entries.items():
             if e is None:
@@ -446,13 +447,13 @@ def run_sweep(system, nranks, cfg, on_info=None, on_row=None, on_progress=None):
         del slots[key]
         coll, dtype, op, si = key
         row = []
-        for p in R.PLACEMENTS:
+        for p in report.PLACEMENTS:
             per_rank = wrongs = None
             if slot[p] is not None:
                 per_rank = [slot[p][r][0] for r in sorted(slot[p])]
                 wrongs = [slot[p][r][1] for r in sorted(slot[p])]
-            row.append(R.make_result(system, coll, dtype, op, cfg["root"], cfg["sizes"][si],
-                                     nranks, p, per_rank, wrongs, cfg["average"]))
+            row.append(report.make_result(system, coll, dtype, op, cfg["root"], cfg["sizes"][si],
+                                          nranks, p, per_rank, wrongs, cfg["average"]))
         results.extend(row)
         if on_row:
             on_row(*row)
@@ -477,9 +478,9 @@ def run_host_overhead(system, nranks, cfg):
     if len(host) != nranks:
         raise BenchError(f"{system}: host overhead came back from {len(host)} of {nranks} ranks")
     ranks = sorted(host)
-    return R.HostResult(system, nranks, cfg["host_iters"],
-                        R.aggregate_times([host[r] for r in ranks], 3) * 1e6,
-                        R.aggregate_times([gpu[r] for r in ranks], 3) * 1e6)
+    return report.HostResult(system, nranks, cfg["host_iters"],
+                             report.aggregate_times([host[r] for r in ranks], 3) * 1e6,
+                             report.aggregate_times([gpu[r] for r in ranks], 3) * 1e6)
 
 
 def _per_rank_loops(system, nranks, cfg, kind, on_progress=None, total=0):
@@ -506,15 +507,15 @@ def _per_rank_loops(system, nranks, cfg, kind, on_progress=None, total=0):
 def run_algos(nranks, cfg, on_progress=None, system="pyccl"):
     """--algos on pyccl's per-rank API: -> ([report.AlgoResult], all_reduce_info of rank 0).
     Each figure is the median over loops of cfg['average'] over ranks (default the maximum)."""
-    own = [a for a in cfg["algos"] if a in A.OWN]
+    own = [a for a in cfg["algos"] if a in algos.OWN]
     total = len(cfg["sizes"]) * 3 * (len(cfg["algos"]) + len(own) * len(cfg["variants"])) + 4
     got, info = _per_rank_loops(system, nranks, cfg, "algo", on_progress, total)
     out = []
     for (size, algo, variant, timing), per in got.items():
-        iters = 5 if timing in ("per-tensor loop", "coalesced") else A.algo_iters(cfg, size)
+        iters = 5 if timing in ("per-tensor loop", "coalesced") else algos.algo_iters(cfg, size)
         loops = [per[r] for r in sorted(per)]
-        out.append(R.AlgoResult(system, nranks, size, algo, variant, timing, iters,
-                                R.aggregate_times(loops, cfg["average"])))
+        out.append(report.AlgoResult(system, nranks, size, algo, variant, timing, iters,
+                                     report.aggregate_times(loops, cfg["average"])))
     return out, info
 
 
@@ -527,5 +528,5 @@ def run_breakdown(nranks, cfg, system="pyccl"):
     for case, per in got.items():  # dicts keep the order the cases were measured in
         host = max(statistics.median(per[r][0]) for r in per)
         gpu = max(statistics.median(per[r][1]) for r in per)
-        out.append(R.BreakdownResult(case, nranks, cfg["host_iters"], host, gpu))
+        out.append(report.BreakdownResult(case, nranks, cfg["host_iters"], host, gpu))
     return out, info

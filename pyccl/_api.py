@@ -1,0 +1,43 @@
+"""`pyccl.premul_sum` and `pyccl.group()`: public names written in Python that pyccl's own modules
+use too (distributed.py), so they live here, below the package's __init__.py, which re-exports
+them.  Their `__module__` is "pyccl", where users find them.
+"""
+import contextlib
+
+from . import _C
+
+
+class premul_sum:
+    """Reduction op: multiply each rank's input by `scalar`, then sum (ncclRedOpCreatePreMulSum)."""
+
+    __slots__ = {"premul_scalar": "The factor (a float) each rank's input is multiplied by."}
+
+    def __init__(self, scalar):
+        # float() would also take a string such as "2": only numbers here.
+        if isinstance(scalar, (str, bytes, bytearray)):
+            raise TypeError(f"premul_sum: scalar must be a real number, got {type(scalar).__name__}")
+        try:
+            self.premul_scalar = float(scalar)
+        except (TypeError, ValueError):
+            raise TypeError(f"premul_sum: scalar must be a real number, got {type(scalar).__name__}") from None
+
+    def __repr__(self):
+        return f"pyccl.premul_sum({self.premul_scalar!r})"
+
+
+@contextlib.contextmanager
+def group():
+    """Batch the calls inside into one NCCL group (ncclGroupStart/End).
+
+    The group is ended even when the body raises.  Needed for send/recv pairs
+    that must progress together and for driving several communicators from
+    one thread.
+    """
+    _C._nccl_group_start()
+    try:
+        yield
+    finally:
+        _C._nccl_group_end()
+
+
+premul_sum.__module__ = group.__module__ = "pyccl"
