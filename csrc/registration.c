@@ -126,17 +126,24 @@ call_on_comm(pyccl_state *st, const char *op, pyccl_comm *c, int kind, void *ptr
  * either way.  The registration is claimed (closed, unlinked) with the GIL
  * held before anything else, so a second close() (another thread's, or
  * destroy()'s) finds it closed and never deregisters it again.
- * `by_comm`: destroy()'s or abort()'s own release (c is theirs); otherwise
- * the call is begun on c like any other, and skipped (NCCL frees the
- * registration with the handle) while c is being destroyed.  -1 with an
+ * `who`: destroy()'s or abort()'s own release (c is theirs, CLOSE_BY_COMM);
+ * otherwise the call is begun on c like any other.  While c is being
+ * destroyed, close() leaves r to destroy(), and a registration garbage
+ * collected meanwhile is only unlinked (NCCL frees it with the handle).  -1 with an
  * exception when NCCL refused. */
+enum { CLOSE_BY_USER = 0, CLOSE_BY_COMM = 1, CLOSE_BY_DEALLOC = 2 };
+
 static int
-close_reg(pyccl_state *st, pyccl_reg *r, int forget, int by_comm)
+close_reg(pyccl_state *st, pyccl_reg *r, int forget, int who)
 {
     if (!r->open) {
         return 0;
     }
     pyccl_comm *c = r->comm;
+    const int by_comm = who == CLOSE_BY_COMM;
+    if (who == CLOSE_BY_USER && c->life == PYCCL_LIFE_DESTROYING) {
+        return 0; /* destroy() deregisters it, in its order */
+    }
     void *h = r->handle;
     int window = r->window;
     PyObject *tensor = r->tensor;
@@ -171,7 +178,7 @@ pyccl_release_registrations(pyccl_state *st, pyccl_comm *c, int forget)
         pyccl_reg *r = c->regs;
         PyObject *exc = PyErr_GetRaisedException();
         r->gone = gone;
-        if (close_reg(st, r, forget || st->exiting, 1) < 0) {
+        if (close_reg(st, r, forget || st->exiting, CLOSE_BY_COMM) < 0) {
             PyErr_Clear();
         }
         PyErr_SetRaisedException(exc);
@@ -504,7 +511,7 @@ static PyObject *
 reg_close(PyObject *self, PyObject *Py_UNUSED(ignored))
 {
     pyccl_reg *r = (pyccl_reg *)self;
-    if (close_reg(reg_state(self), r, 0, 0) < 0) {
+    if (close_reg(reg_state(self), r, 0, CLOSE_BY_USER) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -537,7 +544,7 @@ reg_dealloc(PyObject *self)
     if (r->open) {
         PyObject *exc = PyErr_GetRaisedException();
         /* nobody to report a failure to; at exit: nothing is freed */
-        if (close_reg(st, r, st == NULL || st->exiting || Py_IsFinalizing(), 0) < 0) {
+        if (close_reg(st, r, st == NULL || st->exiting || Py_IsFinalizing(), CLOSE_BY_DEALLOC) < 0) {
             PyErr_Clear();
         }
         PyErr_SetRaisedException(exc);
