@@ -121,7 +121,7 @@ read_settings(pyccl_ar *f, const pyccl_comm *c, const char *op)
     f->rank = c->rank;
     f->nranks = c->size;
     f->device = c->device;
-    f->half = buffer_bytes();
+    f->half_bytes = buffer_bytes();
     thresholds(c->size > 0 ? c->size : 2, &f->one_max, &f->two_max);
     f->ll_max = ((size_t)env_long("PYCCL_AR_LL_MAX", 256 << 10, 0, 1L << 24) + 15) & ~(size_t)15;
     f->blocks = (int)env_long("PYCCL_AR_BLOCKS", 64, 1, PYCCL_AR_MAX_BLOCKS);
@@ -185,7 +185,7 @@ timed_out(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const cha
              "%s: rank %d of %d timed out after %s s waiting for its peers%s; the communicator "
              "was aborted",
              op, f->rank, f->nranks, pyccl_secs(f->timeout).s, where);
-    f->state = FA_OFF;
+    f->state = AR_OFF;
     pyccl_ar_stop(c);
     pyccl_comm_mark_failed(c, msg);
     if (pyccl_comm_alive(st, op, c) == 0) {
@@ -209,7 +209,7 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
     /* one set-up per communicator: another thread's call waits here, then
      * finds it done */
     pthread_mutex_lock(&f->setup_mu);
-    if (f->state == FA_UNTRIED) {
+    if (f->state == AR_UNTRIED) {
         ran = 1;
         f->deadline = f->timeout > 0 ? pyccl_now_s() + f->timeout : 0;
         f->gone = 0;
@@ -226,7 +226,7 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
     Py_END_ALLOW_THREADS
     c->setups--;
     if (ran && f->gone) { /* abort() or the watchdog ended it meanwhile */
-        f->state = FA_OFF;
+        f->state = AR_OFF;
         if (pyccl_comm_alive(st, op, c) == 0) {
             PyErr_Format(PyExc_RuntimeError, "%s: %s", op, f->reason);
         }
@@ -236,11 +236,11 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
         return timed_out(st, c, f, op, " (setting up pyccl's all-reduce kernels)");
     }
     if (r != ncclSuccess) {
-        f->state = FA_OFF;
+        f->state = AR_OFF;
         pyccl_raise_nccl(st, op, r, f->last);
         return -1;
     }
-    if (f->state != FA_READY) {
+    if (f->state != AR_READY) {
         log_once(f);
     }
     return 0;
@@ -261,7 +261,7 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const pyccl_
     memcpy(prm.base, f->peer, sizeof prm.base);
     prm.host_error = f->host_err;
     prm.nbytes = nbytes;
-    prm.half = f->half;
+    prm.half_bytes = f->half_bytes;
     prm.timeout_ns = (unsigned long long)(f->kernel_timeout * 1e9);
     prm.rank = f->rank;
     prm.nranks = f->nranks;
@@ -377,15 +377,15 @@ set_up_first(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, pyccl_
              int forced, cudaStream_t s)
 {
     const pyccl_api *a = &st->api;
-    if (f->state == FA_UNTRIED &&
+    if (f->state == AR_UNTRIED &&
         (!a->cudaIpcGetMemHandle || !a->cudaIpcOpenMemHandle || !a->cudaIpcCloseMemHandle ||
          !a->cudaMemset || !a->cudaMemcpy || !a->cudaHostAlloc || !a->cudaFreeHost ||
          !a->cudaDeviceGetPCIBusId || !a->cudaStreamWaitEvent)) {
         /* the same runtime on every rank: all of them stop here alike */
-        f->state = FA_OFF;
-        WHY("the loaded CUDA runtime lacks the IPC calls");
+        f->state = AR_OFF;
+        AR_WHY(f, "the loaded CUDA runtime lacks the IPC calls");
     }
-    if (f->state != FA_UNTRIED) {
+    if (f->state != AR_UNTRIED) {
         return 0;
     }
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
@@ -439,7 +439,7 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
             algo = PYCCL_ALGO_TWOSHOT;
         } else {
             nccl_sized = 1;
-            if (f->state != FA_UNTRIED) {
+            if (f->state != AR_UNTRIED) {
                 return 0;
             }
         }
@@ -448,7 +448,7 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
         return -1;
     }
     /* acquire: pairs with the set-up's release (another thread's maybe) */
-    if (__atomic_load_n(&f->state, __ATOMIC_ACQUIRE) != FA_READY) {
+    if (__atomic_load_n(&f->state, __ATOMIC_ACQUIRE) != AR_READY) {
         if (forced) {
             PyErr_Format(PyExc_RuntimeError, "%s: algo='%s' is unavailable on rank %d: %s", op,
                          algo_name(algo), f->rank, f->reason);
@@ -460,15 +460,15 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
         return 0;
     }
     /* after the set-up, which checked that every rank has this buffer size */
-    if (forced && nbytes > f->half) {
+    if (forced && nbytes > f->half_bytes) {
         PyErr_Format(PyExc_ValueError,
                      "%s: algo='%s' handles up to %zu bytes (PYCCL_AR_BUFFER_MB), got %zu",
-                     op, algo_name(algo), f->half, nbytes);
+                     op, algo_name(algo), f->half_bytes, nbytes);
         return -1;
     }
     if (*(volatile int *)f->host_err) {
         /* a kernel gave up on a peer: the communicator is done for */
-        WHY("a wait gave up after %g s", f->timeout);
+        AR_WHY(f, "a wait gave up after %g s", f->timeout);
         return timed_out(st, c, f, op, " in pyccl's all-reduce kernel");
     }
     int variant = algo == PYCCL_ALGO_TWOSHOT ? 2 : nbytes <= f->ll_max ? 0 : 1;
@@ -489,14 +489,14 @@ pyccl_ar_info(pyccl_state *st, pyccl_comm *c)
         }
         f = &unset;
     }
-    const char *state = f->state == FA_UNTRIED ? "not set up"
-                        : f->state == FA_READY ? "ready"
+    const char *state = f->state == AR_UNTRIED ? "not set up"
+                        : f->state == AR_READY ? "ready"
                                                : "off";
-    const char *reason = f->state == FA_OFF     ? f->reason
+    const char *reason = f->state == AR_OFF     ? f->reason
                          : pyccl_ar_built() ? ""
                                                 : "built without nvcc";
     return Py_BuildValue("{s:s,s:s,s:n,s:n,s:n,s:n,s:i,s:i,s:d,s:O,s:O}", "state", state,
-                         "reason", reason, "buffer_bytes", (Py_ssize_t)f->half, "ll_max",
+                         "reason", reason, "buffer_bytes", (Py_ssize_t)f->half_bytes, "ll_max",
                          (Py_ssize_t)f->ll_max, "oneshot_max", (Py_ssize_t)f->one_max,
                          "twoshot_max", (Py_ssize_t)f->two_max, "blocks", f->blocks, "threads",
                          f->threads, "timeout", f->timeout, "built",
@@ -510,7 +510,7 @@ PyObject *
 pyccl_ar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value)
 {
     pyccl_ar *f = c->ar;
-    if (f == NULL || f->state != FA_READY) {
+    if (f == NULL || f->state != AR_READY) {
         PyErr_SetString(PyExc_RuntimeError,
                         "_all_reduce_epoch: the own kernels are not set up on this communicator");
         return NULL;

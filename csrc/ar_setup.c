@@ -268,7 +268,7 @@ typedef struct {
     cudaIpcMemHandle_t handle;
     char busid[32];
     uint64_t host;
-    uint64_t half;
+    uint64_t half_bytes;
     uint64_t ll_max;
     uint64_t one_max, two_max; /* auto's thresholds: ranks that disagree would pick
                                   different kernels (or NCCL) for one call and hang */
@@ -278,8 +278,8 @@ typedef struct {
     int32_t threads;
     uint32_t magic;
     char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 40 - 20];
-} fa_record;
-_Static_assert(sizeof(fa_record) == 256, "fa_record: 256 bytes, the same on every rank");
+} ar_record;
+_Static_assert(sizeof(ar_record) == 256, "ar_record: 256 bytes, the same on every rank");
 
 /* Until the work on s finished: bounded by the set-up's deadline (a peer
  * that never comes leaves the NCCL kernel waiting), and given up when
@@ -437,7 +437,7 @@ alloc_local(const pyccl_api *a, pyccl_ar *f, size_t total, cudaIpcMemHandle_t *h
         e = a->cudaEventCreateWithFlags(&f->order, cudaEventDisableTiming);
     }
     if (e != cudaSuccess) {
-        WHY("setting up %zu bytes of peer memory on cuda:%d failed: %s", total, f->device,
+        AR_WHY(f, "setting up %zu bytes of peer memory on cuda:%d failed: %s", total, f->device,
             a->cudaGetErrorString(e));
         a->cudaGetLastError();
         free_local(a, f, 1);
@@ -464,24 +464,24 @@ shared_gpu_ok(void)
 /* Why rank p's record rules the kernels out for everyone (a reason written,
  * 0), or 1. */
 static int
-check_record(pyccl_ar *f, const fa_record *all, const fa_record *mine, int p)
+check_record(pyccl_ar *f, const ar_record *all, const ar_record *mine, int p)
 {
     const int me = f->rank;
     if (!all[p].ok) {
-        WHY("rank %d cannot use them", p);
+        AR_WHY(f, "rank %d cannot use them", p);
     } else if (all[p].host != mine->host) {
-        WHY("rank %d is on another host", p);
+        AR_WHY(f, "rank %d is on another host", p);
     } else if (p != me && all[p].pid == mine->pid) {
-        WHY("ranks %d and %d share a process (CUDA IPC works between processes)", me, p);
+        AR_WHY(f, "ranks %d and %d share a process (CUDA IPC works between processes)", me, p);
     } else if (p != me && strcmp(all[p].busid, mine->busid) == 0 && !shared_gpu_ok()) {
-        WHY("ranks %d and %d share GPU %s (PYCCL_AR_SHARED_GPU=1 lets the own kernels run "
+        AR_WHY(f, "ranks %d and %d share GPU %s (PYCCL_AR_SHARED_GPU=1 lets the own kernels run "
             "there, correct but slow: the GPU time-slices the ranks)", me, p, mine->busid);
-    } else if (all[p].half != all[0].half || all[p].ll_max != all[0].ll_max ||
+    } else if (all[p].half_bytes != all[0].half_bytes || all[p].ll_max != all[0].ll_max ||
                all[p].blocks != all[0].blocks || all[p].threads != all[0].threads) {
-        WHY("ranks disagree on PYCCL_AR_BUFFER_MB / PYCCL_AR_LL_MAX / PYCCL_AR_BLOCKS / "
+        AR_WHY(f, "ranks disagree on PYCCL_AR_BUFFER_MB / PYCCL_AR_LL_MAX / PYCCL_AR_BLOCKS / "
             "PYCCL_AR_THREADS");
     } else if (all[p].one_max != all[0].one_max || all[p].two_max != all[0].two_max) {
-        WHY("ranks disagree on PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX (rank %d: %llu / "
+        AR_WHY(f, "ranks disagree on PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX (rank %d: %llu / "
             "%llu bytes, rank 0: %llu / %llu)", p, (unsigned long long)all[p].one_max,
             (unsigned long long)all[p].two_max, (unsigned long long)all[0].one_max,
             (unsigned long long)all[0].two_max);
@@ -493,7 +493,7 @@ check_record(pyccl_ar *f, const fa_record *all, const fa_record *mine, int p)
 
 /* Map every peer's region (1), or say why not (0). */
 static int
-map_peers(const pyccl_api *a, pyccl_ar *f, const fa_record *all)
+map_peers(const pyccl_api *a, pyccl_ar *f, const ar_record *all)
 {
     for (int p = 0; p < f->nranks; p++) {
         if (p == f->rank) {
@@ -510,14 +510,14 @@ map_peers(const pyccl_api *a, pyccl_ar *f, const fa_record *all)
         }
         a->cudaGetLastError(); /* a peer GPU this process does not see is fine */
         if (!can) {
-            WHY("cuda:%d has no peer access to cuda:%d (rank %d)", f->device, pd, p);
+            AR_WHY(f, "cuda:%d has no peer access to cuda:%d (rank %d)", f->device, pd, p);
             return 0;
         }
         void *ptr = NULL;
         cudaError_t e = a->cudaIpcOpenMemHandle(&ptr, all[p].handle,
                                                 cudaIpcMemLazyEnablePeerAccess);
         if (e != cudaSuccess) {
-            WHY("mapping rank %d's memory failed: %s", p, a->cudaGetErrorString(e));
+            AR_WHY(f, "mapping rank %d's memory failed: %s", p, a->cudaGetErrorString(e));
             a->cudaGetLastError();
             return 0;
         }
@@ -563,20 +563,20 @@ probe(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, int *flag, uint32_t magic,
             a->cudaMemcpy(&failed, flag + 4, sizeof failed, cudaMemcpyDeviceToHost) !=
                 cudaSuccess) {
             okp = 0;
-            WHY("the peer-memory probe kernel failed");
+            AR_WHY(f, "the peer-memory probe kernel failed");
         } else if (failed) {
             okp = 0;
-            WHY("the write-then-read probe failed with peer mask 0x%x", failed);
+            AR_WHY(f, "the write-then-read probe failed with peer mask 0x%x", failed);
         }
     } else {
-        WHY("the peer-memory probe could not run on every rank");
+        AR_WHY(f, "the peer-memory probe could not run on every rank");
     }
     a->cudaGetLastError();
     if ((r = agree(a, f, c, flag, &okp, s)) != ncclSuccess) {
         return r;
     }
     if (!okp && f->reason[0] == '\0') {
-        WHY("the write-then-read probe failed on another rank");
+        AR_WHY(f, "the write-then-read probe failed on another rank");
     }
     *ok = okp;
     return ncclSuccess;
@@ -591,15 +591,15 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
 {
     const int n = f->nranks, me = f->rank;
     int ok = 1;
-    fa_record mine;
+    ar_record mine;
     memset(&mine, 0, sizeof mine);
     const char *off = getenv("PYCCL_DISABLE_OWN_KERNELS");
     if (off != NULL && *off != '\0' && strcmp(off, "0") != 0) {
         ok = 0;
-        WHY("PYCCL_DISABLE_OWN_KERNELS is set");
+        AR_WHY(f, "PYCCL_DISABLE_OWN_KERNELS is set");
     } else if (n < 2 || n > PYCCL_AR_MAX_RANKS) {
         ok = 0;
-        WHY("the own kernels serve 2 to %d ranks, this communicator has %d",
+        AR_WHY(f, "the own kernels serve 2 to %d ranks, this communicator has %d",
             PYCCL_AR_MAX_RANKS, n);
     } else if (load_kernels(f->device, f->reason, sizeof f->reason) < 0) {
         ok = 0;
@@ -609,17 +609,17 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
     /* the exchange's scratch first: without it this rank could not join
      * the exchange, and its peers would wait for it */
     char *dev = NULL;
-    const size_t scratch = (size_t)n * sizeof(fa_record) + 64;
+    const size_t scratch = (size_t)n * sizeof(ar_record) + 64;
     if (a->cudaMalloc((void **)&dev, scratch) != cudaSuccess) {
         a->cudaGetLastError();
         return ncclSystemError;
     }
-    size_t total = PYCCL_AR_DATA_OFF + 2 * f->half + 2 * (size_t)n * 2 * f->ll_max;
+    size_t total = PYCCL_AR_DATA_OFF + 2 * f->half_bytes + 2 * (size_t)n * 2 * f->ll_max;
     if (ok) {
         ok = alloc_local(a, f, total, &mine.handle, mine.busid, sizeof mine.busid);
     }
     mine.host = host_id();
-    mine.half = f->half;
+    mine.half_bytes = f->half_bytes;
     mine.ll_max = f->ll_max;
     mine.one_max = f->one_max;
     mine.two_max = f->two_max;
@@ -630,26 +630,26 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
     mine.magic = (uint32_t)(host_id() ^ (uint64_t)getpid() * 2654435761u);
 
     /* exchange: n records + one int for agreements, in one scratch buffer */
-    fa_record *all = NULL;
+    ar_record *all = NULL;
     ncclResult_t r = ncclSuccess;
     int exchanged = 0; /* peers may have this rank's handle from here on */
-    int *flag = (int *)(dev + (size_t)n * sizeof(fa_record));
-    if ((all = malloc((size_t)n * sizeof(fa_record))) == NULL) {
+    int *flag = (int *)(dev + (size_t)n * sizeof(ar_record));
+    if ((all = malloc((size_t)n * sizeof(ar_record))) == NULL) {
         r = ncclSystemError;
         goto out;
     }
-    if (a->cudaMemcpy(dev + (size_t)me * sizeof(fa_record), &mine, sizeof mine,
+    if (a->cudaMemcpy(dev + (size_t)me * sizeof(ar_record), &mine, sizeof mine,
                       cudaMemcpyHostToDevice) != cudaSuccess) {
         r = ncclUnhandledCudaError;
         goto out;
     }
-    r = held_call(a, f, c, 1, dev + (size_t)me * sizeof(fa_record), dev, sizeof(fa_record), s);
+    r = held_call(a, f, c, 1, dev + (size_t)me * sizeof(ar_record), dev, sizeof(ar_record), s);
     /* not when the communicator was gone before the exchange was enqueued */
     exchanged = !(r == ncclInvalidUsage && f->gone && !f->sent);
     if (r != ncclSuccess) {
         goto out;
     }
-    if (a->cudaMemcpy(all, dev, (size_t)n * sizeof(fa_record), cudaMemcpyDeviceToHost) !=
+    if (a->cudaMemcpy(all, dev, (size_t)n * sizeof(ar_record), cudaMemcpyDeviceToHost) !=
             cudaSuccess) {
         r = ncclUnhandledCudaError;
         goto out;
@@ -666,7 +666,7 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
     }
     if (!ok) {
         if (f->reason[0] == '\0') {
-            WHY("another rank could not map its peers");
+            AR_WHY(f, "another rank could not map its peers");
         }
     } else if ((r = probe(a, f, c, flag, all[0].magic, s, &ok)) != ncclSuccess) {
         goto out;
@@ -690,16 +690,16 @@ out:
     free(all);
     if (r != ncclSuccess) {
         ok = 0;
-        WHY(f->gone ? "the communicator was aborted during the set-up"
+        AR_WHY(f, f->gone ? "the communicator was aborted during the set-up"
                     : "the set-up exchange failed");
     }
     if (ok) {
         f->reason[0] = '\0';
         live_add(f);
         /* release: a thread that reads READY (acquire) sees the mappings */
-        __atomic_store_n(&f->state, FA_READY, __ATOMIC_RELEASE);
+        __atomic_store_n(&f->state, AR_READY, __ATOMIC_RELEASE);
     } else {
-        __atomic_store_n(&f->state, FA_OFF, __ATOMIC_RELEASE);
+        __atomic_store_n(&f->state, AR_OFF, __ATOMIC_RELEASE);
         /* once exchanged, a peer may have mapped this region (and on a time-out
          * an NCCL kernel of the exchange may still be queued): keep it */
         free_local(a, f, !exchanged);
@@ -718,7 +718,7 @@ pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
         return;
     }
     const pyccl_api *a = &st->api;
-    int ready = f->state == FA_READY && !st->exiting && a->loaded;
+    int ready = f->state == AR_READY && !st->exiting && a->loaded;
     int prev = -1, entered = 0;
     if (ready) {
         /* Its kernels end first (they poll the host word free_local frees).

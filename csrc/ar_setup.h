@@ -69,7 +69,7 @@ extern ar_driver ar_drv;
 extern ar_device ar_devs[MAX_DEVICES];
 
 
-enum { FA_UNTRIED = 0, FA_READY = 1, FA_OFF = -1 };
+enum { AR_UNTRIED = 0, AR_READY = 1, AR_OFF = -1 };
 
 typedef struct pyccl_ar {
     int state;
@@ -78,7 +78,7 @@ typedef struct pyccl_ar {
     char *base;                         /* this rank's region (cudaMalloc) */
     char *peer[PYCCL_AR_MAX_RANKS];     /* every rank's region here; [rank] = base */
     int *host_err;                      /* pinned, device-visible */
-    size_t half;
+    size_t half_bytes;
     size_t one_max, two_max;            /* auto thresholds, read once */
     size_t ll_max;                      /* one-shot sizes up to this use the LL kernel */
     int blocks, threads;
@@ -99,8 +99,8 @@ typedef struct pyccl_ar {
     int in_live;
 } pyccl_ar;
 
-
-#define WHY(...) snprintf(f->reason, sizeof f->reason, __VA_ARGS__)
+/* Why the own kernels are off for `ar` (a pyccl_ar *), printf-style. */
+#define AR_WHY(ar, ...) snprintf((ar)->reason, sizeof (ar)->reason, __VA_ARGS__)
 
 /* The driver's text for an error code. */
 const char *ar_cu_error(CUresult r);

@@ -73,7 +73,7 @@ typedef struct {
 
 void call_begin(struct pyccl_watch *w);
 int call_end(struct pyccl_watch *w, const char *op);
-void fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...);
+void watch_fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...);
 /* An NCCL or CUDA error code from the work: the watch failed with it. */
 void fail_cuda(struct pyccl_watch *w, const char *op, cudaError_t e);
 void fail_nccl(struct pyccl_watch *w, const char *op, ncclResult_t e);
@@ -85,9 +85,9 @@ void lock_watch(struct pyccl_watch *w);
 struct pyccl_watch * new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout);
 int poll_comm(waiter *wt, const pyccl_api *a, ncclComm_t comm, double deadline, ncclResult_t *res);
 int raise_failure(pyccl_state *st, const char *op, struct pyccl_watch *w);
-cudaError_t record(struct pyccl_watch *w, cudaStream_t s, const char *op);
-cudaError_t retire(struct pyccl_watch *w, int all, const char **bad_op);
-pyccl_state * state_of(PyObject *self);
+cudaError_t watch_record(struct pyccl_watch *w, cudaStream_t s, const char *op);
+cudaError_t watch_retire(struct pyccl_watch *w, int all, const char **bad_op);
+pyccl_state * watch_state_of(PyObject *self);
 void unregister_watch(pyccl_state *st, struct pyccl_watch *w);
 void waiter_finish(waiter *wt);
 int waiter_pause(waiter *wt);

@@ -94,7 +94,7 @@ acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room,
                 const char *bad_op = NULL;
                 int prev;
                 pyccl_device_enter(w->api, w->device, &prev);
-                cudaError_t e = retire(w, w->nq >= PYCCL_MAX_PENDING, &bad_op);
+                cudaError_t e = watch_retire(w, w->nq >= PYCCL_MAX_PENDING, &bad_op);
                 pyccl_device_leave(w->api, w->device, prev);
                 if (e != cudaSuccess) {
                     fail_cuda(w, bad_op, e);
@@ -196,7 +196,7 @@ settle_watches(const pyccl_api *a, const char *op, const pyccl_task *tasks, Py_s
             a->ncclCommGetAsyncError(w->comm, &e);
             if (e != ncclSuccess && e != ncclInProgress) {
                 *which = j;
-                fail(w, PYCCL_FAIL_NCCL, (int)e,
+                watch_fail(w, PYCCL_FAIL_NCCL, (int)e,
                      "%s: rank %d of %d: NCCL error %d (%s)%s%s; the "
                      "communicator was aborted",
                      op, w->rank, w->size, (int)e,
@@ -216,7 +216,7 @@ settle_watches(const pyccl_api *a, const char *op, const pyccl_task *tasks, Py_s
                 }
                 if (!dup) {
                     call_begin(w);
-                    rec_err = record(w, tasks[i].stream, op);
+                    rec_err = watch_record(w, tasks[i].stream, op);
                     if (call_end(w, op)) {
                         rec_err = cudaSuccess;
                         break;
@@ -470,7 +470,7 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
             if (g[k].w == w && w->comm != NULL &&
                 (r == ncclSuccess || r == ncclInProgress)) {
                 call_begin(w);
-                rec_err = record(w, g[k].stream, g[k].op);
+                rec_err = watch_record(w, g[k].stream, g[k].op);
                 if (call_end(w, g[k].op)) {
                     rec_err = cudaSuccess;
                 }
@@ -525,7 +525,7 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
             const char *bad_op = NULL;
             int prev;
             pyccl_device_enter(w->api, w->device, &prev);
-            cudaError_t e = retire(w, 1, &bad_op);
+            cudaError_t e = watch_retire(w, 1, &bad_op);
             pyccl_device_leave(w->api, w->device, prev);
             if (e != cudaSuccess) {
                 fail_cuda(w, bad_op, e);
@@ -742,7 +742,7 @@ pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
     int got = acquire_all(&wt, &w, 1, 1, &which);
     if (got == 0) {
         call_begin(w);
-        e = record(w, s, op);
+        e = watch_record(w, s, op);
         got = call_end(w, op); /* 1: failed meanwhile */
         pthread_mutex_unlock(&w->mu);
     }

@@ -146,7 +146,7 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
         /* abort() came while destroy() ran: no finalize, which waits for peers */
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&w->mu);
-        fail(w, PYCCL_FAIL_ABORTED, 0, "the communicator (rank %d of %d) has been aborted",
+        watch_fail(w, PYCCL_FAIL_ABORTED, 0, "the communicator (rank %d of %d) has been aborted",
              w->rank, w->size);
         pthread_mutex_unlock(&w->mu);
         Py_END_ALLOW_THREADS
@@ -255,7 +255,7 @@ pyccl_watch_abort(pyccl_state *st, pyccl_comm *c)
     lock_watch(w);
     /* A thread polling it (busy) sees the abort and raises. */
     Py_BEGIN_ALLOW_THREADS
-    fail(w, PYCCL_FAIL_ABORTED, 0,
+    watch_fail(w, PYCCL_FAIL_ABORTED, 0,
          "the communicator (rank %d of %d) has been aborted", c->rank, c->size);
     Py_END_ALLOW_THREADS
     pthread_mutex_unlock(&w->mu);
@@ -289,7 +289,7 @@ pyccl_comm_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     if (pyccl_read_timeout("wait", tobj, &limit) < 0) {
         return NULL;
     }
-    pyccl_state *st = state_of(self);
+    pyccl_state *st = watch_state_of(self);
     if (st == NULL || pyccl_comm_alive(st, "wait", c) < 0) {
         return NULL;
     }
@@ -313,7 +313,7 @@ PyObject *
 pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
 {
     pyccl_comm *c = (pyccl_comm *)self;
-    pyccl_state *st = state_of(self);
+    pyccl_state *st = watch_state_of(self);
     if (st == NULL) {
         return NULL;
     }
@@ -389,7 +389,7 @@ pyccl_comm_mark_failed(pyccl_comm *c, const char *reason)
     }
     lock_watch(w);
     Py_BEGIN_ALLOW_THREADS
-    fail(w, PYCCL_FAIL_TIMEOUT, 0, "%s", reason);
+    watch_fail(w, PYCCL_FAIL_TIMEOUT, 0, "%s", reason);
     Py_END_ALLOW_THREADS
     pthread_mutex_unlock(&w->mu);
     c->comm = NULL;

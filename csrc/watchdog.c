@@ -90,7 +90,7 @@ pool_put(struct pyccl_watch *w, cudaEvent_t ev)
  * cudaSuccess or the first real error of cudaEventQuery, with *bad_op the
  * call that event followed.  The comm's device must be current. */
 cudaError_t
-retire(struct pyccl_watch *w, int all, const char **bad_op)
+watch_retire(struct pyccl_watch *w, int all, const char **bad_op)
 {
     const pyccl_api *a = w->api;
     cudaError_t bad = cudaSuccess;
@@ -154,7 +154,7 @@ drop_events(struct pyccl_watch *w)
 /* Record an event on s after the work just enqueued there.  Not while s is
  * being captured into a CUDA graph: the event would become a graph node. */
 cudaError_t
-record(struct pyccl_watch *w, cudaStream_t s, const char *op)
+watch_record(struct pyccl_watch *w, cudaStream_t s, const char *op)
 {
     const pyccl_api *a = w->api;
     cudaError_t e;
@@ -214,7 +214,7 @@ out:
  * the NCCL communicator: its abort flag ends the kernels that wait for
  * peers.  Idempotent: the first failure wins. */
 void
-fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...)
+watch_fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...)
 {
     if (w->failed) {
         return;
@@ -253,7 +253,7 @@ call_end(struct pyccl_watch *w, const char *op)
     }
     __atomic_store_n(&w->call_since, 0, __ATOMIC_RELEASE);
     __atomic_store_n(&w->comm, NULL, __ATOMIC_RELEASE); /* the watchdog aborted it */
-    fail(w, PYCCL_FAIL_TIMEOUT, 0,
+    watch_fail(w, PYCCL_FAIL_TIMEOUT, 0,
          "%s: rank %d of %d timed out after %s s waiting for its peers (the "
          "call itself was stuck in NCCL or CUDA, e.g. behind a full launch "
          "queue); the communicator was aborted",
@@ -285,7 +285,7 @@ force_abort(struct pyccl_watch *w, int64_t now)
 void
 fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for)
 {
-    fail(w, PYCCL_FAIL_TIMEOUT, 0,
+    watch_fail(w, PYCCL_FAIL_TIMEOUT, 0,
          "%s: rank %d of %d timed out after %s s waiting for %s; the "
          "communicator was aborted",
          op, w->rank, w->size, pyccl_secs(w->timeout).s, waiting_for);
@@ -294,7 +294,7 @@ fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for)
 static void
 fail_error(struct pyccl_watch *w, const char *op, int cuda, int code)
 {
-    fail(w, cuda ? PYCCL_FAIL_CUDA : PYCCL_FAIL_NCCL, code,
+    watch_fail(w, cuda ? PYCCL_FAIL_CUDA : PYCCL_FAIL_NCCL, code,
          "%s: rank %d of %d: %s error %d (%s) while its work ran; the "
          "communicator was aborted",
          op, w->rank, w->size, cuda ? "CUDA" : "NCCL", code,
@@ -317,7 +317,7 @@ fail_nccl(struct pyccl_watch *w, const char *op, ncclResult_t e)
 void
 fail_interrupted(struct pyccl_watch *w, const char *op)
 {
-    fail(w, PYCCL_FAIL_ABORTED, 0,
+    watch_fail(w, PYCCL_FAIL_ABORTED, 0,
          "%s: rank %d of %d was interrupted while NCCL was still working on "
          "the call; the communicator was aborted",
          op, w->rank, w->size);
@@ -329,7 +329,7 @@ static void
 check(struct pyccl_watch *w, double now)
 {
     const char *bad_op = "a collective";
-    cudaError_t e = retire(w, 1, &bad_op);
+    cudaError_t e = watch_retire(w, 1, &bad_op);
     if (e != cudaSuccess) {
         fail_cuda(w, bad_op, e);
         return;
@@ -558,7 +558,7 @@ waiter_pause(waiter *wt)
 /* ---------------- Python-facing helpers ---------------- */
 
 pyccl_state *
-state_of(PyObject *self)
+watch_state_of(PyObject *self)
 {
     return pyccl_state_of_type(Py_TYPE(self));
 }
@@ -890,10 +890,10 @@ pyccl_watchdog_at_exit(pyccl_state *st)
             const char *bad_op = NULL;
             int prev;
             pyccl_device_enter(w->api, w->device, &prev);
-            retire(w, 1, &bad_op);
+            watch_retire(w, 1, &bad_op);
             pyccl_device_leave(w->api, w->device, prev);
             if (w->nq > 0) {
-                fail(w, PYCCL_FAIL_ABORTED, 0,
+                watch_fail(w, PYCCL_FAIL_ABORTED, 0,
                      "%s: rank %d of %d: unfinished at interpreter exit; the "
                      "communicator was aborted",
                      w->q[0].op, w->rank, w->size);

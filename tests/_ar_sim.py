@@ -32,7 +32,7 @@ class Params(ctypes.Structure):
     _fields_ = [
         ("in_", ctypes.c_void_p), ("out", ctypes.c_void_p),
         ("base", ctypes.c_void_p * MAX_RANKS), ("host_error", ctypes.c_void_p),
-        ("nbytes", ctypes.c_ulonglong), ("half", ctypes.c_ulonglong),
+        ("nbytes", ctypes.c_ulonglong), ("half_bytes", ctypes.c_ulonglong),
         ("timeout_ns", ctypes.c_ulonglong), ("magic", ctypes.c_uint), ("aligned", ctypes.c_int),
         ("ll_slot", ctypes.c_ulonglong), ("rank", ctypes.c_int), ("nranks", ctypes.c_int),
         ("skew_ns", ctypes.c_uint),
@@ -169,7 +169,7 @@ class Group:
             for q in range(self.n):
                 prm.base[q] = self.regions[q].data_ptr()
             prm.host_error = self.host_error.data_ptr() + 16 * r
-            prm.nbytes, prm.half, prm.timeout_ns = nbytes, self.half, self.timeout_ns
+            prm.nbytes, prm.half_bytes, prm.timeout_ns = nbytes, self.half, self.timeout_ns
             prm.aligned = int((ins[r].data_ptr() | outs[r].data_ptr()) % 16 == 0)
             prm.ll_slot = 2 * self.ll_max
             prm.rank, prm.nranks, prm.skew_ns = r, self.n, skew_ns

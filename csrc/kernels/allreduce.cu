@@ -404,7 +404,7 @@ template <typename T, int OP, bool TWO> __device__ void staged(const pyccl_ar_pa
     if (stop) {
         return;
     }
-    const size_t data_off = PYCCL_AR_DATA_OFF + (size_t)(epoch & 1u) * p.half;
+    const size_t data_off = PYCCL_AR_DATA_OFF + (size_t)(epoch & 1u) * p.half_bytes;
     const size_t nvec = p.nbytes / 16;
     if (TWO ? twoshot_body<T, OP>(p, epoch, data_off, nvec, &gaveup)
             : oneshot_body<T, OP>(p, epoch, data_off, nvec, &gaveup)) {
@@ -500,7 +500,7 @@ template <typename T, int OP> __device__ void oneshot_ll(const pyccl_ar_params &
     }
     const uint32_t flag = flag_value(epoch);
     // [parity][source rank][line]
-    const size_t par_off = PYCCL_AR_DATA_OFF + 2 * p.half +
+    const size_t par_off = PYCCL_AR_DATA_OFF + 2 * p.half_bytes +
                            (size_t)(epoch & 1u) * (size_t)p.nranks * p.ll_slot;
     bool ok = true;
     for (size_t l = first; l < lines && ok; l += stride) {

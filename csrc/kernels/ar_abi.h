@@ -24,13 +24,13 @@
  *   DEVERR   int32: 1 once a wait on this rank gave up; every later call
  *            returns at once (the host reports it and stops using the kernels)
  *   PROBE    uint32 [2][MAX_RANKS]: the set-up's write-then-read probe
- *   DATA     two halves of `half` bytes each, used by alternate calls
- *   LL       at DATA + 2 * half: [2 parity][nranks source ranks][ll_slot bytes]
+ *   DATA     two halves of `half_bytes` bytes each, used by alternate calls
+ *   LL       at DATA + 2 * half_bytes: [2 parity][nranks source ranks][ll_slot bytes]
  *            of 16-byte lines {data, flag, data, flag} pushed by each source
  *            rank (the one-shot kernel for small sizes, "LL": the flag travels
  *            with every 4 bytes of data, so no separate barrier)
- * The region is DATA + 2 * half + 2 * nranks * ll_slot bytes; half and ll_slot
- * are multiples of 16, so every data half and LL line is 16-byte aligned. */
+ * The region is DATA + 2 * half_bytes + 2 * nranks * ll_slot bytes; half_bytes and
+ * ll_slot are multiples of 16, so every data half and LL line is 16-byte aligned. */
 #define PYCCL_AR_FLAGS_OFF 0
 #define PYCCL_AR_COUNTER_OFF 8192
 #define PYCCL_AR_DEVERR_OFF 8448
@@ -62,7 +62,7 @@ typedef struct {
     char *base[PYCCL_AR_MAX_RANKS]; /* every rank's region, mapped in this process */
     int *host_error;                /* host-mapped word, set to 1 when a wait gave up */
     unsigned long long nbytes;      /* bytes to reduce (a multiple of the item size) */
-    unsigned long long half;        /* bytes of one data half */
+    unsigned long long half_bytes;  /* bytes of one data half */
     unsigned long long timeout_ns;  /* a wait gives up after this; 0 = never */
     unsigned int magic;             /* probe only */
     int aligned;                    /* in and out are 16-byte aligned */
@@ -88,7 +88,8 @@ static_assert(offsetof(pyccl_ar_params, base) == 16, "ar_abi.h: pyccl_ar_params.
 static_assert(offsetof(pyccl_ar_params, host_error) == 80,
               "ar_abi.h: pyccl_ar_params.host_error moved");
 static_assert(offsetof(pyccl_ar_params, nbytes) == 88, "ar_abi.h: pyccl_ar_params.nbytes moved");
-static_assert(offsetof(pyccl_ar_params, half) == 96, "ar_abi.h: pyccl_ar_params.half moved");
+static_assert(offsetof(pyccl_ar_params, half_bytes) == 96,
+              "ar_abi.h: pyccl_ar_params.half_bytes moved");
 static_assert(offsetof(pyccl_ar_params, timeout_ns) == 104,
               "ar_abi.h: pyccl_ar_params.timeout_ns moved");
 static_assert(offsetof(pyccl_ar_params, magic) == 112, "ar_abi.h: pyccl_ar_params.magic moved");
