@@ -33,9 +33,12 @@ def fake(n=4, device=0, dtype=torch.float32):
     return FakeCuda(torch.arange(n).to(dtype), device)
 
 
-def build_fakegpu(out_dir):
+def build_fakegpu(out_dir, peer_memory=False):
     """Compile tests/fakegpu/fakegpu.c (a stand-in libnccl + libcudart) into
-    out_dir; the path of the library, or None when there is no C compiler."""
+    out_dir; the path of the library, or None when there is no C compiler.
+    peer_memory: built with FAKE_PEER_MEMORY (ranks as processes, peer memory, the
+    own kernels), and also linked as out_dir/libcuda.so.1, the driver that loads the
+    kernels (found through LD_LIBRARY_PATH)."""
     import shlex
     import shutil
     import subprocess
@@ -43,11 +46,14 @@ def build_fakegpu(out_dir):
     cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
     if shutil.which(cc[0]) is None:
         return None
-    out = os.path.join(str(out_dir), "libfakegpu.so")
+    out = os.path.join(str(out_dir), "libfakegpu_peer.so" if peer_memory else "libfakegpu.so")
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakegpu", "fakegpu.c")
-    r = subprocess.run(cc + ["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o", out, src,
-                             "-lpthread", "-lm"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cc + ["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror"]
+                       + (["-DFAKE_PEER_MEMORY"] if peer_memory else []) + ["-o", out, src,
+                       "-lpthread", "-lm"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    if peer_memory:
+        os.symlink(out, os.path.join(str(out_dir), "libcuda.so.1"))
     return out
 
 

@@ -849,6 +849,221 @@ def own_kernels_setup_two_threads():
     return {"values": values, "ipc_live": get("ipc_live"), "launches": get("launches")}
 
 
+# ---- own kernels: lifecycle under failure
+# One of two ranks each (FAKE_RANK), on the library built with FAKE_PEER_MEMORY;
+# tests/test_own_lifecycle_cpu.py runs them and FAKE_CASE picks the variant.  Each
+# returns what it measured and the test judges it; a hang ends the process after
+# _bounded()'s seconds with every thread's traceback on stderr.
+
+def _bounded(seconds):
+    """Exit 1 with every thread's traceback after `seconds` (a hang, interpreter exit
+    included), well before the test's own limit kills the process without one."""
+    import faulthandler
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+def _step(text):
+    """Progress on stdout: the test shows the last steps of a process that hung."""
+    print("STEP " + text, flush=True)
+
+
+def _outcome(err):
+    return None if err is None else [type(err).__name__, str(err)]
+
+
+def _rank_stream(handle):
+    """A torch.cuda.Stream of this rank's device (cuda:rank)."""
+    s = stream(handle)
+    s.device_index = int(os.environ["FAKE_RANK"])
+    return s
+
+
+def own_setup_behind_stuck_stream():
+    """The peer dies before the first all_reduce that would set the own kernels up, on a
+    communicator with timeout=2: its NCCL work sticks on the stream and the next launch
+    blocks behind it (a full launch queue).  FAKE_CASE:
+    'nccl', 'auto': the next all_reduce with that algo ('auto' sets the own kernels up
+      first, whose NCCL calls must be watched as any call's);
+    'abort': abort() from another thread 0.5 s into that set-up;
+    'destroy': the own kernels were set up before the peer died, and the stuck work is on
+      the legacy stream, which destroy()'s release barrier uses."""
+    _bounded(20)
+    case = os.environ["FAKE_CASE"]
+    rank = int(os.environ["FAKE_RANK"])
+    if case == "destroy":
+        c = _own_kernels_ready(timeout=2.0)
+    else:
+        assert fake.cudaSetDevice(rank) == 0
+        c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank, timeout=2.0)
+    put("peer_dead", 1)
+    c.all_reduce(Array([1.0]), algo="nccl", stream=_rank_stream(0) if case == "destroy" else None)
+    put("launch_block", 1)
+    _step(f"stuck work enqueued; own kernels {c.all_reduce_info['state']}")
+    out = {}
+    if case in ("nccl", "auto"):
+        dt, err = timed(lambda: c.all_reduce(Array([1.0, 2.0]), algo=None if case == "auto" else "nccl"))
+    elif case == "abort":
+        def abort_later():
+            time.sleep(0.5)
+            _step("abort()")
+            out["abort"] = list(timed(c.abort))
+            _step("abort() returned")
+        th = threading.Thread(target=abort_later, daemon=True)
+        th.start()
+        dt, err = timed(lambda: c.all_reduce(Array([1.0, 2.0])))
+        th.join(20)
+        out["abort"] = [out["abort"][0], _outcome(out["abort"][1])]
+    else:
+        _step("destroy()")
+        dt, err = timed(c.destroy)
+    _step("returned")
+    out.update(dt=dt, err=_outcome(err), misuse=get("misuse"))
+    return out
+
+
+def own_abort_refused_in_group():
+    """abort() inside an open pyccl.group() in which the communicator was used is refused
+    (FAKE_CASE 'timed': timeout=5, 'untimed': none); the communicator stays alive, and
+    after the group its next all_reduce runs the own kernels, exactly."""
+    _bounded(30)
+    rank = int(os.environ["FAKE_RANK"])
+    c = _own_kernels_ready(timeout=5.0 if os.environ["FAKE_CASE"] == "timed" else None)
+    refused = group_end = "not reached"
+    try:
+        with pyccl.group():
+            c.all_reduce(Array([5.0, 7.0]))   # NCCL's inside a group
+            _, err = timed(c.abort)
+            refused = _outcome(err)
+        group_end = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        group_end = _outcome(e)
+    _step("group ended")
+    a = Array([1.0 + rank, 2.0, 3.0 * (rank + 1)])
+    launches = get("launches")
+    _, err = timed(lambda: c.all_reduce(a))
+    out = {"refused": refused, "group_end": group_end, "after": _outcome(err), "values": a.tolist(),
+           "state": c.all_reduce_info["state"], "launches": get("launches") - launches}
+    if not c.destroyed:
+        c.destroy()
+    out["misuse"] = get("misuse")
+    return out
+
+
+def own_kernel_stuck_untimed():
+    """A communicator without a timeout whose own kernel waits for a peer that died with
+    the call in flight.  FAKE_CASE 'abort_during_destroy': destroy() (which waits for the
+    kernel), and abort() from another thread 1 s later; 'abort_then_destroy': abort(),
+    then destroy().  The process must then exit (rc 0)."""
+    _bounded(25)
+    case = os.environ["FAKE_CASE"]
+    c = _own_kernels_ready(timeout=None)
+    put("peer_dead", 1)
+    c.all_reduce(Array([1.0, 2.0]))   # the own kernel: it waits for the dead peer
+    assert get("ar_stuck") == 1, "the own kernel was not launched"
+    out = {}
+    if case == "abort_then_destroy":
+        dt, err = timed(c.abort)
+        out["abort"] = [dt, _outcome(err)]
+        dt, err = timed(c.destroy)
+        out["destroy"] = [dt, _outcome(err)]
+    else:
+        got = {}
+
+        def abort_later():
+            time.sleep(1.0)
+            _step("abort()")
+            got["t0"] = time.monotonic()
+            got["abort"] = timed(c.abort)
+            _step("abort() returned")
+        th = threading.Thread(target=abort_later, daemon=True)
+        th.start()
+        _step("destroy()")
+        dt, err = timed(c.destroy)
+        out["destroy_after_abort"] = time.monotonic() - got["t0"] if "t0" in got else None
+        out["destroy"] = [dt, _outcome(err)]
+        th.join(10)
+        out["abort"] = [got["abort"][0], _outcome(got["abort"][1])] if "abort" in got else "not returned"
+    _step("destroy() returned")
+    out["misuse"] = get("misuse")
+    return out
+
+
+class _EndsOnRead(Array):
+    """An Array whose __cuda_array_interface__, the first time it is read, calls `end`
+    (the communicator's destroy or abort): user code that runs while pyccl reads the
+    arguments."""
+
+    def __init__(self, values, end):  # not Array's: it would assign the property
+        self.buf = (ctypes.c_float * len(values))(*values)
+        self._cai = {"shape": (len(values),), "typestr": "<f4", "data": (ctypes.addressof(self.buf), False),
+                     "strides": None, "version": 3}
+        self._end = end
+
+    @property
+    def __cuda_array_interface__(self):
+        end, self._end = self._end, None
+        if end is not None:
+            end()
+        return self._cai
+
+
+def own_setup_comm_gone_while_reading():
+    """The first all_reduce (the one that would set the own kernels up) of a communicator
+    that the tensor's or the stream's own Python code destroys or aborts (FAKE_CASE) while
+    pyccl reads them, with and without a timeout: what it raises, and how many device
+    bytes, peer mappings and host words it left behind."""
+    import torch
+    _bounded(30)
+    case = os.environ["FAKE_CASE"]
+    rank = int(os.environ["FAKE_RANK"])
+    assert fake.cudaSetDevice(rank) == 0
+
+    class EndsOnReadStream(torch.cuda.Stream):
+        device_index = rank
+
+        def __init__(self, end):
+            self._end = end
+
+        @property
+        def cuda_stream(self):
+            end, self._end = self._end, None
+            if end is not None:
+                end()
+            return 0x7000 + rank   # the current stream (the stub torch's)
+    out = {}
+    for what in ("tensor", "stream"):
+        for timeout in (None, 5.0):
+            c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank, timeout=timeout)
+            end = getattr(c, case)
+            before = [get(k) for k in ("mem_live", "ipc_live", "host_live")]
+            if what == "tensor":
+                call = lambda: c.all_reduce(_EndsOnRead([1.0, 2.0], end))  # noqa: E731
+            else:
+                call = lambda: c.all_reduce(Array([1.0, 2.0]), stream=EndsOnReadStream(end))  # noqa: E731
+            _, err = timed(call)
+            left = [get(k) - b for k, b in zip(("mem_live", "ipc_live", "host_live"), before)]
+            out[f"{what}, timeout={timeout}"] = [_outcome(err), left]
+            c.destroy()
+    out["misuse"] = get("misuse")
+    return out
+
+
+def own_bad_ar_timeout():
+    """PYCCL_AR_TIMEOUT (set by the test) on a communicator without a timeout: what the
+    first all_reduce that would use the own kernels does, then NCCL's all_reduce."""
+    _bounded(30)
+    rank = int(os.environ["FAKE_RANK"])
+    assert fake.cudaSetDevice(rank) == 0
+    c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank)
+    _, err = timed(lambda: c.all_reduce(Array([1.0 + rank, 2.0, 3.0 * (rank + 1)])))
+    b = Array([1.0 + rank, 2.0, 3.0 * (rank + 1)])
+    _, err2 = timed(lambda: c.all_reduce(b, algo="nccl"))
+    out = {"first": _outcome(err), "nccl": _outcome(err2), "values": b.tolist()}
+    c.destroy()
+    out["misuse"] = get("misuse")
+    return out
+
+
 def _refs(args, kw):
     """The objects whose refcounts a call must leave unchanged: the arguments
     and the items of list/tuple arguments (a snapshot: `slots` says how many

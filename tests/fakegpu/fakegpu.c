@@ -52,13 +52,26 @@ typedef struct {
     uintptr_t handle;
     double done_at;        /* when the work enqueued so far is finished */
     struct fcomm *blocker; /* work waits for a peer of this comm */
+    int kwait;             /* work waits behind own kernel kwaits[kwait - 1] */
 } fstream;
 
 struct fevent {
     int magic;
     double done_at;
     struct fcomm *blocker;
+    int kwait;
 };
+
+/* FAKE_PEER_MEMORY: pyccl's own kernels launched while `peer_dead` is set wait
+ * for the peer until the host word pyccl gave them (pyccl_ar_params.host_error)
+ * is set, its stop word, or their own timeout passed (then they set it to 1,
+ * as the real kernels do).  The table, not the word, is what streams and
+ * events point at: pyccl frees the word (cudaFreeHost), and freeing it while
+ * a kernel still polls it is misuse. */
+static struct { volatile int *word; double until; int over; } kwaits[256];
+#ifdef FAKE_PEER_MEMORY
+static int nkwaits;
+#endif
 
 struct fcomm {
     int magic;
@@ -95,7 +108,7 @@ static __thread int group_nops;
     X(mem_live) X(ipc_live) X(host_live) X(launches)                        \
     X(nccl_mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)    \
     X(dereg_calls) X(reg_delay) X(reg_hang) X(reg_quiet) X(cumem_held)    \
-    X(dereg_delay) X(redop_creates)
+    X(dereg_delay) X(redop_creates) X(ar_stuck)
 #define DECL(k) static double k;
 KEYS(DECL)
 #undef DECL
@@ -129,6 +142,24 @@ now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Whether own kernel kwaits[k - 1] still waits for its peer (under mu). */
+static int
+kwait_active(int k)
+{
+    if (k <= 0) {
+        return 0;
+    }
+    if (!kwaits[k - 1].over) {
+        if (*kwaits[k - 1].word != 0) {
+            kwaits[k - 1].over = 1;
+        } else if (now() >= kwaits[k - 1].until) {
+            *kwaits[k - 1].word = 1; /* the kernel gave up */
+            kwaits[k - 1].over = 1;
+        }
+    }
+    return !kwaits[k - 1].over;
 }
 
 static fstream *
@@ -505,11 +536,14 @@ coll(struct fcomm *c, cudaStream_t s, const void *send, void *recv, size_t n,
  * all_gather and all_reduce exchange their data through files in
  * $FAKE_XPROC_DIR (written whole, then renamed into place), synchronously.
  * Enough for the own kernels' set-up, which agrees on everything through
- * those two collectives, and for the NCCL all_reduce it falls back to. */
+ * those two collectives, and for the NCCL all_reduce it falls back to.
+ * With `peer_dead` nothing is exchanged: the work waits on the stream. */
 static int
 xproc(struct fcomm *c)
 {
-    return c->nranks > 1 && getenv("FAKE_XPROC_DIR") != NULL && group_depth == 0;
+    /* a dead peer exchanges nothing: the work is stuck on its stream (and,
+     * with `launch_block`, the next launch behind it), as without the files */
+    return c->nranks > 1 && getenv("FAKE_XPROC_DIR") != NULL && group_depth == 0 && !peer_dead;
 }
 
 /* every rank's `bytes` of `mine`, in rank order, into `all`; -1 after 30 s */
@@ -751,7 +785,8 @@ cudaGetLastError(void)
 static int
 stream_done(fstream *f)
 {
-    return (f->blocker == NULL || f->blocker->aborted) && now() >= f->done_at;
+    return (f->blocker == NULL || f->blocker->aborted) && !kwait_active(f->kwait) &&
+           now() >= f->done_at;
 }
 
 cudaError_t
@@ -839,6 +874,7 @@ cudaEventRecord(struct fevent *ev, cudaStream_t s)
     fstream *f = stream_of(s);
     ev->done_at = f->done_at;
     ev->blocker = f->blocker != NULL && !f->blocker->aborted ? f->blocker : NULL;
+    ev->kwait = kwait_active(f->kwait) ? f->kwait : 0;
     event_records++;
     pthread_mutex_unlock(&mu);
     return cudaSuccess;
@@ -858,7 +894,8 @@ cudaEventQuery(struct fevent *ev)
         if (capturing && capture_mode != 2) {
             capture_violations++; /* would invalidate the capture */
         }
-        e = (ev->blocker == NULL || ev->blocker->aborted) && now() >= ev->done_at
+        e = (ev->blocker == NULL || ev->blocker->aborted) && !kwait_active(ev->kwait) &&
+                    now() >= ev->done_at
                 ? cudaSuccess
                 : cudaErrorNotReady;
     }
@@ -1135,8 +1172,16 @@ cudaHostAlloc(void **p, size_t n, unsigned flags)
 cudaError_t
 cudaFreeHost(void *p)
 {
-    free(p);
     pthread_mutex_lock(&mu);
+    for (int k = 1; k <= nkwaits && k <= 256; k++) {
+        if ((void *)kwaits[k - 1].word == p && p != NULL) {
+            if (kwait_active(k)) {
+                misuse++; /* an own kernel still polls this word */
+            }
+            kwaits[k - 1].over = 1;
+        }
+    }
+    free(p);
     host_live--;
     pthread_mutex_unlock(&mu);
     return cudaSuccess;
@@ -1386,7 +1431,8 @@ cuModuleGetFunction(void **fn, void *mod, const char *name)
  * memory here): the set-up's write-then-read probe across the ranks'
  * regions, and the all-reduce itself for int32 SUM/MAX/MIN and float32 SUM,
  * exchanged between the rank processes through files as the fake NCCL does
- * (in rank order). */
+ * (in rank order).  With `peer_dead` an all-reduce kernel runs nothing and
+ * waits on its stream instead (launch(), kwaits). */
 static int
 fake_kernel(const char *name, void **args)
 {
@@ -1429,29 +1475,43 @@ fake_kernel(const char *name, void **args)
 }
 
 static CUresult
-launch(void *f, void **args)
+launch(void *f, cudaStream_t s, void **args)
 {
+    const pyccl_ar_params *p = args[0];
     pthread_mutex_lock(&mu);
     launches++;
+    if (peer_dead && strcmp((const char *)f, "pyccl_ar_probe") != 0) {
+        /* an all-reduce kernel whose peer is gone: it waits on its stream */
+        int k = nkwaits++ % 256;
+        kwaits[k].word = (volatile int *)p->host_error;
+        kwaits[k].until = p->timeout_ns ? now() + (double)p->timeout_ns * 1e-9 : INFINITY;
+        kwaits[k].over = 0;
+        stream_of(s)->kwait = k + 1;
+        ar_stuck++;
+        pthread_mutex_unlock(&mu);
+        return 0;
+    }
     pthread_mutex_unlock(&mu);
     return (CUresult)fake_kernel((const char *)f, args);
 }
+
+/* the head of CUlaunchConfig */
+typedef struct { unsigned grid[3], block[3], shared; cudaStream_t stream; } launch_config_head;
 
 CUresult
 cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                unsigned bz, unsigned shared, cudaStream_t s, void **args, void **extra)
 {
     (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz;
-    (void)shared; (void)s; (void)extra;
-    return launch(f, args);
+    (void)shared; (void)extra;
+    return launch(f, s, args);
 }
 
 CUresult
-cuLaunchKernelEx(const void *cfg, void *f, void **args, void **extra)
+cuLaunchKernelEx(const launch_config_head *cfg, void *f, void **args, void **extra)
 {
-    (void)cfg;
     (void)extra;
-    return launch(f, args);
+    return launch(f, cfg->stream, args);
 }
 
 CUresult

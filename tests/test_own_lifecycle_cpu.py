@@ -1,0 +1,160 @@
+"""pyccl's own all-reduce kernels when things go wrong around them, on the CPU.
+
+Two processes, one per rank, against the stand-in GPU library built with FAKE_PEER_MEMORY
+(see tests/test_selection_cpu.py), whose `peer_dead` now also models a dead peer for the
+ranks-as-processes build: NCCL work sticks on its stream (with `launch_block`, the next
+launch blocks behind it), and an own all-reduce kernel waits on its stream until its stop
+word is set or its own timeout passes.  The scenarios are tests/child_fakegpu.py's
+"own kernels: lifecycle under failure"; each process ends itself with every thread's
+traceback when it hangs, and is killed past the limit here.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import pyccl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+if not pyccl._C._ar_built():
+    pytest.skip("pyccl was built without nvcc: no own kernels to test", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def peer_lib(tmp_path_factory):
+    from _fakes import build_fakegpu
+    lib = build_fakegpu(tmp_path_factory.mktemp("fakepeer"), peer_memory=True)
+    if lib is None:
+        pytest.skip("no C compiler to build the stand-in GPU library")
+    return lib
+
+
+def run_ranks(lib, scenario, tmp_path, case=None, limit=60, **extra_env):
+    """Both ranks' RESULT of `scenario` (FAKE_CASE=case); a rank that failed or did not
+    end within `limit` s fails the test with its last steps and output."""
+    env = dict(os.environ, FAKE_XPROC_DIR=str(tmp_path), PYCCL_QUIET="1", PYCCL_AR_BUFFER_MB="1",
+               LD_LIBRARY_PATH=os.path.dirname(lib) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    for k in ("PYTHONPATH", "PYCCL_AR_TIMEOUT", "PYCCL_DISABLE_OWN_KERNELS"):
+        env.pop(k, None)
+    env.update(extra_env)
+    if case is not None:
+        env["FAKE_CASE"] = case
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "child_fakegpu.py"), lib, scenario],
+                              env=dict(env, FAKE_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=limit)
+                outs.append((p.returncode, out, err))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+                outs.append((f"killed after {limit} s", out, err))
+    finally:
+        for p in procs:
+            p.kill()
+    results = []
+    for rank, (rc, out, err) in enumerate(outs):
+        lines = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+        hung = "Timeout (0:" in err  # _bounded(): faulthandler's dump of a hang
+        assert rc == 0 and lines and not hung, (
+            f"rank {rank} of {scenario} ({case}) {'hung' if hung else 'failed'} (rc {rc}):\n"
+            f"{out[-3000:]}\n{err[-4000:]}")
+        results.append(lines[0])
+    return results
+
+
+# 3. The own kernels' set-up talks to NCCL under the communicator's lock; with the stream
+# stuck behind a dead peer its NCCL call blocks in the launch, and nothing may hang there:
+# the watchdog gives up on it as on any call, and abort() gets through.
+
+@pytest.mark.parametrize("algo", ["nccl", "auto"])
+def test_first_call_behind_a_stuck_stream_times_out(peer_lib, tmp_path, algo):
+    # 'nccl' holds today (the call is watched); 'auto' sets the own kernels up first
+    for rank, res in enumerate(run_ranks(peer_lib, "own_setup_behind_stuck_stream", tmp_path, algo)):
+        assert res["err"][0] == "NcclTimeoutError", res
+        assert res["err"][1].startswith(f"all_reduce: rank {rank} of 2 timed out after 2.0 s waiting for "
+                                        "its peers"), res
+        assert res["dt"] < 2.0 + 2.0, res
+        assert res["misuse"] == 0, res
+
+
+def test_abort_from_another_thread_ends_a_stuck_set_up(peer_lib, tmp_path):
+    # abort() comes 0.5 s into the set-up: it gets through by itself, not only once the
+    # watchdog gave up on the stuck call (the timeout + 1 s after the call began)
+    for res in run_ranks(peer_lib, "own_setup_behind_stuck_stream", tmp_path, "abort"):
+        abort_dt, abort_err = res["abort"]
+        assert abort_err is None and abort_dt < 2.0, res
+        # the set-up's call ends too: aborted, or timed out if the watchdog came first
+        assert res["err"] is not None and res["err"][0] in ("RuntimeError", "NcclTimeoutError"), res
+        assert res["dt"] < 2.0 + 2.0, res
+        assert res["misuse"] == 0, res
+
+
+def test_destroy_barrier_behind_a_stuck_stream_is_bounded(peer_lib, tmp_path):
+    for res in run_ranks(peer_lib, "own_setup_behind_stuck_stream", tmp_path, "destroy"):
+        assert res["err"] is None or res["err"][0] == "NcclTimeoutError", res
+        assert res["dt"] < 2.0 + 2.0, res
+        assert res["misuse"] == 0, res
+
+
+# 5. A refused abort() changes nothing: not even the own kernels' stop word.
+
+@pytest.mark.parametrize("case", ["timed", "untimed"])
+def test_refused_abort_leaves_the_own_kernels_working(peer_lib, tmp_path, case):
+    for rank, res in enumerate(run_ranks(peer_lib, "own_abort_refused_in_group", tmp_path, case)):
+        assert res["refused"] == [
+            "RuntimeError", f"abort: the communicator (rank {rank} of 2) was used inside a pyccl.group() "
+            "that has not ended; end the group first"], res
+        assert res["group_end"] is None, res
+        assert res["after"] is None and res["values"] == [3.0, 4.0, 9.0], res
+        assert res["state"] == "ready" and res["launches"] == 1, res
+        assert res["misuse"] == 0, res
+
+
+# 6. abort() is what ends a wait on a dead peer, on a communicator without a timeout:
+# destroy() waiting for the own kernels too.
+
+def test_abort_ends_a_destroy_waiting_for_a_stuck_own_kernel(peer_lib, tmp_path):
+    for res in run_ranks(peer_lib, "own_kernel_stuck_untimed", tmp_path, "abort_during_destroy"):
+        assert res["abort"] != "not returned" and res["abort"][1] is None and res["abort"][0] < 2.0, res
+        assert res["destroy"][1] is None, res
+        assert res["destroy_after_abort"] is not None and res["destroy_after_abort"] < 5.0, res
+        assert res["misuse"] == 0, res   # the stop word was not freed under the kernel
+
+
+def test_abort_then_destroy_with_a_stuck_own_kernel(peer_lib, tmp_path):
+    for res in run_ranks(peer_lib, "own_kernel_stuck_untimed", tmp_path, "abort_then_destroy"):
+        assert res["abort"][1] is None and res["abort"][0] < 2.0, res
+        assert res["destroy"][1] is None and res["destroy"][0] < 2.0, res
+        assert res["misuse"] == 0, res
+
+
+# 7a. The communicator destroyed or aborted by the arguments' own Python code while the
+# first all_reduce reads them: nothing of the own kernels is made (or kept).
+
+@pytest.mark.parametrize("end", ["destroy", "abort"])
+def test_communicator_gone_while_reading_arguments_keeps_no_region(peer_lib, tmp_path, end):
+    past = "destroyed" if end == "destroy" else "aborted"
+    for rank, res in enumerate(run_ranks(peer_lib, "own_setup_comm_gone_while_reading", tmp_path, end)):
+        msg = ["RuntimeError", f"all_reduce: the communicator (rank {rank} of 2) has been {past}"]
+        # [what the call raised, [device bytes, peer mappings, host words] left by it]
+        assert res == {"tensor, timeout=None": [msg, [0, 0, 0]], "tensor, timeout=5.0": [msg, [0, 0, 0]],
+                       "stream, timeout=None": [msg, [0, 0, 0]], "stream, timeout=5.0": [msg, [0, 0, 0]],
+                       "misuse": 0}, res
+
+
+# 7c. PYCCL_AR_TIMEOUT is checked, not read with atof().
+
+@pytest.mark.parametrize("value", ["-1", "inf", "nan", "abc"])
+def test_bad_ar_timeout_is_refused(peer_lib, tmp_path, value):
+    for res in run_ranks(peer_lib, "own_bad_ar_timeout", tmp_path, PYCCL_AR_TIMEOUT=value):
+        assert res["first"] == ["ValueError", "all_reduce: PYCCL_AR_TIMEOUT must be a finite number of "
+                                f"seconds > 0, got '{value}'"], res
+        assert res["nccl"] is None and res["values"] == [3.0, 4.0, 9.0], res
+        assert res["misuse"] == 0, res
