@@ -72,6 +72,11 @@ typedef struct {
 } waiter;
 
 void call_begin(struct pyccl_watch *w);
+/* abort(), finding w's lock held: when the holder is inside an NCCL/CUDA
+ * call (call_begin), claim that call and abort the handle without the lock,
+ * so the call returns (its call_end finds the communicator aborted).  1 when
+ * claimed.  Without the GIL. */
+int watch_claim_call(struct pyccl_watch *w);
 int call_end(struct pyccl_watch *w, const char *op);
 void watch_fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...);
 /* An NCCL or CUDA error code from the work: the watch failed with it. */

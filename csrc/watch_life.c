@@ -252,7 +252,15 @@ pyccl_watch_abort(pyccl_state *st, pyccl_comm *c)
                  c->size);
         return mark_untimed(st, c, PYCCL_FAIL_ABORTED, reason);
     }
-    lock_watch(w);
+    if (pthread_mutex_trylock(&w->mu) != 0) {
+        /* Another thread holds the lock: when it is inside an NCCL or CUDA
+         * call that may block (a launch behind stuck work), the handle is
+         * aborted under it, which is what lets that call return. */
+        Py_BEGIN_ALLOW_THREADS
+        watch_claim_call(w);
+        pthread_mutex_lock(&w->mu);
+        Py_END_ALLOW_THREADS
+    }
     /* A thread polling it (busy) sees the abort and raises. */
     Py_BEGIN_ALLOW_THREADS
     watch_fail(w, PYCCL_FAIL_ABORTED, 0,

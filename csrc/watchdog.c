@@ -251,14 +251,35 @@ call_end(struct pyccl_watch *w, const char *op)
                                                 __ATOMIC_ACQUIRE)) {
         return 0;
     }
+    /* claimed: -1 by the watchdog, -2 by abort(), which aborted the handle */
+    const int by_abort = mine == -2;
     __atomic_store_n(&w->call_since, 0, __ATOMIC_RELEASE);
-    __atomic_store_n(&w->comm, NULL, __ATOMIC_RELEASE); /* the watchdog aborted it */
+    __atomic_store_n(&w->comm, NULL, __ATOMIC_RELEASE);
+    if (by_abort) {
+        watch_fail(w, PYCCL_FAIL_ABORTED, 0, "the communicator (rank %d of %d) has been aborted",
+                   w->rank, w->size);
+        return 1;
+    }
     watch_fail(w, PYCCL_FAIL_TIMEOUT, 0,
          "%s: rank %d of %d timed out after %s s waiting for its peers (the "
          "call itself was stuck in NCCL or CUDA, e.g. behind a full launch "
          "queue); the communicator was aborted",
          op, w->rank, w->size, pyccl_secs(w->timeout).s);
     return 1;
+}
+
+int
+watch_claim_call(struct pyccl_watch *w)
+{
+    int64_t since = __atomic_load_n(&w->call_since, __ATOMIC_ACQUIRE);
+    ncclComm_t comm = __atomic_load_n(&w->comm, __ATOMIC_ACQUIRE);
+    if (since > 0 && comm != NULL &&
+        __atomic_compare_exchange_n(&w->call_since, &since, -2, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE)) {
+        w->api->ncclCommAbort(comm);
+        return 1;
+    }
+    return 0;
 }
 
 /* The watchdog, on a communicator whose lock is held: if the holder has
