@@ -101,10 +101,36 @@ pyccl_call_group_done(void)
 
 /* ---------------- submit ---------------- */
 
+/* A communicator without timeout was used on stream s (for wait(), which
+ * records an event on each): a compare when s is its last stream again.
+ * -1 with MemoryError. */
+static int
+note_stream(pyccl_comm *c, cudaStream_t s)
+{
+    if (c->nstreams > 0 && s == c->last_stream) {
+        return 0;
+    }
+    c->last_stream = s;
+    for (int i = 0; i < c->nstreams; i++) {
+        if (c->streams[i] == s) {
+            return 0;
+        }
+    }
+    cudaStream_t *v = PyMem_Realloc(c->streams, (size_t)(c->nstreams + 1) * sizeof *v);
+    if (v == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    v[c->nstreams++] = s;
+    c->streams = v;
+    return 0;
+}
+
 int
 pyccl_call_submit(pyccl_state *st, const char *op, const pyccl_task *tasks,
-                  Py_ssize_t n, int redop, PyThread_type_lock serialize,
-                  pyccl_comm *const *comms, Py_ssize_t ncomms)
+                  Py_ssize_t n, int redop, const pyccl_premul *premul,
+                  PyThread_type_lock serialize, pyccl_comm *const *comms,
+                  Py_ssize_t ncomms)
 {
     int timed = 0;
     for (Py_ssize_t j = 0; j < ncomms; j++) {
@@ -112,29 +138,41 @@ pyccl_call_submit(pyccl_state *st, const char *op, const pyccl_task *tasks,
         timed |= c->watch != NULL;
         for (Py_ssize_t i = 0; c->watch == NULL && i < n; i++) {
             /* for wait(): the streams its work went to */
-            if (tasks[i].comm == c->comm && pyccl_comm_note_stream(c, tasks[i].stream) < 0) {
+            if (tasks[i].comm == c->comm && note_stream(c, tasks[i].stream) < 0) {
                 return -1;
             }
         }
     }
+    /* refused on every rank alike, before anything is enqueued */
+    int refused = 0;
     if (pyccl_group_depth() > 0) {
-        if (pyccl_group_join(timed) < 0) {
-            /* refused on every rank alike, before anything is enqueued */
-            return pyccl_raise_refusal(st, op, ncclInvalidArgument,
-                                       "one pyccl.group() cannot mix communicators with and "
-                                       "without a timeout (NCCL's non-blocking and blocking "
-                                       "kinds); this call was not enqueued");
-        }
-        for (Py_ssize_t j = 0; j < ncomms; j++) {
+        refused = pyccl_group_join(timed) < 0;
+        for (Py_ssize_t j = 0; !refused && j < ncomms; j++) {
             if (pyccl_call_note_group(comms[j]) < 0) {
                 return -1;
             }
         }
     }
-    if (timed) {
-        return pyccl_enqueue_timed(st, op, tasks, n, redop, comms, ncomms);
+    if (!refused) {
+        return timed ? pyccl_enqueue_timed(st, op, tasks, n, redop, premul, comms, ncomms)
+                     : pyccl_enqueue(st, op, tasks, n, redop, premul, serialize, comms, ncomms);
     }
-    return pyccl_enqueue(st, op, tasks, n, redop, serialize, comms, ncomms);
+    return pyccl_raise_refusal(st, op, ncclInvalidArgument,
+                               "one pyccl.group() cannot mix communicators with and "
+                               "without a timeout (NCCL's non-blocking and blocking "
+                               "kinds); this call was not enqueued");
+}
+
+int
+pyccl_call_run(pyccl_state *st, const char *op, pyccl_comm *c, const pyccl_task *tasks,
+               Py_ssize_t n, int redop, const pyccl_premul *premul)
+{
+    if (pyccl_call_begin(st, op, c) < 0) {
+        return -1;
+    }
+    int rc = pyccl_call_submit(st, op, tasks, n, redop, premul, NULL, &c, 1);
+    pyccl_call_end(c);
+    return rc;
 }
 
 int
@@ -142,6 +180,9 @@ pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s)
 {
     if (pyccl_group_depth() > 0 && pyccl_call_note_group(c) < 0) {
         return -1;
+    }
+    if (c->watch == NULL) {
+        return note_stream(c, s);
     }
     return pyccl_comm_track(st, op, c, s);
 }

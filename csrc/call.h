@@ -51,10 +51,16 @@ int pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_
  * repeats allowed; NULL and 0 for a clique's, which `serialize` covers):
  * under the watch when one of them has a timeout, else pyccl_enqueue; the
  * streams of communicators without a timeout noted for wait(); inside a
- * pyccl.group(), each communicator noted as in the group until its end. */
+ * pyccl.group(), each communicator noted as in the group until its end.
+ * `premul`: a premul_sum op to make for the call (NULL: `redop`). */
 int pyccl_call_submit(pyccl_state *st, const char *op, const pyccl_task *tasks,
-                      Py_ssize_t n, int redop, PyThread_type_lock serialize,
-                      pyccl_comm *const *comms, Py_ssize_t ncomms);
+                      Py_ssize_t n, int redop, const pyccl_premul *premul,
+                      PyThread_type_lock serialize, pyccl_comm *const *comms,
+                      Py_ssize_t ncomms);
+/* One call on one communicator, whole: begin, submit, end.  -1 with an
+ * exception. */
+int pyccl_call_run(pyccl_state *st, const char *op, pyccl_comm *c, const pyccl_task *tasks,
+                   Py_ssize_t n, int redop, const pyccl_premul *premul);
 /* c is used inside this thread's open pyccl.group() (NCCL takes it up at
  * the group's end): counted there once until pyccl_call_group_done.  -1
  * with MemoryError. */

@@ -190,9 +190,9 @@ float_to_bf16(float f)
 }
 
 /* An op argument: any spelling pyccl_read_redop takes, or a
- * pyccl.premul_sum(scalar), checked here and kept in x (*made set, *redop
- * -1): ops_submit makes it into an NCCL op for this comm and dtype inside
- * the begun call, and destroys it after enqueueing. */
+ * pyccl.premul_sum(scalar), checked here and kept in x->premul (*made set,
+ * *redop -1): the enqueue makes it into an NCCL op for this comm and dtype,
+ * under the communicator's lock, and destroys it after enqueueing. */
 static int
 read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
         int *redop, int *made)
@@ -274,52 +274,12 @@ read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
                      "%s: premul_sum needs NCCL >= 2.11", x->op);
         return -1;
     }
-    /* made into an NCCL op once the call has begun (ops_finish) */
-    x->premul_type = type;
-    memcpy(x->premul_scalar, &buf, sizeof buf);
+    /* made into an NCCL op by the enqueue, under the communicator's lock */
+    x->premul.type = type;
+    memcpy(x->premul.scalar, &buf, sizeof buf);
     *redop = -1;
     *made = 1;
     return 0;
-}
-
-/* ncclRedOpCreatePreMulSum of the op read_op read, inside the begun call,
- * under c's lock (with a timeout: not while the watchdog may abort the
- * handle). */
-static int
-make_op(call_ctx *x, int *redop)
-{
-    ncclRedOp_t op;
-    if (pyccl_comm_enter(x->st, x->op, x->c) < 0) {
-        return -1;
-    }
-    ncclResult_t r = x->st->api.ncclRedOpCreatePreMulSum(
-        &op, x->premul_scalar, (ncclDataType_t)x->premul_type, ncclScalarHostImmediate,
-        x->c->comm);
-    char last[PYCCL_LAST_ERROR_SIZE] = "";
-    pyccl_nccl_failed(&x->st->api, r, x->c->comm, last, sizeof last);
-    pyccl_comm_leave(x->c);
-    if (r != ncclSuccess) {
-        pyccl_raise_nccl(x->st, x->op, r, last);
-        return -1;
-    }
-    *redop = (int)op;
-    return 0;
-}
-
-/* ncclRedOpDestroy of a premul_sum op made for this call (NCCL allows it
- * once the call that used it returned); not on an aborted handle. */
-static void
-destroy_op(call_ctx *x, int redop)
-{
-    PyObject *exc = PyErr_GetRaisedException();
-    if (pyccl_comm_enter(x->st, x->op, x->c) == 0) {
-        if (x->c->comm != NULL) {
-            x->st->api.ncclRedOpDestroy((ncclRedOp_t)redop, x->c->comm);
-        }
-        pyccl_comm_leave(x->c);
-    }
-    PyErr_Clear();
-    PyErr_SetRaisedException(exc);
 }
 
 PyObject *
@@ -329,31 +289,14 @@ ops_finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop,
     if (n == 0) {
         Py_RETURN_NONE; /* nothing to move: NCCL is not called */
     }
-    /* The last user code (array attributes, stream, op) has run: a
-     * communicator it destroyed or aborted is reported here, not by NCCL.
-     * The tasks hold c->comm as it was when they were made, after that code. */
-    if (pyccl_call_begin(x->st, x->op, x->c) < 0) {
-        return NULL;
-    }
-    int rc = ops_submit(x, tasks, n, redop, made);
-    pyccl_call_end(x->c);
-    if (rc < 0) {
+    /* The last user code (array attributes, stream, op) has run: the call
+     * begins now, so a communicator that code destroyed or aborted is
+     * reported, not used.  The tasks hold c->comm as it was when they were
+     * made, after that code. */
+    if (pyccl_call_run(x->st, x->op, x->c, tasks, n, redop, made ? &x->premul : NULL) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
-}
-
-int
-ops_submit(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop, int made)
-{
-    if (made && make_op(x, &redop) < 0) {
-        return -1;
-    }
-    int rc = pyccl_call_submit(x->st, x->op, tasks, n, redop, NULL, &x->c, 1);
-    if (made) {
-        destroy_op(x, redop);
-    }
-    return rc;
 }
 
 void
@@ -470,7 +413,8 @@ pyccl_comm_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     /* premul_sum ops are NCCL's */
     int rc = made ? 0 : pyccl_ar_all_reduce(x.st, x.c, x.op, algo, &t, &o, redop, s);
     if (rc == 0) {
-        rc = ops_submit(&x, &tk, 1, redop, made);
+        rc = pyccl_call_submit(x.st, x.op, &tk, 1, redop, made ? &x.premul : NULL, NULL,
+                               &x.c, 1);
     }
     pyccl_call_end(x.c);
     return rc < 0 ? NULL : Py_NewRef(Py_None);
@@ -724,7 +668,7 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     }
     pyccl_task tk;
     ops_task(&tk, PYCCL_ALL_REDUCE, c->scratch, c->scratch, 1, ncclFloat32, 0, &x, s);
-    int rc = pyccl_call_submit(x.st, "barrier", &tk, 1, ncclSum, NULL, &c, 1);
+    int rc = pyccl_call_submit(x.st, "barrier", &tk, 1, ncclSum, NULL, NULL, &c, 1);
     if (rc == 0) {
         rc = ops_wait_call(&x, s);
     }

@@ -51,9 +51,8 @@ typedef struct {
     pyccl_state *st;
     pyccl_comm *c;
     const char *op;
-    /* a premul_sum op argument as read (made into an NCCL op by ops_submit) */
-    int premul_type;
-    unsigned char premul_scalar[8];
+    /* a premul_sum op argument as read (NCCL's op is made by the enqueue) */
+    pyccl_premul premul;
 } call_ctx;
 
 int ops_ctx_init(call_ctx *x, PyObject *self, const char *op);
@@ -74,14 +73,11 @@ int ops_stream(call_ctx *x, PyObject *stream, cudaStream_t *out);
  * watch (bounded by its timeout, interruptible) when it has one, else
  * cudaStreamSynchronize on its device.  -1 with an exception. */
 int ops_wait_call(call_ctx *x, cudaStream_t s);
-/* The end of a method: the call begun (c still usable after the user code
- * of the arguments), ops_submit, the call ended; None, or NULL with an
- * exception.  n == 0: None at once. */
+/* The end of a method: the call run through the door (call.h: begun after
+ * the user code of the arguments, submitted with x->premul when `made`,
+ * ended); None, or NULL with an exception.  n == 0: None at once. */
 PyObject *ops_finish(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n,
                      int redop, int made);
-/* Inside a begun call (call.h): the premul_sum op made when `made`, the
- * tasks submitted, the op destroyed.  -1 with an exception. */
-int ops_submit(call_ctx *x, const pyccl_task *tasks, Py_ssize_t n, int redop, int made);
 void ops_task(pyccl_task *t, pyccl_coll coll, const void *send, void *recv,
               size_t count, int type, int peer, call_ctx *x, cudaStream_t s);
 /* A list/tuple of `size` arrays like `ref`, read from a private tuple

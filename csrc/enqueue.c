@@ -89,10 +89,23 @@ enqueue_one(const pyccl_api *a, const pyccl_task *t, int redop)
 
 ncclResult_t
 pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
-                    int redop, char *last, size_t last_size)
+                    int redop, const pyccl_premul *premul, char *last, size_t last_size)
 {
     ncclResult_t r, r2;
     ncclComm_t failed = NULL;
+    ncclRedOp_t made = (ncclRedOp_t)0;
+    if (premul != NULL) {
+        /* the tasks' one communicator, locked by the caller; NCCL lets the
+         * op go as soon as the calls given it returned */
+        r = a->ncclRedOpCreatePreMulSum(&made, (void *)premul->scalar,
+                                        (ncclDataType_t)premul->type,
+                                        ncclScalarHostImmediate, tasks[0].comm);
+        if (r != ncclSuccess) {
+            pyccl_nccl_failed(a, r, tasks[0].comm, last, last_size);
+            return r;
+        }
+        redop = (int)made;
+    }
     if (n == 1) {
         r = enqueue_one(a, &tasks[0], redop);
         failed = tasks[0].comm;
@@ -120,13 +133,16 @@ pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
     if (r != ncclSuccess && r != ncclInProgress) {
         pyccl_nccl_failed(a, r, failed, last, last_size);
     }
+    if (premul != NULL) {
+        a->ncclRedOpDestroy(made, tasks[0].comm);
+    }
     return r;
 }
 
 int
 pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
-              Py_ssize_t n, int redop, PyThread_type_lock serialize,
-              pyccl_comm *const *comms, Py_ssize_t ncomms)
+              Py_ssize_t n, int redop, const pyccl_premul *premul,
+              PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms)
 {
     const pyccl_api *a = &st->api;
     ncclResult_t r;
@@ -137,7 +153,7 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
         PyThread_acquire_lock(serialize, WAIT_LOCK);
     }
     pyccl_comms_lock(comms, ncomms); /* one thread at a time in NCCL */
-    r = pyccl_enqueue_calls(a, tasks, n, redop, last, sizeof last);
+    r = pyccl_enqueue_calls(a, tasks, n, redop, premul, last, sizeof last);
     pyccl_comms_unlock(comms, ncomms);
     if (serialize != NULL) {
         PyThread_release_lock(serialize);

@@ -437,6 +437,14 @@ typedef enum {
     PYCCL_RECV,
 } pyccl_coll;
 
+/* A premul_sum reduction as read from the arguments (its scalar in the
+ * tensor's type): the enqueue makes NCCL's op on the tasks' communicator,
+ * under its lock, and destroys it once the calls given it returned. */
+typedef struct {
+    int type;
+    unsigned char scalar[8];
+} pyccl_premul;
+
 typedef struct {
     pyccl_coll coll;
     const void *send;
@@ -466,8 +474,8 @@ pyccl_reduce_scatter_op(int redop, int nranks)
  * locks of `comms` (the tasks' communicators, none with a watch; NULL for
  * a clique's, which `serialize` covers) are held around the calls too. */
 int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
-                  Py_ssize_t n, int redop, PyThread_type_lock serialize,
-                  pyccl_comm *const *comms, Py_ssize_t ncomms);
+                  Py_ssize_t n, int redop, const pyccl_premul *premul,
+                  PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms);
 /* The NCCL calls of pyccl_enqueue alone (no GIL handling, no exception):
  * NCCL's result, with ncclGetLastError's text copied into `last` on error. */
 /* Without the GIL, after an NCCL call on comm returned r: on a non-blocking
@@ -476,8 +484,8 @@ int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
 ncclResult_t pyccl_nccl_settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r,
                                double deadline);
 ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks,
-                                 Py_ssize_t n, int redop, char *last,
-                                 size_t last_size);
+                                 Py_ssize_t n, int redop, const pyccl_premul *premul,
+                                 char *last, size_t last_size);
 /* With the GIL released: the locks (mu) of the distinct communicators of cs
  * that have no watch, in address order (one order for every thread);
  * unlock the same list while still holding them. */
@@ -526,16 +534,11 @@ double pyccl_comm_timeout(const pyccl_comm *c);
  * its peers; the communicator was aborted".  Call with the GIL held (for
  * pyccl's own kernels, when one reports that it gave up). */
 void pyccl_comm_mark_failed(pyccl_comm *c, const char *reason);
-/* After work of c's that is not an NCCL call (pyccl's own kernels) was
- * launched on stream s: track it as an NCCL call would be (an event with a
- * timeout, else the stream noted for wait()).  -1 with an exception.  GIL
- * held. */
+/* After work of c's (which has a timeout) that is not an NCCL call
+ * (pyccl's own kernels) was launched on stream s: track it as an NCCL call
+ * would be (an event, watched).  -1 with an exception.  GIL held. */
 int pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
                      cudaStream_t s);
-/* A communicator without timeout was used on stream s (for wait()): a
- * compare when s is its last stream again.  -1 with MemoryError. */
-int pyccl_comm_add_stream(pyccl_comm *c, cudaStream_t s);
-int pyccl_comm_note_stream(pyccl_comm *c, cudaStream_t s);
 
 /* None -> 0; an int or float > 0 -> seconds; else TypeError/ValueError
  * naming op and "timeout". */
@@ -577,7 +580,8 @@ int pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
  * submit (call.c) chooses it. */
 int pyccl_enqueue_timed(pyccl_state *st, const char *op,
                         const pyccl_task *tasks, Py_ssize_t n, int redop,
-                        pyccl_comm *const *comms, Py_ssize_t ncomms);
+                        const pyccl_premul *premul, pyccl_comm *const *comms,
+                        Py_ssize_t ncomms);
 /* The outermost pyccl.group() of this thread ended with NCCL result r:
  * poll and track the watched communicators used inside it.  -1 with an
  * exception. */

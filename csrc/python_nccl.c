@@ -498,7 +498,7 @@ enqueue_call(nccl_call *x)
     if (pyccl_call_begin_all(st, op, comms, ncomms) < 0) {
         return -1;
     }
-    int rc = pyccl_call_submit(st, op, tasks, n, x->redop,
+    int rc = pyccl_call_submit(st, op, tasks, n, x->redop, NULL,
                                have_comms ? NULL : st->clique_call_lock, comms, ncomms);
     pyccl_call_end_all(comms, ncomms);
     return rc;

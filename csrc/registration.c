@@ -267,7 +267,7 @@ exchange(call_ctx *x, cudaStream_t s, const int64_t mine[2], int64_t *all)
     }
     pyccl_task tk;
     ops_task(&tk, PYCCL_ALL_GATHER, dev + rec * (size_t)c->rank, dev, rec, ncclUint8, 0, x, s);
-    int rc = pyccl_call_submit(st, x->op, &tk, 1, ncclSum, NULL, &c, 1);
+    int rc = pyccl_call_submit(st, x->op, &tk, 1, ncclSum, NULL, NULL, &c, 1);
     if (rc < 0 || ops_wait_call(x, s) < 0) {
         goto error;
     }

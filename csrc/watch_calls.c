@@ -341,8 +341,8 @@ add_to_group(const char *op, watch_set *g, const pyccl_task *tasks, Py_ssize_t n
 
 int
 pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
-                    Py_ssize_t n, int redop, pyccl_comm *const *comms,
-                    Py_ssize_t ncomms)
+                    Py_ssize_t n, int redop, const pyccl_premul *premul,
+                    pyccl_comm *const *comms, Py_ssize_t ncomms)
 {
     const pyccl_api *a = &st->api;
     int in_group = pyccl_group_depth() > 0, rc = -1;
@@ -368,7 +368,7 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
         /* communicators without a watch in the same call (NCCL refuses
          * the group, but only at its end) */
         pyccl_comms_lock(comms, ncomms);
-        r = pyccl_enqueue_calls(a, tasks, n, redop, last, sizeof last);
+        r = pyccl_enqueue_calls(a, tasks, n, redop, premul, last, sizeof last);
         pyccl_comms_unlock(comms, ncomms);
         for (int j = 0; j < nw; j++) {
             call_end(ws[j], op);
@@ -581,35 +581,6 @@ pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
     return rc;
 }
 
-int
-pyccl_comm_add_stream(pyccl_comm *c, cudaStream_t s)
-{
-    c->last_stream = s;
-    for (int i = 0; i < c->nstreams; i++) {
-        if (c->streams[i] == s) {
-            return 0;
-        }
-    }
-    cudaStream_t *v = PyMem_Realloc(c->streams,
-                                    (size_t)(c->nstreams + 1) * sizeof *v);
-    if (v == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    v[c->nstreams++] = s;
-    c->streams = v;
-    return 0;
-}
-
-int
-pyccl_comm_note_stream(pyccl_comm *c, cudaStream_t s)
-{
-    if (c->nstreams > 0 && s == c->last_stream) {
-        return 0;
-    }
-    return pyccl_comm_add_stream(c, s);
-}
-
 /* wait() of a communicator without timeout: an event recorded now on each
  * stream it was used on covers its work there (and whatever came before
  * it).  `limit` 0: no limit. */
@@ -716,10 +687,7 @@ int
 pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
                  cudaStream_t s)
 {
-    struct pyccl_watch *w = c->watch;
-    if (w == NULL) {
-        return pyccl_comm_note_stream(c, s);
-    }
+    struct pyccl_watch *w = c->watch; /* not NULL: the door (call.c) notes the others */
     if (pyccl_watch_check(st, op, c) < 0) {
         return -1;
     }
