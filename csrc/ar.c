@@ -495,13 +495,13 @@ pyccl_ar_info(pyccl_state *st, pyccl_comm *c)
     const char *reason = f->state == AR_OFF     ? f->reason
                          : pyccl_ar_built() ? ""
                                                 : "built without nvcc";
-    return Py_BuildValue("{s:s,s:s,s:n,s:n,s:n,s:n,s:i,s:i,s:d,s:O,s:O}", "state", state,
+    return Py_BuildValue("{s:s,s:s,s:n,s:n,s:n,s:n,s:i,s:i,s:d,s:O,s:O,s:i}", "state", state,
                          "reason", reason, "buffer_bytes", (Py_ssize_t)f->half_bytes, "ll_max",
                          (Py_ssize_t)f->ll_max, "oneshot_max", (Py_ssize_t)f->one_max,
                          "twoshot_max", (Py_ssize_t)f->two_max, "blocks", f->blocks, "threads",
                          f->threads, "timeout", f->timeout, "built",
                          pyccl_ar_built() ? Py_True : Py_False, "pdl",
-                         f->pdl ? Py_True : Py_False);
+                         f->pdl ? Py_True : Py_False, "parked", pyccl_ar_parked());
 }
 
 /* Testing aid: read or set every block's epoch counter (all ranks alike, with

@@ -277,7 +277,8 @@ typedef struct {
     int32_t blocks;
     int32_t threads;
     uint32_t magic;
-    char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 40 - 20];
+    char marks[PYCCL_AR_MARKS_NAME]; /* its shared-memory page of "closed" marks, "" none */
+    char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 40 - 20 - PYCCL_AR_MARKS_NAME];
 } ar_record;
 _Static_assert(sizeof(ar_record) == 256, "ar_record: 256 bytes, the same on every rank");
 
@@ -383,11 +384,29 @@ wait_launched(const pyccl_api *a, pyccl_ar *f)
     a->cudaGetLastError();
 }
 
-/* Close the peers' regions mapped here and free what no other process sees
- * (the event, the host word); this rank's region only with `free_base`, when
- * no peer can still have it mapped (before the exchange, or after a barrier
- * that follows every rank's close): freeing exported memory that an
- * importer still maps is undefined, so it is kept (leaked) otherwise. */
+/* This rank's region `base` is let go of: freed when `safe` (no peer can
+ * map it: never shared, or a barrier followed every peer's close); else
+ * parked until every peer closed its mapping or is gone (ar_release.c), or
+ * kept (leaked) where that cannot be, since freeing exported memory that an
+ * importer still maps is undefined.  Nothing for a NULL base. */
+static void
+give_back(const pyccl_api *a, pyccl_ar *f, char *base, int safe)
+{
+    if (base == NULL) {
+        return;
+    }
+    if (safe) {
+        a->cudaFree(base);
+    }
+    else {
+        ar_park(f, base);
+    }
+    ar_marks_drop(f); /* parked: the marks went with the region */
+}
+
+/* Close the peers' regions mapped here (telling each that it is closed) and
+ * free what no other process sees (the event, the host word); this rank's
+ * region through give_back (`free_base`: safe to free now). */
 static void
 free_local(const pyccl_api *a, pyccl_ar *f, int free_base)
 {
@@ -395,16 +414,18 @@ free_local(const pyccl_api *a, pyccl_ar *f, int free_base)
         if (r != f->rank && f->peer[r] != NULL && a->cudaIpcCloseMemHandle) {
             a->cudaIpcCloseMemHandle(f->peer[r]);
         }
+        if (r != f->rank) {
+            ar_marks_closed(f, r);
+        }
         f->peer[r] = NULL;
     }
     if (f->order != NULL && a->cudaEventDestroy) {
         a->cudaEventDestroy(f->order);
     }
     f->order = NULL;
-    if (f->base != NULL && free_base) {
-        a->cudaFree(f->base);
-    }
+    char *base = f->base;
     f->base = NULL;
+    give_back(a, f, base, free_base);
     if (f->host_err != NULL && a->cudaFreeHost) {
         a->cudaFreeHost(f->host_err);
     }
@@ -615,8 +636,12 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
         return ncclSystemError;
     }
     size_t total = PYCCL_AR_DATA_OFF + 2 * f->half_bytes + 2 * (size_t)n * 2 * f->ll_max;
+    ar_drain(a); /* regions let go of before: free those no peer maps any more */
     if (ok) {
         ok = alloc_local(a, f, total, &mine.handle, mine.busid, sizeof mine.busid);
+    }
+    if (ok) {
+        ar_marks_create(f, mine.marks, sizeof mine.marks);
     }
     mine.host = host_id();
     mine.half_bytes = f->half_bytes;
@@ -657,11 +682,21 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
     for (int p = 0; p < n && ok; p++) {
         ok = check_record(f, all, &mine, p);
     }
+    for (int p = 0; p < n && ok; p++) {
+        if (p != me) { /* where this rank tells p that it closed p's region */
+            ar_marks_open(f, p, all[p].marks, all[p].pid);
+        }
+    }
     if (ok) {
         ok = map_peers(a, f, all);
     }
     /* everyone mapped everyone, or nobody goes on */
-    if ((r = agree(a, f, c, flag, &ok, s)) != ncclSuccess) {
+    r = agree(a, f, c, flag, &ok, s);
+    /* past this barrier every peer has opened this rank's page of marks (or
+     * never will): its name goes, so none is left behind in /dev/shm by a
+     * process that exits or dies; the mappings stay */
+    ar_marks_unlink(f);
+    if (r != ncclSuccess) {
         goto out;
     }
     if (!ok) {
@@ -678,10 +713,8 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
         f->base = NULL;
         free_local(a, f, 0);
         int one = 1;
-        if ((r = agree(a, f, c, flag, &one, s)) == ncclSuccess && base != NULL) {
-            a->cudaFree(base);
-        }
-        /* when the barrier failed the region is kept (leaked) */
+        r = agree(a, f, c, flag, &one, s);
+        give_back(a, f, base, r == ncclSuccess); /* parked when the barrier failed */
     }
 out:
     if (r != ncclInProgress) { /* a timed-out NCCL kernel may still use it */
@@ -693,6 +726,9 @@ out:
         AR_WHY(f, f->gone ? "the communicator was aborted during the set-up"
                     : "the set-up exchange failed");
     }
+    /* after the exchange every peer is past what it did before this set-up
+     * (a release of an earlier communicator, say): what it closed goes now */
+    ar_drain(a);
     if (ok) {
         f->reason[0] = '\0';
         live_add(f);
@@ -700,8 +736,7 @@ out:
         __atomic_store_n(&f->state, AR_READY, __ATOMIC_RELEASE);
     } else {
         __atomic_store_n(&f->state, AR_OFF, __ATOMIC_RELEASE);
-        /* once exchanged, a peer may have mapped this region (and on a time-out
-         * an NCCL kernel of the exchange may still be queued): keep it */
+        /* once exchanged, a peer may have mapped this region: parked */
         free_local(a, f, !exchanged);
     }
     return r;
@@ -712,12 +747,18 @@ void
 pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
 {
     pyccl_ar *f = c->ar;
+    const pyccl_api *a = &st->api;
     if (f == NULL || c->setups > 0) {
         /* a set-up in flight (abort() from another thread) cleans up after
-         * itself; the rest goes with the communicator */
+         * itself; the rest goes with the communicator.  Any release frees
+         * the parked regions that no peer maps any more. */
+        if (!st->exiting && a->loaded && pyccl_ar_parked() > 0) {
+            Py_BEGIN_ALLOW_THREADS
+            ar_drain(a);
+            Py_END_ALLOW_THREADS
+        }
         return;
     }
-    const pyccl_api *a = &st->api;
     int ready = f->state == AR_READY && !st->exiting && a->loaded;
     int prev = -1, entered = 0;
     if (ready) {
@@ -758,9 +799,8 @@ pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
             }
             a->cudaGetLastError();
         }
-        if (freed) {
-            a->cudaFree(base);
-        }
+        give_back(a, f, base, freed); /* parked unless the barrier passed */
+        ar_drain(a);
         Py_END_ALLOW_THREADS
     }
     pyccl_device_leave(a, f->device, prev); /* prev -1: nothing to do */

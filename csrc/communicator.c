@@ -613,7 +613,9 @@ static PyGetSetDef comm_getset[] = {
      "How all_reduce picks pyccl's own kernels on this communicator: state "
      "('not set up', 'ready', 'off'), reason, buffer_bytes, oneshot_max, "
      "twoshot_max, ll_max, blocks, threads, timeout, built, pdl (kernels "
-     "launched with programmatic dependent launch).", NULL},
+     "launched with programmatic dependent launch), parked (regions of this "
+     "process's released communicators kept until every peer closed its "
+     "mapping of them or exited).", NULL},
     {"handle", comm_get_handle, NULL,
      "The ncclComm_t as an int (0 once destroyed), for other NCCL users.", NULL},
     {NULL, NULL, NULL, NULL, NULL},

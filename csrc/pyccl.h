@@ -412,6 +412,9 @@ PyObject *pyccl_ar_info(pyccl_state *st, pyccl_comm *c);
 PyObject *pyccl_ar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value);
 /* Make c's kernels that wait for peers give up now (abort); all of them (exit). */
 void pyccl_ar_stop(pyccl_comm *c);
+/* Regions of this process's released communicators that a peer may still
+ * map, kept until every peer closed its mapping or is gone (ar_release.c). */
+int pyccl_ar_parked(void);
 void pyccl_ar_stop_all(void);
 /* Whether the kernels were compiled in (setup.py found nvcc). */
 int pyccl_ar_built(void);

@@ -796,27 +796,91 @@ def own_kernels_lifecycle():
     return {"after_destroy": seen}
 
 
+def _wait_file(name, limit=30.0):
+    path = os.path.join(os.environ["FAKE_XPROC_DIR"], name)
+    t0 = time.monotonic()
+    while not os.path.exists(path):
+        assert time.monotonic() - t0 < limit, f"{name} did not come"
+        time.sleep(0.01)
+
+
+def _touch(name):
+    open(os.path.join(os.environ["FAKE_XPROC_DIR"], name), "w").close()
+
+
+def _parked():
+    """The parked regions left after a release: a one-rank communicator's
+    destroy drains them (every release does)."""
+    probe = pyccl.Communicator(1, pyccl.unique_id(), 0)
+    probe.destroy()
+    return probe.all_reduce_info["parked"]
+
+
 def own_kernels_abort():
     """abort() after the own kernels ran: the peer mapping and the host word
-    go at once; only the exported region stays (a peer may still map it),
-    and the communicator refuses use."""
+    go at once, the communicator refuses use, and the exported region comes
+    back once the peer closed its mapping too (the release handshake).  Then:
+    rank 0 aborts while rank 1 still maps its region (parked until rank 1
+    releases), and rank 1's process exits without releasing (a peer that is
+    gone counts as closed)."""
+    rank = int(os.environ["FAKE_RANK"])
     base = get("mem_live")
     c = _own_kernels_ready()
     region = get("mem_live") - base
     c.abort()
-    got = {"ipc_live": get("ipc_live"), "host_live": get("host_live"),
-           "kept": get("mem_live") - base, "region": region}
+    got = {"ipc_live": get("ipc_live"), "host_live": get("host_live"), "region": region}
     try:
         c.all_reduce(Array([1.0]))
         raise AssertionError("all_reduce after abort() did not raise")
     except RuntimeError as e:
         got["after"] = str(e)
     c.destroy()
-    del c
-    import gc
-    gc.collect()
+    # collective: both ranks are past their abort, so the peer closed its mapping;
+    # this set-up frees the parked region first
+    c2 = _own_kernels_ready()
+    got["after_next_setup"] = get("mem_live") - base
+    if rank == 0:
+        c2.abort()
+        got["parked_while_peer_maps"] = [_parked(), get("mem_live") - base]
+        _touch("release")
+        _wait_file("released")
+        got["parked_after_peer_released"] = [_parked(), get("mem_live") - base]
+    else:
+        _wait_file("release")
+        # (the stand-in pairs communicators by how many each process made: as many as rank 0)
+        got["parked_before_release"] = [_parked(), get("mem_live") - base]
+        c2.abort()
+        _touch("released")
+        got["parked_after_release"] = [_parked(), get("mem_live") - base]
+    # a peer that exits without releasing
+    c3 = _own_kernels_ready()
+    if rank == 1:
+        with open(os.path.join(os.environ["FAKE_XPROC_DIR"], "pid1.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(os.environ["FAKE_XPROC_DIR"], "pid1.tmp"),
+                  os.path.join(os.environ["FAKE_XPROC_DIR"], "pid1"))
+        sys.stdout.write("RESULT " + json.dumps(got) + "\n")
+        sys.stdout.flush()
+        os._exit(0)  # its mapping of rank 0's region goes with the process
+    _wait_file("pid1")
+    with open(os.path.join(os.environ["FAKE_XPROC_DIR"], "pid1")) as f:
+        pid1 = int(f.read())
+    t0 = time.monotonic()
+    while not _gone(pid1):
+        assert time.monotonic() - t0 < 30, "rank 1 did not exit"
+        time.sleep(0.01)
+    c3.abort()
+    got["parked_after_peer_exited"] = [_parked(), get("mem_live") - base]
     clean()
     return got
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
 
 
 def own_kernels_setup_two_threads():

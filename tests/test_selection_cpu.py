@@ -97,12 +97,27 @@ def test_ten_communicators_give_back_their_peer_memory_on_destroy(peer_lib, tmp_
         assert res["after_destroy"] == [[i, 0, 0, 0] for i in range(10)], res
 
 
-def test_abort_releases_own_kernel_state_but_the_exported_region(peer_lib, tmp_path):
+def test_abort_gives_back_every_byte_once_the_peers_closed_their_mappings(peer_lib, tmp_path):
+    # the release handshake (csrc/ar_release.c): a region a peer may still map is parked, and
+    # freed once every peer marked it closed or exited
     results = run_two_ranks(peer_lib, "own_kernels_abort", tmp_path, PYCCL_AR_BUFFER_MB="1")
     for rank, (res, _) in enumerate(results):
-        assert res["ipc_live"] == 0 and res["host_live"] == 0, res
-        assert res["kept"] == res["region"] and res["region"] >= 2 << 20, res
+        region = res["region"]
+        assert res["ipc_live"] == 0 and res["host_live"] == 0 and region >= 2 << 20, res
         assert res["after"] == f"all_reduce: the communicator (rank {rank} of 2) has been aborted", res
+        # the aborted communicator's region came back by the next set-up: only the new one is there
+        assert res["after_next_setup"] == region, res
+    r0, r1 = results[0][0], results[1][0]
+    # rank 0 aborted while rank 1 still mapped its region: kept, parked
+    assert r0["parked_while_peer_maps"] == [1, r0["region"]], r0
+    # rank 1 released (closed its mapping, then marked): rank 0's next release freed it
+    assert r0["parked_after_peer_released"] == [0, 0], r0
+    # rank 1, still using its communicator, keeps only its live region
+    assert r1["parked_before_release"] == [0, r1["region"]], r1
+    # rank 1's own region: rank 0 had closed its mapping first, so it went at rank 1's abort
+    assert r1["parked_after_release"] == [0, 0], r1
+    # rank 1's process exited without releasing: rank 0's abort freed its region at once
+    assert r0["parked_after_peer_exited"] == [0, 0], r0
 
 
 def test_one_set_up_when_two_threads_make_the_first_call(peer_lib, tmp_path):
