@@ -2,8 +2,9 @@
  * (exception types, the Communicator heap type, interned names, constants);
  * the bindings live in python_nccl.c.  Importing needs no GPU, driver, NCCL or
  * torch: those are looked up on first use. */
-#include "pyccl.h"
+#include "loader.h"
 #include "args.h"
+#include "pyccl.h"
 
 extern PyMethodDef pyccl_nccl_methods[];
 

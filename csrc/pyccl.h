@@ -210,22 +210,6 @@ typedef struct {
     struct pyccl_watchdog *watchdog; /* the watchdog thread, started on first use */
 } pyccl_state;
 
-/* ---- loader.c ---- */
-/* Resolve NCCL and the CUDA runtime (torch's copies when loaded); -1 with an
- * exception naming `op` when they cannot be found. */
-int pyccl_load(pyccl_state *st, const char *op);
-/* The NCCL version code of the loaded library, loading it if needed. */
-int pyccl_nccl_version(pyccl_state *st, const char *op);
-/* The number of CUDA devices in *ndev, loading the libraries if needed; -1
- * with CudaError "<op>: no CUDA GPU is available (cudaGetDeviceCount: ...)"
- * when there is none. */
-int pyccl_gpu_count(pyccl_state *st, const char *op, int *ndev);
-/* 0 when `fn` (an optional NCCL call, named `call`) was resolved; else -1
- * with RuntimeError "<op>: needs NCCL >= <needed> for <call>; the loaded
- * NCCL is <x.y.z>".  NCCL must be loaded. */
-int pyccl_need_nccl(pyccl_state *st, const char *op, const void *fn,
-                    const char *call, const char *needed);
-
 /* ---- errors.c ---- */
 /* Seconds for messages: "5.0", "0.25" (as Python prints a float), as
  * `pyccl_secs(t).s` inside a call's arguments (C11: the array lives to the

@@ -4,9 +4,10 @@
  * all_gather/reduce_scatter scale by the communicator's rank count, fp8 is
  * reduced natively, bool is never reduced as bytes, and NCCL errors raise
  * NcclError instead of terminating the process. */
-#include "pyccl.h"
 #include "call.h"
+#include "loader.h"
 #include "args.h"
+#include "pyccl.h"
 
 #include <string.h>
 

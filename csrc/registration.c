@@ -10,9 +10,10 @@
  * is collective: the ranks first agree, through an NCCL all_gather on the
  * communicator itself, that every rank registers the same number of bytes of
  * usable memory, and all raise together otherwise. */
-#include "pyccl.h"
-#include "call.h"
 #include "comm_ops.h"
+#include "call.h"
+#include "loader.h"
+#include "pyccl.h"
 
 #include <dlfcn.h>
 #include <string.h>
