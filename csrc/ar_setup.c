@@ -12,6 +12,8 @@
  * kernels or none does.  Release frees what it made: the exported region
  * behind a barrier of every rank, or kept where no barrier can be had. */
 #include "ar_setup.h"
+#include "tensor.h"
+#include "errors.h"
 
 #include <dlfcn.h>
 #include <stdlib.h>

@@ -4,6 +4,7 @@
  * device, created in one NCCL group). */
 #include "loader.h"
 #include "args.h"
+#include "errors.h"
 #include "pyccl.h"
 #include <string.h>
 

@@ -10,8 +10,10 @@
  * which then owns its handle. */
 #include "comm_ops.h"
 #include "call.h"
+#include "tensor.h"
 #include "loader.h"
 #include "args.h"
+#include "errors.h"
 #include "pyccl.h"
 
 #include <string.h>

@@ -157,7 +157,6 @@ typedef struct {
 } pyccl_dtype_info;
 
 #define PYCCL_NDTYPES 21
-extern const pyccl_dtype_info pyccl_dtype_table[PYCCL_NDTYPES];
 
 typedef struct {
     /* exception types */
@@ -210,45 +209,6 @@ typedef struct {
     struct pyccl_watchdog *watchdog; /* the watchdog thread, started on first use */
 } pyccl_state;
 
-/* ---- errors.c ---- */
-/* Seconds for messages: "5.0", "0.25" (as Python prints a float), as
- * `pyccl_secs(t).s` inside a call's arguments (C11: the array lives to the
- * end of the full expression). */
-typedef struct {
-    char s[32];
-} pyccl_secs_text;
-pyccl_secs_text pyccl_secs(double s);
-/* Room for ncclGetLastError's text, as the bindings keep it. */
-#define PYCCL_LAST_ERROR_SIZE 512
-/* An NCCL call returned r: when it failed, copy ncclGetLastError(comm)
- * (comm NULL for calls on none, e.g. init) into last[size] (left as is when
- * the library lacks the call).  No Python API: call it on the thread that made
- * the call, before the GIL is taken back, as NCCL keeps the text per thread
- * and the next call overwrites it.  Returns non-zero when r is a failure. */
-int pyccl_nccl_failed(const pyccl_api *a, ncclResult_t r, ncclComm_t comm,
-                      char *last, size_t size);
-/* Raise NcclError for `res`; `last` is ncclGetLastError text or NULL. */
-void pyccl_raise_nccl(pyccl_state *st, const char *op, ncclResult_t res,
-                      const char *last);
-/* NcclError "op: reason" with NCCL's code `res`, for a call pyccl refuses
- * where NCCL would (or might) with that code; -1. */
-int pyccl_raise_refusal(pyccl_state *st, const char *op, ncclResult_t res, const char *reason);
-void pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
-                      cudaError_t err);
-
-/* ---- tensor.c ---- */
-/* The one device guard, without the GIL: make `device` current on this
- * thread (its primary context too, which a driver-API launch needs) and put
- * the device to go back to in *prev (-1: none known).  cudaSuccess when
- * `device` is current.  pyccl_device_leave goes back (also after a failure). */
-cudaError_t pyccl_device_enter(const pyccl_api *a, int device, int *prev);
-void pyccl_device_leave(const pyccl_api *a, int device, int prev);
-/* st with torch looked up; NULL with RuntimeError once the interpreter tears
- * the module down. */
-pyccl_state *pyccl_state_ready(pyccl_state *st);
-/* The same for the module behind the Communicator type (or a method's type). */
-pyccl_state *pyccl_state_of_type(PyTypeObject *tp);
-int pyccl_torch_init(pyccl_state *st);
 /* One array as read and checked by the reader (tensor.c), the only code that
  * reads a tensor's attributes: numel >= 0, numel * itemsize fits in int64,
  * device in 0..INT_MAX, data pointer non-null when there are bytes and not
@@ -266,44 +226,6 @@ typedef struct {
     int itemsize;
     char dtype_name[64]; /* str(dtype) of a dtype not in the table ("" else) */
 } pyccl_tensor;
-int pyccl_is_tensor(pyccl_state *st, PyObject *obj);
-/* The torch-order checks of one tensor: cuda dense, dtype == *ref_dtype
- * (set it, a new reference the caller releases, when NULL), contiguous.
- * Fills t.  RuntimeError with torch's texts; a nonsense attribute value
- * raises ValueError naming op and what ("inputs[0]"). */
-int pyccl_check_tensor(pyccl_state *st, const char *op, const char *what,
-                       PyObject *obj, PyObject **ref_dtype, pyccl_tensor *t);
-/* The Communicator API's reader: a CUDA torch.Tensor or an object with
- * __cuda_array_interface__ (CuPy, Numba, JAX), dense and contiguous, with the
- * Communicator API's messages ("<op>: <what> ..."). */
-int pyccl_read_array(pyccl_state *st, const char *op, const char *what,
-                     PyObject *obj, pyccl_tensor *t);
-/* NCCL type to reduce t with, or -1 with RuntimeError (op names the call). */
-int pyccl_reduce_type(pyccl_state *st, const char *op, const pyccl_tensor *t);
-/* NCCL type and count that move t's bytes unchanged. */
-void pyccl_move_type(pyccl_state *st, const pyccl_tensor *t, int *type,
-                     size_t *count, size_t numel);
-/* *out = a * b (a, b >= 0), or -1 with a ValueError naming op, what has a
- * (elements or bytes) and `how` it is multiplied, when that overflows int64. */
-int pyccl_mul_size(const char *op, const char *what, int64_t a, int64_t b,
-                   const char *how, int64_t *out);
-/* a and b may share memory only as NCCL's in-place form: a exactly at
- * b + offset bytes (`slot` names that place, e.g. "rank 1's slot of it").
- * offset < 0: no sharing allowed, and `slot` is the message's tail.  Any
- * other overlap would have NCCL read bytes it already overwrote: -1 with a
- * ValueError naming both buffers' addresses and sizes. */
-int pyccl_check_overlap(const char *op, const char *a_what, const pyccl_tensor *a,
-                        const char *b_what, const pyccl_tensor *b,
-                        int64_t offset, const char *slot);
-/* The stream to enqueue on: `stream` (a torch.cuda.Stream or None) checked
- * against `device`, which belongs to `owner` (named in the error); None
- * means torch's current stream of that device. */
-int pyccl_stream(pyccl_state *st, const char *op, const char *what,
-                 PyObject *stream, int device, const char *owner,
-                 cudaStream_t *out);
-/* "torch.float32"-style name of t's dtype (works for rows with no object). */
-PyObject *pyccl_dtype_name(const pyccl_tensor *t);
-
 /* ---- communicator.c ---- */
 /* c->life (call.h says the states) */
 enum {
@@ -595,19 +517,5 @@ PyObject *pyccl_comm_get_async_error(PyObject *self, PyObject *unused);
 void pyccl_watchdog_at_exit(pyccl_state *st);
 /* Module teardown: stop the watchdog thread if it still runs. */
 void pyccl_watchdog_free(pyccl_state *st);
-
-/* ---- errors.c (failures) ---- */
-/* The exception instance for a failed communicator (kind PYCCL_FAIL_*):
- * the message is `reason`, prefixed with "<op>: " unless it names op. */
-PyObject *pyccl_failure_exception(pyccl_state *st, const char *op, int kind,
-                                  int code, const char *reason,
-                                  double timeout);
-/* Raise that exception; always -1. */
-int pyccl_raise_failure(pyccl_state *st, const char *op, int kind, int code,
-                        const char *reason, double timeout);
-/* pyccl_raise_failure(PYCCL_FAIL_TIMEOUT) after `limit` seconds, the reason
- * printed from fmt; always -1. */
-int pyccl_raise_timeout(pyccl_state *st, const char *op, double limit,
-                        const char *fmt, ...);
 
 #endif /* PYCCL_H */

@@ -5,8 +5,10 @@
  * reduced natively, bool is never reduced as bytes, and NCCL errors raise
  * NcclError instead of terminating the process. */
 #include "call.h"
+#include "tensor.h"
 #include "loader.h"
 #include "args.h"
+#include "errors.h"
 #include "pyccl.h"
 
 #include <string.h>

@@ -12,7 +12,9 @@
  * usable memory, and all raise together otherwise. */
 #include "comm_ops.h"
 #include "call.h"
+#include "tensor.h"
 #include "loader.h"
+#include "errors.h"
 #include "pyccl.h"
 
 #include <dlfcn.h>

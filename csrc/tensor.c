@@ -6,6 +6,7 @@
  * compared by identity with the torch.dtype objects looked up once.  The
  * checks and their texts follow torch.cuda.nccl, since pyccl.nccl must fail
  * the way torch does. */
+#include "tensor.h"
 #include "loader.h"
 #include "pyccl.h"
 

@@ -4,6 +4,8 @@
  * (comm.wait(), barrier()), and for one without a timeout the streams it was
  * used on. */
 #include "watch.h"
+#include "tensor.h"
+#include "errors.h"
 
 #include <pthread.h>
 #include <sched.h>

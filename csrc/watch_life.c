@@ -2,6 +2,7 @@
  * destroy (finalize within the timeout, else abort), abort(), wait(),
  * get_async_error(), and failing it from outside (the own kernels). */
 #include "watch.h"
+#include "errors.h"
 
 #include <pthread.h>
 #include <sched.h>

@@ -42,6 +42,8 @@
  * the handle without the lock (the abort is what lets the call return),
  * and the caller, once released, only marks the communicator failed. */
 #include "watch.h"
+#include "tensor.h"
+#include "errors.h"
 
 #include <pthread.h>
 #include <sched.h>
