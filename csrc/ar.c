@@ -8,6 +8,8 @@
  * (comm.all_reduce_info) and logged once, and NCCL does the work. */
 #include "ar_setup.h"
 #include "call.h"
+#include "timeouts.h"
+#include "enqueue.h"
 #include "tensor.h"
 #include "errors.h"
 

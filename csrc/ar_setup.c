@@ -12,6 +12,8 @@
  * kernels or none does.  Release frees what it made: the exported region
  * behind a barrier of every rank, or kept where no barrier can be had. */
 #include "ar_setup.h"
+#include "timeouts.h"
+#include "enqueue.h"
 #include "tensor.h"
 #include "errors.h"
 

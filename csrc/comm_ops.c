@@ -10,6 +10,8 @@
  * comm_split.c's. */
 #include "comm_ops.h"
 #include "call.h"
+#include "timeouts.h"
+#include "enqueue.h"
 #include "tensor.h"
 #include "args.h"
 #include "errors.h"

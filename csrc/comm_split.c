@@ -4,6 +4,8 @@
  * ends, so the child stays pending until then (communicator.c). */
 #include "comm_ops.h"
 #include "call.h"
+#include "timeouts.h"
+#include "enqueue.h"
 #include "args.h"
 #include "errors.h"
 #include "pyccl.h"

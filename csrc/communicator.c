@@ -10,6 +10,7 @@
  * which then owns its handle. */
 #include "comm_ops.h"
 #include "call.h"
+#include "timeouts.h"
 #include "tensor.h"
 #include "loader.h"
 #include "args.h"

@@ -5,6 +5,8 @@
  * reduced natively, bool is never reduced as bytes, and NCCL errors raise
  * NcclError instead of terminating the process. */
 #include "call.h"
+#include "timeouts.h"
+#include "enqueue.h"
 #include "tensor.h"
 #include "loader.h"
 #include "args.h"

@@ -12,6 +12,8 @@
  * usable memory, and all raise together otherwise. */
 #include "comm_ops.h"
 #include "call.h"
+#include "timeouts.h"
+#include "enqueue.h"
 #include "tensor.h"
 #include "loader.h"
 #include "errors.h"
