@@ -6,6 +6,7 @@
  * caller's stream (graph capture works: the kernels keep their epochs on the
  * device).  Where anything is missing the reason is kept
  * (comm.all_reduce_info) and logged once, and NCCL does the work. */
+#include "ar.h"
 #include "ar_setup.h"
 #include "call.h"
 #include "timeouts.h"
