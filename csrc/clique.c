@@ -2,6 +2,7 @@
  * pyccl.nccl's comms=None (one communicator per device of an ordered device
  * tuple, created once) and _nccl_init_ranks (several ranks, one per local
  * device, created in one NCCL group). */
+#include "communicator.h"
 #include "loader.h"
 #include "args.h"
 #include "errors.h"

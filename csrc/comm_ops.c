@@ -9,6 +9,7 @@
  * broadcast/reduce or send/recv rows, so they stay zero-copy.  split() is
  * comm_split.c's. */
 #include "comm_ops.h"
+#include "communicator.h"
 #include "ar.h"
 #include "call.h"
 #include "timeouts.h"

@@ -3,6 +3,7 @@
  * scatter), each one NCCL group of send/recv rows, so they stay zero-copy.
  * The reading and checking they share is comm_ops.c's (comm_ops.h). */
 #include "comm_ops.h"
+#include "communicator.h"
 #include "tensor.h"
 #include "args.h"
 #include "pyccl.h"

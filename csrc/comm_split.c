@@ -3,6 +3,7 @@
  * inside pyccl.group() NCCL writes the child's handle only when the group
  * ends, so the child stays pending until then (communicator.c). */
 #include "comm_ops.h"
+#include "communicator.h"
 #include "call.h"
 #include "timeouts.h"
 #include "enqueue.h"

@@ -8,7 +8,7 @@
  * away, and a leak there is harmless while a crash is not.  With timeout=
  * it is an NCCL non-blocking communicator under the watchdog (watchdog.c),
  * which then owns its handle. */
-#include "comm_ops.h"
+#include "communicator.h"
 #include "ar.h"
 #include "call.h"
 #include "timeouts.h"

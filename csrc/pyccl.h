@@ -273,21 +273,9 @@ typedef struct {
      * a list through the handles, which each hold a reference to c */
     struct pyccl_reg *regs;
 } pyccl_comm;
-extern PyType_Spec pyccl_comm_spec;
-int pyccl_is_comm(pyccl_state *st, PyObject *obj);
-PyObject *pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size,
-                         int device);
-PyObject *pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
-                          PyObject *rank);
-/* Keep a communicator split inside a group alive until the group ends. */
-int pyccl_add_pending_split(pyccl_state *st, PyObject *comm);
-/* The outermost group of this thread ended: its splits are ready. */
-void pyccl_resolve_pending_splits(pyccl_state *st);
 
 /* ---- registration.c: comm.register(), comm.register_window() ---- */
 extern PyType_Spec pyccl_reg_spec;
-PyObject *pyccl_comm_register(PyObject *self, PyObject *tensor);
-PyObject *pyccl_comm_register_window(PyObject *self, PyObject *tensor);
 /* Before c's handle goes: deregister its open handles; `forget` 1 (exit) or
  * 2 (abort()): mark them closed without calling NCCL.  Errors are dropped:
  * the communicator goes either way. */
@@ -297,14 +285,6 @@ void pyccl_release_registrations(pyccl_state *st, pyccl_comm *c, int forget);
 extern PyType_Spec pyccl_buffer_spec;
 PyObject *pyccl_mem_alloc(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
 PyObject *pyccl_mem_pool_functions(PyObject *m, PyObject *unused);
-
-/* ---- clique.c: several ranks in one process ---- */
-/* Borrowed tuple of n communicators over `devices`, created once. */
-PyObject *pyccl_clique(pyccl_state *st, const char *op, const int *devices,
-                       Py_ssize_t n);
-/* _nccl_init_ranks: one rank per local device, in one NCCL group. */
-PyObject *pyccl_init_ranks(pyccl_state *st, PyObject *nranks, PyObject *uid,
-                           PyObject *ranks, PyObject *devices);
 
 /* ---- enqueue.c ---- */
 typedef enum {

@@ -4,6 +4,7 @@
  * all_gather/reduce_scatter scale by the communicator's rank count, fp8 is
  * reduced natively, bool is never reduced as bytes, and NCCL errors raise
  * NcclError instead of terminating the process. */
+#include "communicator.h"
 #include "ar.h"
 #include "call.h"
 #include "timeouts.h"

@@ -11,6 +11,7 @@
  * communicator itself, that every rank registers the same number of bytes of
  * usable memory, and all raise together otherwise. */
 #include "comm_ops.h"
+#include "communicator.h"
 #include "call.h"
 #include "timeouts.h"
 #include "enqueue.h"
