@@ -2,6 +2,7 @@
  * (exception types, the Communicator heap type, interned names, constants);
  * the bindings live in python_nccl.c.  Importing needs no GPU, driver, NCCL or
  * torch: those are looked up on first use. */
+#include "registration.h"
 #include "communicator.h"
 #include "ar.h"
 #include "timeouts.h"

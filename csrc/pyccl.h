@@ -274,13 +274,6 @@ typedef struct {
     struct pyccl_reg *regs;
 } pyccl_comm;
 
-/* ---- registration.c: comm.register(), comm.register_window() ---- */
-extern PyType_Spec pyccl_reg_spec;
-/* Before c's handle goes: deregister its open handles; `forget` 1 (exit) or
- * 2 (abort()): mark them closed without calling NCCL.  Errors are dropped:
- * the communicator goes either way. */
-void pyccl_release_registrations(pyccl_state *st, pyccl_comm *c, int forget);
-
 /* ---- memory.c: pyccl.empty's buffers, the allocator of pyccl.mem_pool() ---- */
 extern PyType_Spec pyccl_buffer_spec;
 PyObject *pyccl_mem_alloc(PyObject *m, PyObject *const *args, Py_ssize_t nargs);

@@ -10,6 +10,7 @@
  * is collective: the ranks first agree, through an NCCL all_gather on the
  * communicator itself, that every rank registers the same number of bytes of
  * usable memory, and all raise together otherwise. */
+#include "registration.h"
 #include "comm_ops.h"
 #include "communicator.h"
 #include "call.h"
