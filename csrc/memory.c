@@ -7,6 +7,7 @@
  * __cuda_array_interface__; torch.as_tensor keeps a reference to it in the
  * tensor's deleter, so ncclMemFree runs when the last tensor sharing the
  * memory is gone.  Nothing is freed at interpreter exit (as communicators). */
+#include "memory.h"
 #include "tensor.h"
 #include "loader.h"
 #include "errors.h"

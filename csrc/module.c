@@ -3,6 +3,7 @@
  * the bindings live in python_nccl.c.  Importing needs no GPU, driver, NCCL or
  * torch: those are looked up on first use. */
 #include "registration.h"
+#include "memory.h"
 #include "communicator.h"
 #include "ar.h"
 #include "timeouts.h"

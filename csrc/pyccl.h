@@ -274,11 +274,6 @@ typedef struct {
     struct pyccl_reg *regs;
 } pyccl_comm;
 
-/* ---- memory.c: pyccl.empty's buffers, the allocator of pyccl.mem_pool() ---- */
-extern PyType_Spec pyccl_buffer_spec;
-PyObject *pyccl_mem_alloc(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *pyccl_mem_pool_functions(PyObject *m, PyObject *unused);
-
 /* ---- enqueue.c ---- */
 typedef enum {
     PYCCL_ALL_REDUCE,
