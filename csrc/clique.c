@@ -6,7 +6,6 @@
 #include "loader.h"
 #include "args.h"
 #include "errors.h"
-#include "pyccl.h"
 #include <string.h>
 
 /* ---- the comms=None clique cache ---- */

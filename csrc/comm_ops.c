@@ -17,7 +17,6 @@
 #include "tensor.h"
 #include "args.h"
 #include "errors.h"
-#include "pyccl.h"
 
 #include <limits.h>
 #include <string.h>

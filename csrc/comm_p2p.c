@@ -6,7 +6,6 @@
 #include "communicator.h"
 #include "tensor.h"
 #include "args.h"
-#include "pyccl.h"
 
 #include <limits.h>
 

@@ -9,7 +9,6 @@
 #include "enqueue.h"
 #include "args.h"
 #include "errors.h"
-#include "pyccl.h"
 
 /* The split of a communicator with a timeout: the watchdog makes the child's
  * handle within the parent's timeout, the child gets the same timeout. */

@@ -17,7 +17,6 @@
 #include "loader.h"
 #include "args.h"
 #include "errors.h"
-#include "pyccl.h"
 
 #include <string.h>
 

@@ -9,7 +9,6 @@
  * group state stays balanced and the process stays usable. */
 #include "enqueue.h"
 #include "errors.h"
-#include "pyccl.h"
 
 #include <stdint.h>
 #include <unistd.h>

@@ -7,7 +7,6 @@
  * NcclTimeoutError (a communicator created with timeout= gave up on its
  * peers) is an NcclError and also a TimeoutError; it adds .timeout. */
 #include "errors.h"
-#include "pyccl.h"
 
 #include <stdarg.h>
 #include <string.h>

@@ -7,7 +7,6 @@
  * libraries already in the process are taken first (RTLD_NOLOAD); only when
  * torch did not load them are the candidate paths from pyccl/_libs.py tried. */
 #include "loader.h"
-#include "pyccl.h"
 
 #include <dlfcn.h>
 #include <string.h>

@@ -11,7 +11,6 @@
 #include "tensor.h"
 #include "loader.h"
 #include "errors.h"
-#include "pyccl.h"
 
 #include <string.h>
 #include <sys/types.h>

@@ -9,7 +9,6 @@
 #include "timeouts.h"
 #include "loader.h"
 #include "args.h"
-#include "pyccl.h"
 
 extern PyMethodDef pyccl_nccl_methods[];
 

@@ -1,6 +1,11 @@
-/* Shared declarations of pyccl._C: the module state, the loaded NCCL/CUDA
- * function table, tensor descriptors and the enqueue entry point.  Every
- * file under csrc/ includes this and nothing else of the project's. */
+/* What every layer of pyccl._C shares, and that calls nothing of the
+ * project's: the Python and NCCL compatibility shims, the monotonic clock and
+ * a lock taken with the GIL released, the table type of the loaded NCCL/CUDA
+ * calls, the dtype row, the module state, a tensor as read, the communicator
+ * object and its life states, the rows of a collective's NCCL calls and the
+ * kinds of failure.  Every header of the project includes it.  It declares
+ * no function of the project: each layer's header declares what that layer
+ * offers (docs/ARCHITECTURE.md, "C (`csrc/`), in layers"). */
 #ifndef PYCCL_H
 #define PYCCL_H
 
@@ -226,7 +231,8 @@ typedef struct {
     int itemsize;
     char dtype_name[64]; /* str(dtype) of a dtype not in the table ("" else) */
 } pyccl_tensor;
-/* ---- communicator.c ---- */
+
+/* ---- the communicator object (communicator.c makes it) ---- */
 /* c->life (call.h says the states) */
 enum {
     PYCCL_LIFE_USABLE = 0,
@@ -274,7 +280,7 @@ typedef struct {
     struct pyccl_reg *regs;
 } pyccl_comm;
 
-/* ---- enqueue.c ---- */
+/* ---- a collective's NCCL calls, as rows (enqueue.c runs them) ---- */
 typedef enum {
     PYCCL_ALL_REDUCE,
     PYCCL_REDUCE,

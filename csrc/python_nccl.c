@@ -13,7 +13,6 @@
 #include "loader.h"
 #include "args.h"
 #include "errors.h"
-#include "pyccl.h"
 
 #include <string.h>
 

@@ -19,7 +19,6 @@
 #include "tensor.h"
 #include "loader.h"
 #include "errors.h"
-#include "pyccl.h"
 
 #include <dlfcn.h>
 #include <string.h>

@@ -8,7 +8,6 @@
  * the way torch does. */
 #include "tensor.h"
 #include "loader.h"
-#include "pyccl.h"
 
 #include <limits.h>
 #include <string.h>
