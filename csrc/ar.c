@@ -6,8 +6,13 @@
  * caller's stream (graph capture works: the kernels keep their epochs on the
  * device).  Where anything is missing the reason is kept
  * (comm.all_reduce_info) and logged once, and NCCL does the work. */
-#include "call.h"
+#include "ar.h"
 #include "ar_setup.h"
+#include "call.h"
+#include "timeouts.h"
+#include "enqueue.h"
+#include "tensor.h"
+#include "errors.h"
 
 #include <stdlib.h>
 #include <string.h>

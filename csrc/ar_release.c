@@ -24,6 +24,7 @@
  * region is kept as before.  A peer that never closes its mapping (alive, the communicator not
  * destroyed or aborted there) keeps the region parked until it does. */
 #include "ar_setup.h"
+#include "tensor.h"
 
 #include <dirent.h>
 #include <errno.h>

@@ -11,7 +11,12 @@
  * every pair, and an agreement (NCCL MIN) so that either every rank uses the
  * kernels or none does.  Release frees what it made: the exported region
  * behind a barrier of every rank, or kept where no barrier can be had. */
+#include "ar.h"
 #include "ar_setup.h"
+#include "timeouts.h"
+#include "enqueue.h"
+#include "tensor.h"
+#include "errors.h"
 
 #include <dlfcn.h>
 #include <stdlib.h>

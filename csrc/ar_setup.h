@@ -4,7 +4,7 @@
 #ifndef PYCCL_AR_SETUP_H
 #define PYCCL_AR_SETUP_H
 
-#include "pyccl.h"
+#include "ar.h"
 #include "kernels/ar_abi.h"
 
 #include <pthread.h>

@@ -8,6 +8,9 @@
  * stretch, and destroy() refuses while any is.  This file is the only one
  * that writes c->inflight, c->in_group and c->life. */
 #include "call.h"
+#include "timeouts.h"
+#include "enqueue.h"
+#include "errors.h"
 
 /* ---------------- begin / end ---------------- */
 

@@ -2,8 +2,10 @@
  * pyccl.nccl's comms=None (one communicator per device of an ordered device
  * tuple, created once) and _nccl_init_ranks (several ranks, one per local
  * device, created in one NCCL group). */
-#include "pyccl.h"
+#include "communicator.h"
+#include "loader.h"
 #include "args.h"
+#include "errors.h"
 #include <string.h>
 
 /* ---- the comms=None clique cache ---- */

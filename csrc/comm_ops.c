@@ -8,10 +8,15 @@
  * all_to_all, gather, scatter in comm_p2p.c) become one NCCL group of
  * broadcast/reduce or send/recv rows, so they stay zero-copy.  split() is
  * comm_split.c's. */
-#include "pyccl.h"
-#include "args.h"
-#include "call.h"
 #include "comm_ops.h"
+#include "communicator.h"
+#include "ar.h"
+#include "call.h"
+#include "timeouts.h"
+#include "enqueue.h"
+#include "tensor.h"
+#include "args.h"
+#include "errors.h"
 
 #include <limits.h>
 #include <string.h>

@@ -1,45 +1,11 @@
-/* The methods of pyccl.Communicator that move data (comm_ops.c,
- * comm_p2p.c, comm_split.c), and what those files share: one call's context
- * and the checks every method words the same way.  The method table, each
- * entry with its docstring, is the type's (communicator.c). */
+/* What the method files of pyccl.Communicator (comm_ops.c, comm_p2p.c,
+ * comm_split.c, registration.c) share: one call's context and the checks
+ * every method words the same way.  The methods themselves are declared with
+ * the type whose table names them (communicator.h). */
 #ifndef PYCCL_COMM_OPS_H
 #define PYCCL_COMM_OPS_H
 
 #include "pyccl.h"
-
-/* ---- the methods (METH_FASTCALL | METH_KEYWORDS) ---- */
-/* comm_ops.c: one buffer per rank, one NCCL collective (or pyccl's own
- * all-reduce), plus barrier and all_reduce_coalesced */
-PyObject *pyccl_comm_all_reduce(PyObject *self, PyObject *const *args,
-                                Py_ssize_t nargs, PyObject *kwnames);
-PyObject *pyccl_comm_broadcast(PyObject *self, PyObject *const *args,
-                               Py_ssize_t nargs, PyObject *kwnames);
-PyObject *pyccl_comm_reduce(PyObject *self, PyObject *const *args,
-                            Py_ssize_t nargs, PyObject *kwnames);
-PyObject *pyccl_comm_all_gather(PyObject *self, PyObject *const *args,
-                                Py_ssize_t nargs, PyObject *kwnames);
-PyObject *pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
-                                    Py_ssize_t nargs, PyObject *kwnames);
-PyObject *pyccl_comm_barrier(PyObject *self, PyObject *const *args,
-                             Py_ssize_t nargs, PyObject *kwnames);
-PyObject *pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args,
-                                          Py_ssize_t nargs, PyObject *kwnames);
-/* comm_p2p.c: per-peer buffers, as groups of send/recv */
-PyObject *pyccl_comm_send(PyObject *self, PyObject *const *args,
-                          Py_ssize_t nargs, PyObject *kwnames);
-PyObject *pyccl_comm_recv(PyObject *self, PyObject *const *args,
-                          Py_ssize_t nargs, PyObject *kwnames);
-PyObject *pyccl_comm_all_to_all(PyObject *self, PyObject *const *args,
-                                Py_ssize_t nargs, PyObject *kwnames);
-PyObject *pyccl_comm_all_to_all_single(PyObject *self, PyObject *const *args,
-                                       Py_ssize_t nargs, PyObject *kwnames);
-PyObject *pyccl_comm_gather(PyObject *self, PyObject *const *args,
-                            Py_ssize_t nargs, PyObject *kwnames);
-PyObject *pyccl_comm_scatter(PyObject *self, PyObject *const *args,
-                             Py_ssize_t nargs, PyObject *kwnames);
-/* comm_split.c */
-PyObject *pyccl_comm_split(PyObject *self, PyObject *const *args,
-                           Py_ssize_t nargs, PyObject *kwnames);
 
 /* ---- shared by the method files (comm_ops.c defines them) ----
  * Hidden visibility: calls between these files are direct, as they were

@@ -2,9 +2,10 @@
  * collectives made of them (all_to_all, all_to_all_single, gather,
  * scatter), each one NCCL group of send/recv rows, so they stay zero-copy.
  * The reading and checking they share is comm_ops.c's (comm_ops.h). */
-#include "pyccl.h"
-#include "args.h"
 #include "comm_ops.h"
+#include "communicator.h"
+#include "tensor.h"
+#include "args.h"
 
 #include <limits.h>
 

@@ -2,10 +2,13 @@
  * color.  With a timeout the watchdog splits (the child gets a watch too);
  * inside pyccl.group() NCCL writes the child's handle only when the group
  * ends, so the child stays pending until then (communicator.c). */
-#include "pyccl.h"
-#include "args.h"
-#include "call.h"
 #include "comm_ops.h"
+#include "communicator.h"
+#include "call.h"
+#include "timeouts.h"
+#include "enqueue.h"
+#include "args.h"
+#include "errors.h"
 
 /* The split of a communicator with a timeout: the watchdog makes the child's
  * handle within the parent's timeout, the child gets the same timeout. */

@@ -8,10 +8,15 @@
  * away, and a leak there is harmless while a crash is not.  With timeout=
  * it is an NCCL non-blocking communicator under the watchdog (watchdog.c),
  * which then owns its handle. */
-#include "pyccl.h"
-#include "args.h"
+#include "communicator.h"
+#include "registration.h"
+#include "ar.h"
 #include "call.h"
-#include "comm_ops.h"
+#include "timeouts.h"
+#include "tensor.h"
+#include "loader.h"
+#include "args.h"
+#include "errors.h"
 
 #include <string.h>
 

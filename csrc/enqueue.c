@@ -7,7 +7,8 @@
  * exactly that region, and NCCL's own error text is copied out before the GIL
  * is taken back.  An error inside the group still ends the group, so NCCL's
  * group state stays balanced and the process stays usable. */
-#include "pyccl.h"
+#include "enqueue.h"
+#include "errors.h"
 
 #include <stdint.h>
 #include <unistd.h>

@@ -6,7 +6,7 @@
  * and .error_string.  Both subclass RuntimeError, which is what torch raises.
  * NcclTimeoutError (a communicator created with timeout= gave up on its
  * peers) is an NcclError and also a TimeoutError; it adds .timeout. */
-#include "pyccl.h"
+#include "errors.h"
 
 #include <stdarg.h>
 #include <string.h>

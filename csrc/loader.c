@@ -6,7 +6,7 @@
  * communicators are interchangeable with torch's library state).  So the
  * libraries already in the process are taken first (RTLD_NOLOAD); only when
  * torch did not load them are the candidate paths from pyccl/_libs.py tried. */
-#include "pyccl.h"
+#include "loader.h"
 
 #include <dlfcn.h>
 #include <string.h>

@@ -7,7 +7,10 @@
  * __cuda_array_interface__; torch.as_tensor keeps a reference to it in the
  * tensor's deleter, so ncclMemFree runs when the last tensor sharing the
  * memory is gone.  Nothing is freed at interpreter exit (as communicators). */
-#include "pyccl.h"
+#include "memory.h"
+#include "tensor.h"
+#include "loader.h"
+#include "errors.h"
 
 #include <string.h>
 #include <sys/types.h>

@@ -2,7 +2,12 @@
  * (exception types, the Communicator heap type, interned names, constants);
  * the bindings live in python_nccl.c.  Importing needs no GPU, driver, NCCL or
  * torch: those are looked up on first use. */
-#include "pyccl.h"
+#include "registration.h"
+#include "memory.h"
+#include "communicator.h"
+#include "ar.h"
+#include "timeouts.h"
+#include "loader.h"
 #include "args.h"
 
 extern PyMethodDef pyccl_nccl_methods[];

@@ -1,6 +1,11 @@
-/* Shared declarations of pyccl._C: the module state, the loaded NCCL/CUDA
- * function table, tensor descriptors and the enqueue entry point.  Every
- * file under csrc/ includes this and nothing else of the project's. */
+/* What every layer of pyccl._C shares, and that calls nothing of the
+ * project's: the Python and NCCL compatibility shims, the monotonic clock and
+ * a lock taken with the GIL released, the table type of the loaded NCCL/CUDA
+ * calls, the dtype row, the module state, a tensor as read, the communicator
+ * object and its life states, the rows of a collective's NCCL calls and the
+ * kinds of failure.  Every header of the project includes it.  It declares
+ * no function of the project: each layer's header declares what that layer
+ * offers (docs/ARCHITECTURE.md, "C (`csrc/`), in layers"). */
 #ifndef PYCCL_H
 #define PYCCL_H
 
@@ -157,7 +162,6 @@ typedef struct {
 } pyccl_dtype_info;
 
 #define PYCCL_NDTYPES 21
-extern const pyccl_dtype_info pyccl_dtype_table[PYCCL_NDTYPES];
 
 typedef struct {
     /* exception types */
@@ -210,61 +214,6 @@ typedef struct {
     struct pyccl_watchdog *watchdog; /* the watchdog thread, started on first use */
 } pyccl_state;
 
-/* ---- loader.c ---- */
-/* Resolve NCCL and the CUDA runtime (torch's copies when loaded); -1 with an
- * exception naming `op` when they cannot be found. */
-int pyccl_load(pyccl_state *st, const char *op);
-/* The NCCL version code of the loaded library, loading it if needed. */
-int pyccl_nccl_version(pyccl_state *st, const char *op);
-/* The number of CUDA devices in *ndev, loading the libraries if needed; -1
- * with CudaError "<op>: no CUDA GPU is available (cudaGetDeviceCount: ...)"
- * when there is none. */
-int pyccl_gpu_count(pyccl_state *st, const char *op, int *ndev);
-/* 0 when `fn` (an optional NCCL call, named `call`) was resolved; else -1
- * with RuntimeError "<op>: needs NCCL >= <needed> for <call>; the loaded
- * NCCL is <x.y.z>".  NCCL must be loaded. */
-int pyccl_need_nccl(pyccl_state *st, const char *op, const void *fn,
-                    const char *call, const char *needed);
-
-/* ---- errors.c ---- */
-/* Seconds for messages: "5.0", "0.25" (as Python prints a float), as
- * `pyccl_secs(t).s` inside a call's arguments (C11: the array lives to the
- * end of the full expression). */
-typedef struct {
-    char s[32];
-} pyccl_secs_text;
-pyccl_secs_text pyccl_secs(double s);
-/* Room for ncclGetLastError's text, as the bindings keep it. */
-#define PYCCL_LAST_ERROR_SIZE 512
-/* An NCCL call returned r: when it failed, copy ncclGetLastError(comm)
- * (comm NULL for calls on none, e.g. init) into last[size] (left as is when
- * the library lacks the call).  No Python API: call it on the thread that made
- * the call, before the GIL is taken back, as NCCL keeps the text per thread
- * and the next call overwrites it.  Returns non-zero when r is a failure. */
-int pyccl_nccl_failed(const pyccl_api *a, ncclResult_t r, ncclComm_t comm,
-                      char *last, size_t size);
-/* Raise NcclError for `res`; `last` is ncclGetLastError text or NULL. */
-void pyccl_raise_nccl(pyccl_state *st, const char *op, ncclResult_t res,
-                      const char *last);
-/* NcclError "op: reason" with NCCL's code `res`, for a call pyccl refuses
- * where NCCL would (or might) with that code; -1. */
-int pyccl_raise_refusal(pyccl_state *st, const char *op, ncclResult_t res, const char *reason);
-void pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
-                      cudaError_t err);
-
-/* ---- tensor.c ---- */
-/* The one device guard, without the GIL: make `device` current on this
- * thread (its primary context too, which a driver-API launch needs) and put
- * the device to go back to in *prev (-1: none known).  cudaSuccess when
- * `device` is current.  pyccl_device_leave goes back (also after a failure). */
-cudaError_t pyccl_device_enter(const pyccl_api *a, int device, int *prev);
-void pyccl_device_leave(const pyccl_api *a, int device, int prev);
-/* st with torch looked up; NULL with RuntimeError once the interpreter tears
- * the module down. */
-pyccl_state *pyccl_state_ready(pyccl_state *st);
-/* The same for the module behind the Communicator type (or a method's type). */
-pyccl_state *pyccl_state_of_type(PyTypeObject *tp);
-int pyccl_torch_init(pyccl_state *st);
 /* One array as read and checked by the reader (tensor.c), the only code that
  * reads a tensor's attributes: numel >= 0, numel * itemsize fits in int64,
  * device in 0..INT_MAX, data pointer non-null when there are bytes and not
@@ -282,45 +231,8 @@ typedef struct {
     int itemsize;
     char dtype_name[64]; /* str(dtype) of a dtype not in the table ("" else) */
 } pyccl_tensor;
-int pyccl_is_tensor(pyccl_state *st, PyObject *obj);
-/* The torch-order checks of one tensor: cuda dense, dtype == *ref_dtype
- * (set it, a new reference the caller releases, when NULL), contiguous.
- * Fills t.  RuntimeError with torch's texts; a nonsense attribute value
- * raises ValueError naming op and what ("inputs[0]"). */
-int pyccl_check_tensor(pyccl_state *st, const char *op, const char *what,
-                       PyObject *obj, PyObject **ref_dtype, pyccl_tensor *t);
-/* The Communicator API's reader: a CUDA torch.Tensor or an object with
- * __cuda_array_interface__ (CuPy, Numba, JAX), dense and contiguous, with the
- * Communicator API's messages ("<op>: <what> ..."). */
-int pyccl_read_array(pyccl_state *st, const char *op, const char *what,
-                     PyObject *obj, pyccl_tensor *t);
-/* NCCL type to reduce t with, or -1 with RuntimeError (op names the call). */
-int pyccl_reduce_type(pyccl_state *st, const char *op, const pyccl_tensor *t);
-/* NCCL type and count that move t's bytes unchanged. */
-void pyccl_move_type(pyccl_state *st, const pyccl_tensor *t, int *type,
-                     size_t *count, size_t numel);
-/* *out = a * b (a, b >= 0), or -1 with a ValueError naming op, what has a
- * (elements or bytes) and `how` it is multiplied, when that overflows int64. */
-int pyccl_mul_size(const char *op, const char *what, int64_t a, int64_t b,
-                   const char *how, int64_t *out);
-/* a and b may share memory only as NCCL's in-place form: a exactly at
- * b + offset bytes (`slot` names that place, e.g. "rank 1's slot of it").
- * offset < 0: no sharing allowed, and `slot` is the message's tail.  Any
- * other overlap would have NCCL read bytes it already overwrote: -1 with a
- * ValueError naming both buffers' addresses and sizes. */
-int pyccl_check_overlap(const char *op, const char *a_what, const pyccl_tensor *a,
-                        const char *b_what, const pyccl_tensor *b,
-                        int64_t offset, const char *slot);
-/* The stream to enqueue on: `stream` (a torch.cuda.Stream or None) checked
- * against `device`, which belongs to `owner` (named in the error); None
- * means torch's current stream of that device. */
-int pyccl_stream(pyccl_state *st, const char *op, const char *what,
-                 PyObject *stream, int device, const char *owner,
-                 cudaStream_t *out);
-/* "torch.float32"-style name of t's dtype (works for rows with no object). */
-PyObject *pyccl_dtype_name(const pyccl_tensor *t);
 
-/* ---- communicator.c ---- */
+/* ---- the communicator object (communicator.c makes it) ---- */
 /* c->life (call.h says the states) */
 enum {
     PYCCL_LIFE_USABLE = 0,
@@ -367,69 +279,8 @@ typedef struct {
      * a list through the handles, which each hold a reference to c */
     struct pyccl_reg *regs;
 } pyccl_comm;
-extern PyType_Spec pyccl_comm_spec;
-int pyccl_is_comm(pyccl_state *st, PyObject *obj);
-PyObject *pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size,
-                         int device);
-PyObject *pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
-                          PyObject *rank);
-/* Keep a communicator split inside a group alive until the group ends. */
-int pyccl_add_pending_split(pyccl_state *st, PyObject *comm);
-/* The outermost group of this thread ended: its splits are ready. */
-void pyccl_resolve_pending_splits(pyccl_state *st);
 
-/* ---- registration.c: comm.register(), comm.register_window() ---- */
-extern PyType_Spec pyccl_reg_spec;
-PyObject *pyccl_comm_register(PyObject *self, PyObject *tensor);
-PyObject *pyccl_comm_register_window(PyObject *self, PyObject *tensor);
-/* Before c's handle goes: deregister its open handles; `forget` 1 (exit) or
- * 2 (abort()): mark them closed without calling NCCL.  Errors are dropped:
- * the communicator goes either way. */
-void pyccl_release_registrations(pyccl_state *st, pyccl_comm *c, int forget);
-
-/* ---- memory.c: pyccl.empty's buffers, the allocator of pyccl.mem_pool() ---- */
-extern PyType_Spec pyccl_buffer_spec;
-PyObject *pyccl_mem_alloc(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
-PyObject *pyccl_mem_pool_functions(PyObject *m, PyObject *unused);
-
-/* ---- ar.c: pyccl's own all-reduce kernels ---- */
-
-typedef enum { PYCCL_ALGO_AUTO, PYCCL_ALGO_NCCL, PYCCL_ALGO_ONESHOT, PYCCL_ALGO_TWOSHOT } pyccl_algo;
-/* all_reduce's algo= argument (None: auto). */
-int pyccl_read_algo(const char *op, PyObject *obj, pyccl_algo *out);
-/* Run t -> o on the own kernels when `algo` and the arguments allow: 1 when
- * enqueued, 0 when NCCL should do it, -1 with an exception.  Collective on
- * the first call that qualifies (it sets up peer memory). */
-int pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op,
-                            pyccl_algo algo, const pyccl_tensor *t,
-                            const pyccl_tensor *o, int redop, cudaStream_t s);
-/* Free what the own kernels hold on c (also after abort(): the stop word
- * ended their waits).  `collective`: every rank is destroying c together, so
- * the exported region is freed behind a barrier (bounded by c's timeout);
- * otherwise it is kept.  Nothing while a set-up of c is in flight. */
-void pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective);
-PyObject *pyccl_ar_info(pyccl_state *st, pyccl_comm *c);
-PyObject *pyccl_ar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value);
-/* Make c's kernels that wait for peers give up now (abort); all of them (exit). */
-void pyccl_ar_stop(pyccl_comm *c);
-/* Regions of this process's released communicators that a peer may still
- * map, kept until every peer closed its mapping or is gone (ar_release.c). */
-int pyccl_ar_parked(void);
-void pyccl_ar_stop_all(void);
-/* Whether the kernels were compiled in (setup.py found nvcc). */
-int pyccl_ar_built(void);
-/* The kernels' fatbin as compiled in (its bytes; 0 and NULL when not built). */
-size_t pyccl_ar_image(const unsigned char **image);
-
-/* ---- clique.c: several ranks in one process ---- */
-/* Borrowed tuple of n communicators over `devices`, created once. */
-PyObject *pyccl_clique(pyccl_state *st, const char *op, const int *devices,
-                       Py_ssize_t n);
-/* _nccl_init_ranks: one rank per local device, in one NCCL group. */
-PyObject *pyccl_init_ranks(pyccl_state *st, PyObject *nranks, PyObject *uid,
-                           PyObject *ranks, PyObject *devices);
-
-/* ---- enqueue.c ---- */
+/* ---- a collective's NCCL calls, as rows (enqueue.c runs them) ---- */
 typedef enum {
     PYCCL_ALL_REDUCE,
     PYCCL_REDUCE,
@@ -470,55 +321,6 @@ pyccl_reduce_scatter_op(int redop, int nranks)
     return redop == ncclAvg && nranks == 1 ? ncclSum : redop;
 }
 
-/* Enqueue the tasks as one NCCL group (no group for a single task), GIL
- * released around exactly the NCCL calls; -1 with NcclError on failure.
- * `serialize`, when not NULL, is held around the group: communicators shared
- * between threads must see their groups in one order on every rank.  The
- * locks of `comms` (the tasks' communicators, none with a watch; NULL for
- * a clique's, which `serialize` covers) are held around the calls too. */
-int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
-                  Py_ssize_t n, int redop, const pyccl_premul *premul,
-                  PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms);
-/* The NCCL calls of pyccl_enqueue alone (no GIL handling, no exception):
- * NCCL's result, with ncclGetLastError's text copied into `last` on error. */
-/* Without the GIL, after an NCCL call on comm returned r: on a non-blocking
- * communicator, poll ncclCommGetAsyncError until the call is done (its
- * result), or ncclInProgress once `deadline` (monotonic s, 0: none) passed. */
-ncclResult_t pyccl_nccl_settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r,
-                               double deadline);
-ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks,
-                                 Py_ssize_t n, int redop, const pyccl_premul *premul,
-                                 char *last, size_t last_size);
-/* With the GIL released: the locks (mu) of the distinct communicators of cs
- * that have no watch, in address order (one order for every thread);
- * unlock the same list while still holding them. */
-void pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n);
-void pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n);
-/* c->mu with the GIL held: released while waiting for the lock. */
-void pyccl_comm_lock(pyccl_comm *c);
-/* Depth of pyccl.group() on the calling thread (NCCL groups are per thread). */
-int pyccl_group_depth(void);
-/* A call on a communicator with (timed = 1) or without a timeout joins this
- * thread's open group: 0, or -1 when the group already holds the other kind
- * (NCCL's non-blocking and blocking communicators, which one NCCL group cannot
- * mix; NCCL itself refuses only where a connection or launch job is queued,
- * so on some ranks and transports and not on others). */
-int pyccl_group_join(int timed);
-/* ncclGroupStart (start) or ncclGroupEnd with the GIL released; NCCL's
- * result, with ncclGetLastError's text copied into `last` on error.
- * *outermost: this ended the thread's outermost group (even when failing:
- * NCCL leaves the group level then too). */
-ncclResult_t pyccl_group_call(pyccl_state *st, int start, char *last,
-                              size_t last_size, int *outermost);
-
-/* ---- watchdog.c: communicators created with timeout= ----
- * Such a communicator is an NCCL non-blocking one (ncclConfig_t.blocking = 0):
- * every NCCL call on it is polled with ncclCommGetAsyncError until done or
- * its deadline, every enqueue records a CUDA event on its stream, and one
- * watchdog thread per process aborts it (ncclCommAbort, which also stops
- * its stuck kernels) when the oldest unfinished event is older than the
- * timeout or NCCL reports an asynchronous error.  The next call raises. */
-
 /* How a communicator failed (pyccl_failure_exception picks the type). */
 enum {
     PYCCL_FAIL_NONE = 0,
@@ -527,110 +329,5 @@ enum {
     PYCCL_FAIL_CUDA,    /* CudaError: the tracked work failed on the GPU */
     PYCCL_FAIL_ABORTED, /* RuntimeError: abort(), or interrupted mid-call */
 };
-
-/* c's timeout in seconds; 0 when it has none.  Safe without the GIL.  (For
- * pyccl's own kernels: the deadline of a spin-wait on peers.) */
-double pyccl_comm_timeout(const pyccl_comm *c);
-/* Give up on c: ncclCommAbort it (its stuck kernels return) and make every
- * later call on it raise NcclTimeoutError(reason).  `reason` is the whole
- * message, e.g. "all_reduce: rank 0 of 2 timed out after 5.0 s waiting for
- * its peers; the communicator was aborted".  Call with the GIL held (for
- * pyccl's own kernels, when one reports that it gave up). */
-void pyccl_comm_mark_failed(pyccl_comm *c, const char *reason);
-/* After work of c's (which has a timeout) that is not an NCCL call
- * (pyccl's own kernels) was launched on stream s: track it as an NCCL call
- * would be (an event, watched).  -1 with an exception.  GIL held. */
-int pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
-                     cudaStream_t s);
-
-/* None -> 0; an int or float > 0 -> seconds; else TypeError/ValueError
- * naming op and "timeout". */
-int pyccl_read_timeout(const char *op, PyObject *obj, double *out);
-/* Non-zero once c failed or was aborted (its handle is gone then).  Safe
- * without the GIL. */
-int pyccl_comm_failed(const pyccl_comm *c);
-/* Without the GIL: the lock abort() and the watchdog take before they touch
- * c's NCCL handle, held, and the handle in *comm; NULL (nothing held) once c
- * was aborted, failed or destroyed.  Unlock the returned mutex after the
- * NCCL call (and its completion poll).  For the own kernels' set-up. */
-pthread_mutex_t *pyccl_comm_hold(pyccl_comm *c, ncclComm_t *comm);
-/* The NCCL call made under what pyccl_comm_hold returned came back (the
- * lock still held): 1 when the watchdog gave up on it meanwhile (stuck past
- * the timeout) and aborted the handle (c is failed then), else 0.  Without
- * the GIL. */
-int pyccl_comm_held_done(pyccl_comm *c, pthread_mutex_t *held, const char *op);
-/* -1 raising c's failure when it failed (then c->comm is cleared), else 0. */
-int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
-/* -1 with RuntimeError when c was destroyed (or is pending, or failed). */
-int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
-/* RuntimeError "<op>: the communicator is not ready: it was created inside
- * pyccl.group(), which has not ended yet"; always -1. */
-int pyccl_raise_not_ready(const char *op);
-/* Fill in rank and size of a communicator created inside a group (NCCL
- * knows them only once the group ended). */
-int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
-/* ncclCommInitRankConfig (non-blocking) on `device`, polled until done;
- * aborted and NcclTimeoutError after `timeout` s, KeyboardInterrupt on ^C. */
-int pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out,
-                     int nranks, const ncclUniqueId *uid, int rank,
-                     int device, double timeout);
-/* Give c (holding a non-blocking handle) its watch; aborts the handle and
- * returns -1 on failure. */
-int pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
-                       double timeout);
-/* pyccl_enqueue for tasks on communicators of which some have a watch
- * (comms: the communicators of the tasks, repeats allowed); the door's
- * submit (call.c) chooses it. */
-int pyccl_enqueue_timed(pyccl_state *st, const char *op,
-                        const pyccl_task *tasks, Py_ssize_t n, int redop,
-                        const pyccl_premul *premul, pyccl_comm *const *comms,
-                        Py_ssize_t ncomms);
-/* The outermost pyccl.group() of this thread ended with NCCL result r:
- * poll and track the watched communicators used inside it.  -1 with an
- * exception. */
-int pyccl_watch_group_end(pyccl_state *st, ncclResult_t r);
-/* split() of a communicator with a watch (outside any group): the child's
- * non-blocking handle (NULL when not a member), rank and size; the caller
- * makes the Communicator and gives it a watch.  -1 with an exception. */
-int pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
-                      ncclComm_t *child, int *child_rank, int *child_size);
-/* barrier()'s wait: until c's work so far finished (GIL released). */
-int pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
-                     double timeout);
-/* Free c's watch, first finalizing the NCCL handle (bounded by the
- * timeout, aborted past it); -1 with NcclTimeoutError then, when
- * `may_raise`.  Leaves c->comm and c->watch NULL. */
-int pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
-                        int may_raise);
-/* Hold c's lock around a short NCCL call that is no collective (premul_sum
- * ops); no-op without a watch.  Enter: -1 raising c's failure. */
-int pyccl_comm_enter(pyccl_state *st, const char *op, pyccl_comm *c);
-void pyccl_comm_leave(pyccl_comm *c);
-/* Communicator.wait(timeout=None), .get_async_error() */
-/* abort() once the door (call.c) allowed it: ncclCommAbort, or the
- * watch's failure; -1 with an exception. */
-int pyccl_watch_abort(pyccl_state *st, pyccl_comm *c);
-PyObject *pyccl_comm_wait(PyObject *self, PyObject *const *args,
-                          Py_ssize_t nargs, PyObject *kwnames);
-PyObject *pyccl_comm_get_async_error(PyObject *self, PyObject *unused);
-/* Interpreter exit: stop the watchdog, and abort the watched communicators
- * whose work has not finished (their kernels would spin on forever). */
-void pyccl_watchdog_at_exit(pyccl_state *st);
-/* Module teardown: stop the watchdog thread if it still runs. */
-void pyccl_watchdog_free(pyccl_state *st);
-
-/* ---- errors.c (failures) ---- */
-/* The exception instance for a failed communicator (kind PYCCL_FAIL_*):
- * the message is `reason`, prefixed with "<op>: " unless it names op. */
-PyObject *pyccl_failure_exception(pyccl_state *st, const char *op, int kind,
-                                  int code, const char *reason,
-                                  double timeout);
-/* Raise that exception; always -1. */
-int pyccl_raise_failure(pyccl_state *st, const char *op, int kind, int code,
-                        const char *reason, double timeout);
-/* pyccl_raise_failure(PYCCL_FAIL_TIMEOUT) after `limit` seconds, the reason
- * printed from fmt; always -1. */
-int pyccl_raise_timeout(pyccl_state *st, const char *op, double limit,
-                        const char *fmt, ...);
 
 #endif /* PYCCL_H */

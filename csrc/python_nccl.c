@@ -4,9 +4,15 @@
  * all_gather/reduce_scatter scale by the communicator's rank count, fp8 is
  * reduced natively, bool is never reduced as bytes, and NCCL errors raise
  * NcclError instead of terminating the process. */
-#include "pyccl.h"
+#include "communicator.h"
+#include "ar.h"
 #include "call.h"
+#include "timeouts.h"
+#include "enqueue.h"
+#include "tensor.h"
+#include "loader.h"
 #include "args.h"
+#include "errors.h"
 
 #include <string.h>
 

@@ -10,9 +10,15 @@
  * is collective: the ranks first agree, through an NCCL all_gather on the
  * communicator itself, that every rank registers the same number of bytes of
  * usable memory, and all raise together otherwise. */
-#include "pyccl.h"
-#include "call.h"
+#include "registration.h"
 #include "comm_ops.h"
+#include "communicator.h"
+#include "call.h"
+#include "timeouts.h"
+#include "enqueue.h"
+#include "tensor.h"
+#include "loader.h"
+#include "errors.h"
 
 #include <dlfcn.h>
 #include <string.h>

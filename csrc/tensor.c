@@ -6,7 +6,8 @@
  * compared by identity with the torch.dtype objects looked up once.  The
  * checks and their texts follow torch.cuda.nccl, since pyccl.nccl must fail
  * the way torch does. */
-#include "pyccl.h"
+#include "tensor.h"
+#include "loader.h"
 
 #include <limits.h>
 #include <string.h>

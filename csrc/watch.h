@@ -5,7 +5,7 @@
 #ifndef PYCCL_WATCH_H
 #define PYCCL_WATCH_H
 
-#include "pyccl.h"
+#include "timeouts.h"
 
 #include <pthread.h>
 #include <stdint.h>

@@ -3,7 +3,11 @@
  * pyccl.group() with watched communicators, waiting for a communicator's work
  * (comm.wait(), barrier()), and for one without a timeout the streams it was
  * used on. */
+#include "timeouts.h"
 #include "watch.h"
+#include "enqueue.h"
+#include "tensor.h"
+#include "errors.h"
 
 #include <pthread.h>
 #include <sched.h>

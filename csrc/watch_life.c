@@ -1,7 +1,10 @@
 /* A watched communicator's life past its calls (see watchdog.c): split,
  * destroy (finalize within the timeout, else abort), abort(), wait(),
  * get_async_error(), and failing it from outside (the own kernels). */
+#include "timeouts.h"
 #include "watch.h"
+#include "enqueue.h"
+#include "errors.h"
 
 #include <pthread.h>
 #include <sched.h>

@@ -41,7 +41,11 @@
  * for the timeout plus PYCCL_STUCK_GRACE, the watchdog claims it and aborts
  * the handle without the lock (the abort is what lets the call return),
  * and the caller, once released, only marks the communicator failed. */
+#include "timeouts.h"
 #include "watch.h"
+#include "enqueue.h"
+#include "tensor.h"
+#include "errors.h"
 
 #include <pthread.h>
 #include <sched.h>

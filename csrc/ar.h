@@ -1,0 +1,38 @@
+/* The own kernels' layer: what ar.c (the calls: which algorithm, the
+ * launch, all_reduce_info) and ar_setup.c (loading the kernels, a
+ * communicator's set-up, its release, stopping the waits) offer to the layers
+ * above, in one header for the two.  What the two share between themselves
+ * is ar_setup.h. */
+#ifndef PYCCL_AR_H
+#define PYCCL_AR_H
+
+#include "pyccl.h"
+
+typedef enum { PYCCL_ALGO_AUTO, PYCCL_ALGO_NCCL, PYCCL_ALGO_ONESHOT, PYCCL_ALGO_TWOSHOT } pyccl_algo;
+/* all_reduce's algo= argument (None: auto). */
+int pyccl_read_algo(const char *op, PyObject *obj, pyccl_algo *out);
+/* Run t -> o on the own kernels when `algo` and the arguments allow: 1 when
+ * enqueued, 0 when NCCL should do it, -1 with an exception.  Collective on
+ * the first call that qualifies (it sets up peer memory). */
+int pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op,
+                            pyccl_algo algo, const pyccl_tensor *t,
+                            const pyccl_tensor *o, int redop, cudaStream_t s);
+/* Free what the own kernels hold on c (also after abort(): the stop word
+ * ended their waits).  `collective`: every rank is destroying c together, so
+ * the exported region is freed behind a barrier (bounded by c's timeout);
+ * otherwise it is kept.  Nothing while a set-up of c is in flight. */
+void pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective);
+PyObject *pyccl_ar_info(pyccl_state *st, pyccl_comm *c);
+PyObject *pyccl_ar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value);
+/* Make c's kernels that wait for peers give up now (abort); all of them (exit). */
+void pyccl_ar_stop(pyccl_comm *c);
+void pyccl_ar_stop_all(void);
+/* Regions of this process's released communicators that a peer may still
+ * map, kept until every peer closed its mapping or is gone (ar_release.c). */
+int pyccl_ar_parked(void);
+/* Whether the kernels were compiled in (setup.py found nvcc). */
+int pyccl_ar_built(void);
+/* The kernels' fatbin as compiled in (its bytes; 0 and NULL when not built). */
+size_t pyccl_ar_image(const unsigned char **image);
+
+#endif /* PYCCL_AR_H */

@@ -1,0 +1,52 @@
+/* The enqueue layer (enqueue.c): the NCCL calls of a collective (the
+ * pyccl_task rows of pyccl.h, one NCCL group for several), the group depth
+ * of pyccl.group() and the kind of communicators in it, the per-communicator
+ * locks, polling a non-blocking NCCL call.  Below the timeouts, above the
+ * shared pieces. */
+#ifndef PYCCL_ENQUEUE_H
+#define PYCCL_ENQUEUE_H
+
+#include "pyccl.h"
+
+/* Enqueue the tasks as one NCCL group (no group for a single task), GIL
+ * released around exactly the NCCL calls; -1 with NcclError on failure.
+ * `serialize`, when not NULL, is held around the group: communicators shared
+ * between threads must see their groups in one order on every rank.  The
+ * locks of `comms` (the tasks' communicators, none with a watch; NULL for
+ * a clique's, which `serialize` covers) are held around the calls too. */
+int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
+                  Py_ssize_t n, int redop, const pyccl_premul *premul,
+                  PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms);
+/* The NCCL calls of pyccl_enqueue alone (no GIL handling, no exception):
+ * NCCL's result, with ncclGetLastError's text copied into `last` on error. */
+/* Without the GIL, after an NCCL call on comm returned r: on a non-blocking
+ * communicator, poll ncclCommGetAsyncError until the call is done (its
+ * result), or ncclInProgress once `deadline` (monotonic s, 0: none) passed. */
+ncclResult_t pyccl_nccl_settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r,
+                               double deadline);
+ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks,
+                                 Py_ssize_t n, int redop, const pyccl_premul *premul,
+                                 char *last, size_t last_size);
+/* With the GIL released: the locks (mu) of the distinct communicators of cs
+ * that have no watch, in address order (one order for every thread);
+ * unlock the same list while still holding them. */
+void pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n);
+void pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n);
+/* c->mu with the GIL held: released while waiting for the lock. */
+void pyccl_comm_lock(pyccl_comm *c);
+/* Depth of pyccl.group() on the calling thread (NCCL groups are per thread). */
+int pyccl_group_depth(void);
+/* A call on a communicator with (timed = 1) or without a timeout joins this
+ * thread's open group: 0, or -1 when the group already holds the other kind
+ * (NCCL's non-blocking and blocking communicators, which one NCCL group cannot
+ * mix; NCCL itself refuses only where a connection or launch job is queued,
+ * so on some ranks and transports and not on others). */
+int pyccl_group_join(int timed);
+/* ncclGroupStart (start) or ncclGroupEnd with the GIL released; NCCL's
+ * result, with ncclGetLastError's text copied into `last` on error.
+ * *outermost: this ended the thread's outermost group (even when failing:
+ * NCCL leaves the group level then too). */
+ncclResult_t pyccl_group_call(pyccl_state *st, int start, char *last,
+                              size_t last_size, int *outermost);
+
+#endif /* PYCCL_ENQUEUE_H */

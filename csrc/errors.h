@@ -1,0 +1,50 @@
+/* What errors.c offers: every raise of the extension (NCCL's and CUDA's
+ * errors, with ncclGetLastError's text copied on the thread that made the
+ * call; a call refused with NCCL's code; the exception of a failed
+ * communicator, of kind PYCCL_FAIL_*, and the timeout messages) and seconds
+ * as the messages print them.  A shared piece (the lowest layer): one header
+ * per file there. */
+#ifndef PYCCL_ERRORS_H
+#define PYCCL_ERRORS_H
+
+#include "pyccl.h"
+
+/* Seconds for messages: "5.0", "0.25" (as Python prints a float), as
+ * `pyccl_secs(t).s` inside a call's arguments (C11: the array lives to the
+ * end of the full expression). */
+typedef struct {
+    char s[32];
+} pyccl_secs_text;
+pyccl_secs_text pyccl_secs(double s);
+/* Room for ncclGetLastError's text, as the bindings keep it. */
+#define PYCCL_LAST_ERROR_SIZE 512
+/* An NCCL call returned r: when it failed, copy ncclGetLastError(comm)
+ * (comm NULL for calls on none, e.g. init) into last[size] (left as is when
+ * the library lacks the call).  No Python API: call it on the thread that made
+ * the call, before the GIL is taken back, as NCCL keeps the text per thread
+ * and the next call overwrites it.  Returns non-zero when r is a failure. */
+int pyccl_nccl_failed(const pyccl_api *a, ncclResult_t r, ncclComm_t comm,
+                      char *last, size_t size);
+/* Raise NcclError for `res`; `last` is ncclGetLastError text or NULL. */
+void pyccl_raise_nccl(pyccl_state *st, const char *op, ncclResult_t res,
+                      const char *last);
+/* NcclError "op: reason" with NCCL's code `res`, for a call pyccl refuses
+ * where NCCL would (or might) with that code; -1. */
+int pyccl_raise_refusal(pyccl_state *st, const char *op, ncclResult_t res, const char *reason);
+void pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
+                      cudaError_t err);
+
+/* The exception instance for a failed communicator (kind PYCCL_FAIL_*):
+ * the message is `reason`, prefixed with "<op>: " unless it names op. */
+PyObject *pyccl_failure_exception(pyccl_state *st, const char *op, int kind,
+                                  int code, const char *reason,
+                                  double timeout);
+/* Raise that exception; always -1. */
+int pyccl_raise_failure(pyccl_state *st, const char *op, int kind, int code,
+                        const char *reason, double timeout);
+/* pyccl_raise_failure(PYCCL_FAIL_TIMEOUT) after `limit` seconds, the reason
+ * printed from fmt; always -1. */
+int pyccl_raise_timeout(pyccl_state *st, const char *op, double limit,
+                        const char *fmt, ...);
+
+#endif /* PYCCL_ERRORS_H */

@@ -1,0 +1,109 @@
+/* The timeouts layer: what watchdog.c, watch_calls.c and watch_life.c offer
+ * to the layers above, in one header (one layer; a caller need not know which
+ * of the three defines a call).  What the three share among themselves is
+ * watch.h.
+ *
+ * A communicator created with timeout= is an NCCL non-blocking one
+ * (ncclConfig_t.blocking = 0): every NCCL call on it is polled with
+ * ncclCommGetAsyncError until done or its deadline, every enqueue records a
+ * CUDA event on its stream, and one watchdog thread per process aborts it
+ * (ncclCommAbort, which also stops its stuck kernels) when the oldest
+ * unfinished event is older than the timeout or NCCL reports an asynchronous
+ * error.  The next call raises. */
+#ifndef PYCCL_TIMEOUTS_H
+#define PYCCL_TIMEOUTS_H
+
+#include "pyccl.h"
+
+/* c's timeout in seconds; 0 when it has none.  Safe without the GIL.  (For
+ * pyccl's own kernels: the deadline of a spin-wait on peers.) */
+double pyccl_comm_timeout(const pyccl_comm *c);
+/* Give up on c: ncclCommAbort it (its stuck kernels return) and make every
+ * later call on it raise NcclTimeoutError(reason).  `reason` is the whole
+ * message, e.g. "all_reduce: rank 0 of 2 timed out after 5.0 s waiting for
+ * its peers; the communicator was aborted".  Call with the GIL held (for
+ * pyccl's own kernels, when one reports that it gave up). */
+void pyccl_comm_mark_failed(pyccl_comm *c, const char *reason);
+/* After work of c's (which has a timeout) that is not an NCCL call
+ * (pyccl's own kernels) was launched on stream s: track it as an NCCL call
+ * would be (an event, watched).  -1 with an exception.  GIL held. */
+int pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
+                     cudaStream_t s);
+
+/* None -> 0; an int or float > 0 -> seconds; else TypeError/ValueError
+ * naming op and "timeout". */
+int pyccl_read_timeout(const char *op, PyObject *obj, double *out);
+/* Non-zero once c failed or was aborted (its handle is gone then).  Safe
+ * without the GIL. */
+int pyccl_comm_failed(const pyccl_comm *c);
+/* Without the GIL: the lock abort() and the watchdog take before they touch
+ * c's NCCL handle, held, and the handle in *comm; NULL (nothing held) once c
+ * was aborted, failed or destroyed.  Unlock the returned mutex after the
+ * NCCL call (and its completion poll).  For the own kernels' set-up. */
+pthread_mutex_t *pyccl_comm_hold(pyccl_comm *c, ncclComm_t *comm);
+/* The NCCL call made under what pyccl_comm_hold returned came back (the
+ * lock still held): 1 when the watchdog gave up on it meanwhile (stuck past
+ * the timeout) and aborted the handle (c is failed then), else 0.  Without
+ * the GIL. */
+int pyccl_comm_held_done(pyccl_comm *c, pthread_mutex_t *held, const char *op);
+/* -1 raising c's failure when it failed (then c->comm is cleared), else 0. */
+int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
+/* -1 with RuntimeError when c was destroyed (or is pending, or failed). */
+int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
+/* RuntimeError "<op>: the communicator is not ready: it was created inside
+ * pyccl.group(), which has not ended yet"; always -1. */
+int pyccl_raise_not_ready(const char *op);
+/* Fill in rank and size of a communicator created inside a group (NCCL
+ * knows them only once the group ended). */
+int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
+/* ncclCommInitRankConfig (non-blocking) on `device`, polled until done;
+ * aborted and NcclTimeoutError after `timeout` s, KeyboardInterrupt on ^C. */
+int pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out,
+                     int nranks, const ncclUniqueId *uid, int rank,
+                     int device, double timeout);
+/* Give c (holding a non-blocking handle) its watch; aborts the handle and
+ * returns -1 on failure. */
+int pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
+                       double timeout);
+/* pyccl_enqueue for tasks on communicators of which some have a watch
+ * (comms: the communicators of the tasks, repeats allowed); the door's
+ * submit (call.c) chooses it. */
+int pyccl_enqueue_timed(pyccl_state *st, const char *op,
+                        const pyccl_task *tasks, Py_ssize_t n, int redop,
+                        const pyccl_premul *premul, pyccl_comm *const *comms,
+                        Py_ssize_t ncomms);
+/* The outermost pyccl.group() of this thread ended with NCCL result r:
+ * poll and track the watched communicators used inside it.  -1 with an
+ * exception. */
+int pyccl_watch_group_end(pyccl_state *st, ncclResult_t r);
+/* split() of a communicator with a watch (outside any group): the child's
+ * non-blocking handle (NULL when not a member), rank and size; the caller
+ * makes the Communicator and gives it a watch.  -1 with an exception. */
+int pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
+                      ncclComm_t *child, int *child_rank, int *child_size);
+/* barrier()'s wait: until c's work so far finished (GIL released). */
+int pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
+                     double timeout);
+/* Free c's watch, first finalizing the NCCL handle (bounded by the
+ * timeout, aborted past it); -1 with NcclTimeoutError then, when
+ * `may_raise`.  Leaves c->comm and c->watch NULL. */
+int pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
+                        int may_raise);
+/* Hold c's lock around a short NCCL call that is no collective (premul_sum
+ * ops); no-op without a watch.  Enter: -1 raising c's failure. */
+int pyccl_comm_enter(pyccl_state *st, const char *op, pyccl_comm *c);
+void pyccl_comm_leave(pyccl_comm *c);
+/* Communicator.wait(timeout=None), .get_async_error() */
+/* abort() once the door (call.c) allowed it: ncclCommAbort, or the
+ * watch's failure; -1 with an exception. */
+int pyccl_watch_abort(pyccl_state *st, pyccl_comm *c);
+PyObject *pyccl_comm_wait(PyObject *self, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_get_async_error(PyObject *self, PyObject *unused);
+/* Interpreter exit: stop the watchdog, and abort the watched communicators
+ * whose work has not finished (their kernels would spin on forever). */
+void pyccl_watchdog_at_exit(pyccl_state *st);
+/* Module teardown: stop the watchdog thread if it still runs. */
+void pyccl_watchdog_free(pyccl_state *st);
+
+#endif /* PYCCL_TIMEOUTS_H */
