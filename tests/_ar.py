@@ -580,3 +580,49 @@ def aborted_communicators_memory(comm, n=4):
     comm.barrier()
     torch.cuda.synchronize()
     return before, torch.cuda.mem_get_info(d)[0], region, aborted
+
+
+def recovery_cycles(comm, n=100, kill_every=0):
+    """n cycles of what a program that recovers does: a communicator with a timeout, an
+    own-kernel all_reduce of random-looking integer data checked bitwise against NCCL's on the
+    same communicator, then abort() (odd cycles) or destroy() (even ones).  -> (free bytes
+    before, after, the region's bytes, all_reduce_info['parked'] at the end, cycles).  Every
+    byte comes back: a region a peer may still map is parked until the peer closed its
+    mapping (the release handshake), so at most the last aborted one is left."""
+    W, r, d = comm.size, comm.rank, comm.device
+    dev = f"cuda:{d}"
+
+    def new_comm():
+        uid = torch.tensor(list(pyccl.unique_id()) if r == 0 else [0] * 128, dtype=torch.uint8,
+                           device=dev)
+        comm.broadcast(uid, 0)
+        return pyccl.Communicator(W, bytes(uid.cpu().tolist()), r, device=d, timeout=60)
+
+    def use(c, i):
+        g = torch.Generator().manual_seed(1000 * i + r)
+        x = torch.randint(-1000, 1000, (4099,), generator=g, dtype=torch.int32).to(dev)
+        own, ref = x.clone(), x.clone()
+        c.all_reduce(own, algo="oneshot" if i % 3 else "twoshot")
+        c.all_reduce(ref, algo="nccl")
+        _check(own, ref, "recovery cycle", i)
+        assert c.all_reduce_info["state"] == "ready", c.all_reduce_info
+
+    warm = new_comm()  # NCCL's and the kernels' per-process memory, once
+    use(warm, -1)
+    info = warm.all_reduce_info
+    region = 2 * info["buffer_bytes"] + 2 * W * 2 * info["ll_max"]
+    warm.destroy()
+    comm.barrier()
+    torch.cuda.synchronize()
+    before = torch.cuda.mem_get_info(d)[0]
+    for i in range(n):
+        c = new_comm()
+        use(c, i)
+        comm.barrier()  # every rank done with c's kernels before anyone lets go of it
+        if i % 2:
+            c.abort()
+        c.destroy()
+    comm.barrier()
+    torch.cuda.synchronize()
+    parked = comm.all_reduce_info["parked"]
+    return before, torch.cuda.mem_get_info(d)[0], region, parked, n

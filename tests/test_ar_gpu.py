@@ -255,6 +255,27 @@ def test_abort_from_another_thread_stops_a_waiting_own_kernel(tmp_path):
     assert 0.9 <= dt < 20 and destroyed, (dt, err, destroyed)
 
 
+@needs_ranks(4)
+@needs_kernels
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_byte_back_after_100_abort_or_destroy_cycles(world):
+    """A program that recovers 100 times (half by abort(), half by destroy()) keeps at most
+    one region per rank: the release handshake frees an aborted communicator's region once
+    its peers closed their mappings.  Device memory is the GPU's: where ranks share it,
+    every rank's counts."""
+    res = run_ranks(fa.recovery_cycles, world, timeout=500)
+    sharing = world if gpu_count() < world else 1
+    for r, (before, after, region, parked, cycles) in res.items():
+        kept = before - after
+        print(f"\nrank {r} of {world}: {cycles} cycles, free before {before / 2**20:.1f} MiB, "
+              f"after {after / 2**20:.1f} MiB, kept {kept / 2**20:.1f} MiB, "
+              f"region {region / 2**20:.1f} MiB, parked {parked}")
+        assert parked <= 1, (r, parked)
+        # at most one region per rank on the GPU, plus NCCL's and the allocator's granularity
+        assert kept <= sharing * (region + (4 << 20)) + (16 << 20), \
+            f"rank {r}: {kept / 2**20:.1f} MiB kept after {cycles} cycles"
+
+
 @needs_ranks(2)
 @needs_kernels
 def test_memory_kept_after_abort_is_at_most_the_exported_regions():
