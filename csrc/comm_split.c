@@ -1,7 +1,9 @@
-/* Communicator.split(): a new Communicator of the ranks that passed the same
- * color.  With a timeout the watchdog splits (the child gets a watch too);
- * inside pyccl.group() NCCL writes the child's handle only when the group
- * ends, so the child stays pending until then (communicator.c). */
+/* Communicator.split() and .shrink(): a new Communicator of some of the
+ * ranks.  split: the ranks that passed the same color; with a timeout the
+ * watchdog splits (the child gets a watch too); inside pyccl.group() NCCL
+ * writes the child's handle only when the group ends, so the child stays
+ * pending until then (communicator.c).  shrink: the ranks not excluded,
+ * also from a communicator that failed (its revoked handle). */
 #include "comm_ops.h"
 #include "communicator.h"
 #include "call.h"
@@ -9,6 +11,8 @@
 #include "enqueue.h"
 #include "args.h"
 #include "errors.h"
+#include "loader.h"
+#include "tensor.h"
 
 /* The split of a communicator with a timeout: the watchdog makes the child's
  * handle within the parent's timeout, the child gets the same timeout. */
@@ -145,4 +149,132 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         Py_RETURN_NONE;
     }
     return pyccl_comm_new(x.st, nc, rank, size, x.c->device);
+}
+
+/* shrink(exclude) -> Communicator of the ranks not in `exclude`, renumbered
+ * in their order (NCCL's ncclCommShrink).  Called by every remaining rank,
+ * never by an excluded one.  With a timeout it also works once the
+ * communicator failed (a dead peer): its handle was revoked, not aborted. */
+PyObject *
+pyccl_comm_shrink(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                  PyObject *kwnames)
+{
+    static const char *const names[] = {"exclude"};
+    PyObject *a[1];
+    pyccl_comm *c = (pyccl_comm *)self;
+    if (pyccl_parse_args("shrink", args, nargs, kwnames, names, 1, 1, 1, a) < 0) {
+        return NULL;
+    }
+    pyccl_state *st = pyccl_state_of_type(Py_TYPE(self));
+    if (st == NULL) {
+        return NULL;
+    }
+    if (c->pending) {
+        return pyccl_raise_not_ready("shrink"), NULL;
+    }
+    if (c->life != PYCCL_LIFE_USABLE || (c->comm == NULL && c->watch == NULL)) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "shrink: the communicator (rank %d of %d) has been destroyed", c->rank,
+                     c->size);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(a[0], "shrink: exclude must be a sequence of ranks");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int *ex = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *ex);
+    if (ex == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    PyObject *res = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char what[48];
+        snprintf(what, sizeof what, "exclude[%zd]", i);
+        if (pyccl_read_int("shrink", what, PySequence_Fast_GET_ITEM(seq, i), &ex[i]) < 0) {
+            goto done;
+        }
+        if (ex[i] < 0 || ex[i] >= c->size) {
+            PyErr_Format(PyExc_ValueError,
+                         "shrink: exclude[%zd] is %d, out of range for %d ranks (ranks are 0..%d)",
+                         i, ex[i], c->size, c->size - 1);
+            goto done;
+        }
+        for (Py_ssize_t k = 0; k < i; k++) {
+            if (ex[k] == ex[i]) {
+                PyErr_Format(PyExc_ValueError, "shrink: rank %d is in exclude twice", ex[i]);
+                goto done;
+            }
+        }
+        if (ex[i] == c->rank) {
+            PyErr_Format(PyExc_ValueError,
+                         "shrink: this rank (%d) is in exclude; only the ranks that remain call "
+                         "shrink()", c->rank);
+            goto done;
+        }
+    }
+    const pyccl_api *api = &st->api;
+    if (pyccl_need_nccl(st, "shrink", (const void *)api->ncclCommShrink, "ncclCommShrink",
+                        "2.27") < 0) {
+        goto done;
+    }
+    if (pyccl_group_depth() > 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "shrink: cannot shrink inside pyccl.group(); shrink outside the group");
+        goto done;
+    }
+    ncclComm_t nc = NULL;
+    int rank = -1, size = 0;
+    if (c->watch != NULL) {
+        /* also a failed one: counted in flight, its watch checked there */
+        pyccl_call_hold(c);
+        int rc = pyccl_watch_shrink(st, c, ex, (int)n, &nc, &rank, &size);
+        pyccl_call_end(c);
+        if (rc < 0) {
+            goto done;
+        }
+        res = pyccl_comm_new(st, nc, rank, size, c->device);
+        if (res == NULL) {
+            Py_BEGIN_ALLOW_THREADS
+            api->ncclCommAbort(nc);
+            Py_END_ALLOW_THREADS
+        }
+        else if (pyccl_watch_attach(st, "shrink", (pyccl_comm *)res, pyccl_comm_timeout(c)) < 0) {
+            Py_CLEAR(res);
+        }
+        goto done;
+    }
+    if (pyccl_call_begin(st, "shrink", c) < 0) {
+        goto done;
+    }
+    ncclResult_t r;
+    char last[PYCCL_LAST_ERROR_SIZE] = "";
+    Py_BEGIN_ALLOW_THREADS
+    pyccl_comms_lock(&c, 1);
+    r = api->ncclCommShrink(c->comm, ex, (int)n, &nc, NULL, NCCL_SHRINK_DEFAULT);
+    if (r == ncclSuccess && nc != NULL) {
+        r = api->ncclCommUserRank(nc, &rank);
+        if (r == ncclSuccess) {
+            r = api->ncclCommCount(nc, &size);
+        }
+    }
+    pyccl_nccl_failed(api, r, c->comm, last, sizeof last);
+    pyccl_comms_unlock(&c, 1);
+    Py_END_ALLOW_THREADS
+    pyccl_call_end(c);
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, "shrink", r, last);
+        goto done;
+    }
+    res = pyccl_comm_new(st, nc, rank, size, c->device);
+    if (res == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        api->ncclCommDestroy(nc);
+        Py_END_ALLOW_THREADS
+    }
+done:
+    PyMem_Free(ex);
+    Py_DECREF(seq);
+    return res;
 }

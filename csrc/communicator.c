@@ -518,6 +518,15 @@ static PyMethodDef comm_methods[] = {
      "split($self, /, color, key=None)\n--\n\n"
      "A new Communicator of the ranks that passed the same color, ordered by key "
      "(default: this rank). color < 0: not a member; returns None."},
+    {"shrink", (PyCFunction)(void (*)(void))pyccl_comm_shrink,
+     METH_FASTCALL | METH_KEYWORDS,
+     "shrink($self, /, exclude)\n--\n\n"
+     "A new Communicator of the ranks not in `exclude` (a sequence of ranks), renumbered in "
+     "their order (NCCL's ncclCommShrink, NCCL >= 2.27). Every remaining rank calls it; an "
+     "excluded rank does not. With a timeout it also works after a peer died: a communicator "
+     "that failed keeps its NCCL handle revoked (NCCL >= 2.28) for shrink() until abort() "
+     "or destroy(). The new communicator has the same timeout, and pyccl's own kernels set "
+     "up again on its first all_reduce. Destroy the old one afterwards."},
     {"all_reduce_coalesced", (PyCFunction)(void (*)(void))pyccl_comm_all_reduce_coalesced,
      METH_FASTCALL | METH_KEYWORDS,
      "all_reduce_coalesced($self, /, tensors, op=0, *, algo=None)\n--\n\n"

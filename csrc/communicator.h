@@ -66,6 +66,8 @@ PyObject *pyccl_comm_scatter(PyObject *self, PyObject *const *args,
 /* comm_split.c */
 PyObject *pyccl_comm_split(PyObject *self, PyObject *const *args,
                            Py_ssize_t nargs, PyObject *kwnames);
+PyObject *pyccl_comm_shrink(PyObject *self, PyObject *const *args,
+                            Py_ssize_t nargs, PyObject *kwnames);
 /* registration.c (METH_O) */
 PyObject *pyccl_comm_register(PyObject *self, PyObject *tensor);
 PyObject *pyccl_comm_register_window(PyObject *self, PyObject *tensor);

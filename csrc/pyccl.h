@@ -106,6 +106,13 @@ typedef struct ncclWindow_vidmem *ncclWindow_t;
 ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void *buff, size_t size,
                                     ncclWindow_t *win, int winFlags);
 ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win);
+#define NCCL_SHRINK_DEFAULT 0x00
+#define NCCL_SHRINK_ABORT 0x01
+ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeRanksCount,
+                            ncclComm_t *newcomm, ncclConfig_t *config, int shrinkFlags);
+#endif
+#if NCCL_VERSION_CODE < 22800
+ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags);
 #endif
 
 /* NCCL calls pyccl resolves; a missing one means the library is too old. */
@@ -123,7 +130,7 @@ ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win);
     X(ncclCommInitRankConfig) X(ncclCommFinalize)                          \
     X(ncclMemAlloc) X(ncclMemFree) X(ncclCommRegister)                      \
     X(ncclCommDeregister) X(ncclCommWindowRegister)                         \
-    X(ncclCommWindowDeregister)
+    X(ncclCommWindowDeregister) X(ncclCommShrink) X(ncclCommRevoke)
 #define PYCCL_CUDART_REQUIRED(X)                                            \
     X(cudaGetDevice) X(cudaSetDevice) X(cudaGetDeviceCount)                 \
     X(cudaGetErrorString) X(cudaGetLastError) X(cudaStreamSynchronize)      \

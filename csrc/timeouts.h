@@ -81,6 +81,12 @@ int pyccl_watch_group_end(pyccl_state *st, ncclResult_t r);
  * makes the Communicator and gives it a watch.  -1 with an exception. */
 int pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
                       ncclComm_t *child, int *child_rank, int *child_size);
+/* shrink() of a communicator with a watch (outside any group), also once
+ * it failed (its revoked handle, NCCL_SHRINK_ABORT): the child's
+ * non-blocking handle, rank and size, within the timeout.  -1 with an
+ * exception (RuntimeError when the handle was aborted). */
+int pyccl_watch_shrink(pyccl_state *st, pyccl_comm *c, int *exclude, int n,
+                       ncclComm_t *child, int *child_rank, int *child_size);
 /* barrier()'s wait: until c's work so far finished (GIL released). */
 int pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
                      double timeout);

@@ -30,6 +30,11 @@ struct pyccl_watch {
     struct pyccl_watch *next; /* in the watchdog's list, under its mutex */
     const pyccl_api *api;
     ncclComm_t comm;          /* NULL once aborted or destroyed */
+    /* A failed communicator's handle, revoked (ncclCommRevoke: its work
+     * stopped, the handle kept) where the loaded NCCL has the call, so that
+     * shrink() can make a communicator of the ranks left; aborted when the
+     * watch is freed.  NULL: none (aborted at once). */
+    ncclComm_t revoked;
     int device, rank, size;
     double timeout;           /* 0: a record of a failed communicator only */
     int registered;

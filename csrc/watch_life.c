@@ -268,6 +268,10 @@ pyccl_watch_abort(pyccl_state *st, pyccl_comm *c)
     Py_BEGIN_ALLOW_THREADS
     watch_fail(w, PYCCL_FAIL_ABORTED, 0,
          "the communicator (rank %d of %d) has been aborted", c->rank, c->size);
+    if (w->revoked != NULL) { /* failed before: its kept handle goes now */
+        w->api->ncclCommAbort(w->revoked);
+        w->revoked = NULL;
+    }
     Py_END_ALLOW_THREADS
     pthread_mutex_unlock(&w->mu);
     c->comm = NULL;
@@ -406,3 +410,112 @@ pyccl_comm_mark_failed(pyccl_comm *c, const char *reason)
     c->comm = NULL;
 }
 
+
+int
+pyccl_watch_shrink(pyccl_state *st, pyccl_comm *c, int *exclude, int n,
+                   ncclComm_t *child, int *child_rank, int *child_size)
+{
+    const pyccl_api *a = &st->api;
+    struct pyccl_watch *w = c->watch;
+    *child = NULL;
+    /* As for split: a non-blocking shrink writes the child's handle when it
+     * completes, maybe after a timeout gave up on it (then the slot leaks). */
+    ncclComm_t *slot = PyMem_RawCalloc(1, sizeof *slot);
+    if (slot == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ncclResult_t r, res = ncclSuccess;
+    char last[512] = "";
+    int polled = 0, rank = -1, size = 0, failed = 0, none = 0;
+    waiter wt;
+    waiter_start(&wt, 1);
+    for (;;) { /* no other thread inside NCCL on it */
+        pthread_mutex_lock(&w->mu);
+        if (!w->busy) {
+            break;
+        }
+        pthread_mutex_unlock(&w->mu);
+        if (waiter_pause(&wt) < 0) {
+            waiter_finish(&wt);
+            PyMem_RawFree(slot);
+            return -1;
+        }
+    }
+    failed = failed_kind(w) != 0;
+    /* a failed communicator: its revoked handle (none once aborted) */
+    ncclComm_t parent = failed ? w->revoked : w->comm;
+    double deadline = pyccl_now_s() + w->timeout;
+    if (parent == NULL) {
+        none = 1;
+    }
+    else {
+        if (failed) {
+            /* revoked: its work stops; management calls wait for that */
+            polled = poll_comm(&wt, a, parent, deadline, &res);
+            res = ncclSuccess;
+        }
+        r = polled != 0 ? ncclInProgress
+                        : a->ncclCommShrink(parent, exclude, n, slot, NULL,
+                                            failed ? NCCL_SHRINK_ABORT : NCCL_SHRINK_DEFAULT);
+        if (polled == 0 && (r == ncclSuccess || r == ncclInProgress)) {
+            polled = poll_comm(&wt, a, parent, deadline, &res);
+        }
+        else if (polled == 0) {
+            res = r;
+        }
+        if (polled == 0 && res == ncclSuccess && *slot != NULL) {
+            ncclResult_t e = ncclSuccess;
+            wt.interruptible = 0; /* ready once the parent's job is */
+            polled = poll_comm(&wt, a, *slot, deadline, &e);
+            wt.interruptible = 1;
+            res = e;
+            if (res == ncclSuccess && polled == 0) {
+                res = a->ncclCommUserRank(*slot, &rank);
+            }
+            if (res == ncclSuccess && polled == 0) {
+                res = a->ncclCommCount(*slot, &size);
+            }
+        }
+        pyccl_nccl_failed(a, res, parent, last, sizeof last);
+        if (!failed && polled == 1) {
+            fail_timeout(w, "shrink", "its peers");
+        }
+        else if (!failed && polled < 0) {
+            fail_interrupted(w, "shrink");
+        }
+    }
+    pthread_mutex_unlock(&w->mu);
+    if (polled == 0 && res != ncclSuccess && *slot != NULL) {
+        a->ncclCommAbort(*slot); /* the child is no use alone */
+        *slot = NULL;
+    }
+    waiter_finish(&wt);
+    if (none) {
+        PyMem_RawFree(slot);
+        PyErr_Format(PyExc_RuntimeError,
+                     "shrink: the communicator (rank %d of %d) was aborted, so no handle is left "
+                     "to shrink (a communicator whose timeout or error failed it is kept for "
+                     "shrink() where NCCL has ncclCommRevoke, until abort() or destroy())",
+                     c->rank, c->size);
+        return -1;
+    }
+    if (polled < 0) {
+        return -1; /* KeyboardInterrupt; the slot leaks: NCCL may still write it */
+    }
+    if (polled > 0) {
+        return pyccl_raise_timeout(st, "shrink", w->timeout,
+                                   "rank %d of %d timed out after %s s waiting for the ranks "
+                                   "left to shrink", c->rank, c->size, pyccl_secs(w->timeout).s);
+    }
+    ncclComm_t nc = *slot;
+    PyMem_RawFree(slot);
+    if (res != ncclSuccess) {
+        pyccl_raise_nccl(st, "shrink", res, last);
+        return -1;
+    }
+    *child = nc;
+    *child_rank = rank;
+    *child_size = size;
+    return 0;
+}

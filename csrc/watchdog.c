@@ -232,7 +232,15 @@ watch_fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...)
     ncclComm_t comm = w->comm;
     __atomic_store_n(&w->comm, NULL, __ATOMIC_RELEASE);
     if (comm != NULL) {
-        w->api->ncclCommAbort(comm);
+        /* A timeout or an error (not abort()): revoked where NCCL can, which
+         * stops its work as an abort does but keeps the handle for shrink() */
+        if (kind != PYCCL_FAIL_ABORTED && w->api->ncclCommRevoke != NULL &&
+            w->api->ncclCommRevoke(comm, 0) == ncclSuccess) {
+            w->revoked = comm;
+        }
+        else {
+            w->api->ncclCommAbort(comm);
+        }
     }
     drop_events(w);
 }
@@ -524,6 +532,10 @@ new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout)
 void
 free_watch(struct pyccl_watch *w)
 {
+    if (w->revoked != NULL) {
+        w->api->ncclCommAbort(w->revoked);
+        w->revoked = NULL;
+    }
     drop_events(w);
     pthread_mutex_destroy(&w->mu);
     PyMem_RawFree(w->q);

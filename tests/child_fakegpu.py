@@ -199,7 +199,8 @@ def collective_timeout():
                         "the communicator was aborted"), str(err)
     assert dt < 0.5 + 0.5, dt
     assert since_call >= 0.5, f"gave up {since_call:.3f} s after the call, before its 0.5 s timeout"
-    assert get("aborts") == 1 and get("events_live") == 0
+    # its work stopped by a revoke: the handle is kept for shrink() until abort() or destroy()
+    assert (get("revokes"), get("aborts"), get("events_live")) == (1, 0, 0)
     # the next call raises the same, and the communicator is unusable
     dt2, err = timed(lambda: c.all_reduce(a))
     assert type(err) is pyccl.NcclTimeoutError and str(err).startswith("all_reduce: rank 0 of 2 timed out"), err
@@ -229,10 +230,10 @@ def watchdog_alone():
     put("peer_dead", 1)
     t0 = time.monotonic()
     c.all_reduce(Array([1.0]))
-    while get("aborts") == 0 and time.monotonic() - t0 < 1.0:
+    while get("revokes") == 0 and time.monotonic() - t0 < 1.0:
         time.sleep(0.002)
     fired = time.monotonic() - t0
-    assert get("aborts") == 1, "the watchdog did not abort"
+    assert get("revokes") == 1, "the watchdog did not stop the work (revoke)"
     assert 0.3 <= fired < 1.0, f"the watchdog aborted {fired:.3f} s after the call; the timeout is 0.3 s"
     assert get("capture_mode_calls") >= 1, "watchdog thread not in relaxed capture mode"
     e = c.get_async_error()
@@ -677,7 +678,7 @@ def second_device_only():
     put("peer_dead", 1)
     c.all_reduce(a)
     time.sleep(0.8)
-    assert get("aborts") == 1
+    assert get("revokes") == 1
     assert fake.fake_device_used(1) == 1
     assert fake.fake_device_used(0) == 0, "a context was made on cuda:0"
     clean()
@@ -1411,6 +1412,89 @@ def keyword_order():
     clean()
     return out
 
+
+
+# ---- shrink: the ranks left carry on
+
+def _expect_exc(exc, text, fn, *a, **k):
+    try:
+        fn(*a, **k)
+    except exc as e:
+        assert str(e) == text, (str(e), text)
+        return e
+    raise AssertionError(f"no {exc.__name__}: {text}")
+
+
+def shrink_healthy():
+    """shrink() of a working communicator of 4 ranks (this process is rank 1), with and
+    without a timeout: the ranks left, renumbered, in a communicator that works; the bad
+    arguments refused with their messages before NCCL is called."""
+    got = {}
+    for timeout in (None, 5.0):
+        c = pyccl.Communicator(4, pyccl.unique_id(), 1, timeout=timeout)
+        shrinks = get("shrinks")
+        for arg, exc, text in (
+                ([1], ValueError, "shrink: this rank (1) is in exclude; only the ranks that remain "
+                                  "call shrink()"),
+                ([4], ValueError, "shrink: exclude[0] is 4, out of range for 4 ranks (ranks are 0..3)"),
+                ([0, -1], ValueError, "shrink: exclude[1] is -1, out of range for 4 ranks (ranks are "
+                                      "0..3)"),
+                ([3, 3], ValueError, "shrink: rank 3 is in exclude twice"),
+                (5, TypeError, "shrink: exclude must be a sequence of ranks")):
+            _expect_exc(exc, text, c.shrink, arg)
+        assert get("shrinks") == shrinks, "NCCL called for a refused shrink"
+        c2 = c.shrink([0])  # rank 1 becomes rank 0 of 3
+        c3 = c.shrink(exclude=(2, 3))  # rank 1 stays rank 1 of 2
+        assert (c2.rank, c2.size, c3.rank, c3.size) == (0, 3, 1, 2), (c2, c3)
+        assert c2.timeout == c.timeout and c3.timeout == c.timeout
+        x = Array([1.0, 2.0])
+        c2.all_reduce(x)
+        if timeout:
+            c2.wait()
+        assert x.tolist() == [3.0, 6.0], x.tolist()  # the stand-in: every rank has the same data
+        for k in (c3, c2, c):
+            k.destroy()
+        got[str(timeout)] = get("shrinks") - shrinks
+    clean()
+    return got
+
+
+def shrink_after_failure():
+    """The survivors' way on: a communicator with a timeout whose peer died fails (its work
+    stopped by ncclCommRevoke, the handle kept), the next call raises, shrink() makes a
+    communicator of the ranks left that works, and destroy() of the failed one aborts its
+    kept handle.  After abort() there is no handle left to shrink."""
+    c = pyccl.Communicator(4, pyccl.unique_id(), 0, timeout=0.3)
+    a = Array([1.0])
+    c.all_reduce(a)
+    c.wait()
+    put("peer_dead", 1)
+    c.all_reduce(a)
+    t0 = time.monotonic()
+    dt, err = timed(c.wait)
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert (get("revokes"), get("aborts")) == (1, 0)
+    put("peer_dead", 0)
+    c2 = c.shrink([3])
+    assert (c2.rank, c2.size, c2.timeout) == (0, 3, 0.3), c2
+    assert get("shrinks") == 1
+    x = Array([1.0, 2.0])
+    c2.all_reduce(x)
+    c2.wait()
+    assert x.tolist() == [3.0, 6.0], x.tolist()
+    c.destroy()
+    assert get("aborts") == 1, "the failed communicator's kept handle was not aborted"
+    c2.destroy()
+    # abort() lets the handle go: nothing to shrink then
+    c3 = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=0.3)
+    c3.abort()
+    _expect_exc(RuntimeError, "shrink: the communicator (rank 0 of 2) was aborted, so no handle is "
+                "left to shrink (a communicator whose timeout or error failed it is kept for "
+                "shrink() where NCCL has ncclCommRevoke, until abort() or destroy())", c3.shrink, [1])
+    c3.destroy()
+    _expect_exc(RuntimeError, "shrink: the communicator (rank 0 of 2) has been destroyed", c3.shrink, [1])
+    clean()
+    return {"wait_s": dt, "since": time.monotonic() - t0}
 
 
 # ---- lifecycle: threads, groups, registrations

@@ -217,7 +217,7 @@ def timed():
                "the communicator was aborted", c2.register, buf)
     took = time.monotonic() - t0
     assert 0.5 <= took < 1.5 and e.timeout == 0.5, took
-    assert c2.destroyed and get("aborts") == 1
+    assert c2.destroyed and get("revokes") == 1
     put("reg_hang", 0)
     put("registered", 0)  # the hung one, freed by the abort
     c2.destroy()

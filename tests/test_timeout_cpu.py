@@ -21,6 +21,7 @@ import time
 
 import pytest
 
+import _fakes
 import pyccl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -219,3 +220,15 @@ def test_fake_sigint_interrupts_wait(fakegpu):
     assert took < 2.0, took
     # the stuck work was aborted on the way out
     assert 'AT_EXIT {"aborts": 1.0, "misuse": 0.0, "concurrent": 0.0}' in out, out
+
+
+# ---------------------------------------------------------------- shrink
+
+def test_fake_shrink_of_a_working_communicator(tmp_path):
+    # with and without a timeout: two shrinks each, the refused arguments never reach NCCL
+    assert _fakes.run_stand_in(tmp_path, "shrink_healthy") == {"None": 2, "5.0": 2}
+
+
+def test_fake_survivors_shrink_a_failed_communicator(tmp_path):
+    res = _fakes.run_stand_in(tmp_path, "shrink_after_failure")
+    assert res["wait_s"] < 0.3 + 1.0, res

@@ -79,6 +79,7 @@ struct fcomm {
     int state;          /* the asyncResult */
     double ready_at;    /* state becomes ncclSuccess then (INFINITY: never) */
     int connected, aborted, destroyed, finalized, in_call;
+    int revoked;        /* ncclCommRevoke: its work stopped, only management calls after */
     ncclComm_t *split_slot; /* written when the split completes */
     int xseq;           /* FAKE_PEER_MEMORY: collectives exchanged so far */
     int serial;         /* the n-th communicator this process made (ranks make them alike) */
@@ -86,6 +87,8 @@ struct fcomm {
 };
 
 #define MAGIC 0x5ca1ab1e
+/* aborted or revoked: its stuck work ends (the kernels see the flag) */
+#define STOPPED(c) ((c)->aborted || (c)->revoked)
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static fstream streams[64];
 static int nstreams;
@@ -108,7 +111,7 @@ static __thread int group_nops;
     X(mem_live) X(ipc_live) X(host_live) X(launches)                        \
     X(nccl_mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)    \
     X(dereg_calls) X(reg_delay) X(reg_hang) X(reg_quiet) X(cumem_held)    \
-    X(dereg_delay) X(redop_creates) X(ar_stuck)
+    X(dereg_delay) X(redop_creates) X(ar_stuck) X(revokes) X(shrinks)
 #define DECL(k) static double k;
 KEYS(DECL)
 #undef DECL
@@ -416,6 +419,70 @@ ncclCommSplit(ncclComm_t c, int color, int key, ncclComm_t *newcomm,
     return ncclInProgress;
 }
 
+#if FAKE_NCCL_VERSION >= 22800
+ncclResult_t
+ncclCommRevoke(ncclComm_t c, int flags)
+{
+    pthread_mutex_lock(&mu);
+    if (flags != 0 || enter(c) < 0) {
+        misuse += flags != 0;
+        pthread_mutex_unlock(&mu);
+        return ncclInvalidArgument;
+    }
+    revokes++;
+    c->revoked = 1;
+    if (!c->blocking) { /* quiescent a little later */
+        c->state = ncclInProgress;
+        c->ready_at = now() + 0.005;
+    }
+    leave(c);
+    pthread_mutex_unlock(&mu);
+    return ncclSuccess;
+}
+#endif
+
+#if FAKE_NCCL_VERSION >= 22700
+/* The ranks not in ex, renumbered in their order; inherits blocking. */
+ncclResult_t
+ncclCommShrink(ncclComm_t c, int *ex, int n, ncclComm_t *newcomm, ncclConfig_head *config,
+               int flags)
+{
+    (void)config;
+    pthread_mutex_lock(&mu);
+    if (enter(c) < 0) {
+        pthread_mutex_unlock(&mu);
+        return ncclInvalidArgument;
+    }
+    settle(c);
+    if (c->state == ncclInProgress || (c->revoked && !(flags & 1))) {
+        misuse++; /* revoked and not quiescent, or revoked without NCCL_SHRINK_ABORT */
+    }
+    int below = 0;
+    for (int i = 0; i < n; i++) {
+        if (ex[i] == c->rank || ex[i] < 0 || ex[i] >= c->nranks) {
+            misuse++;
+        }
+        below += ex[i] < c->rank;
+    }
+    shrinks++;
+    struct fcomm *child = new_comm(c->nranks - n, c->rank - below, c->blocking);
+    *newcomm = NULL;
+    if (c->blocking) {
+        *newcomm = child;
+        leave(c);
+        pthread_mutex_unlock(&mu);
+        return ncclSuccess;
+    }
+    c->state = ncclInProgress;
+    c->ready_at = now() + split_delay;
+    c->split_slot = newcomm;
+    c->split_child = child;
+    leave(c);
+    pthread_mutex_unlock(&mu);
+    return ncclInProgress;
+}
+#endif
+
 ncclResult_t
 ncclRedOpCreatePreMulSum(int *op, void *scalar, int type, int residence,
                          ncclComm_t c)
@@ -465,7 +532,7 @@ run_op(struct fcomm *c, uintptr_t s, const void *send, void *recv, size_t n,
     fstream *f = stream_of((cudaStream_t)s);
     ops++;
     if (peer_dead) {
-        if (f->blocker == NULL || f->blocker->aborted) {
+        if (f->blocker == NULL || STOPPED(f->blocker)) {
             f->blocker = c; /* stuck until c is aborted */
         }
         return;
@@ -489,6 +556,11 @@ coll(struct fcomm *c, cudaStream_t s, const void *send, void *recv, size_t n,
      int type, int f32sum)
 {
     pthread_mutex_lock(&mu);
+    if (c != NULL && c->magic == MAGIC && c->revoked) {
+        misuse++; /* only management calls on a revoked communicator */
+        pthread_mutex_unlock(&mu);
+        return ncclInvalidUsage;
+    }
     if (enter(c) < 0) {
         pthread_mutex_unlock(&mu);
         return ncclInvalidArgument;
@@ -512,7 +584,7 @@ coll(struct fcomm *c, cudaStream_t s, const void *send, void *recv, size_t n,
         /* a launch queue full behind stuck work blocks the launch itself
          * until that work ends */
         fstream *f = stream_of(s);
-        while (launch_block && f->blocker != NULL && !f->blocker->aborted) {
+        while (launch_block && f->blocker != NULL && !STOPPED(f->blocker)) {
             pthread_mutex_unlock(&mu);
             usleep(1000);
             pthread_mutex_lock(&mu);
@@ -785,7 +857,7 @@ cudaGetLastError(void)
 static int
 stream_done(fstream *f)
 {
-    return (f->blocker == NULL || f->blocker->aborted) && !kwait_active(f->kwait) &&
+    return (f->blocker == NULL || STOPPED(f->blocker)) && !kwait_active(f->kwait) &&
            now() >= f->done_at;
 }
 
@@ -873,7 +945,7 @@ cudaEventRecord(struct fevent *ev, cudaStream_t s)
     }
     fstream *f = stream_of(s);
     ev->done_at = f->done_at;
-    ev->blocker = f->blocker != NULL && !f->blocker->aborted ? f->blocker : NULL;
+    ev->blocker = f->blocker != NULL && !STOPPED(f->blocker) ? f->blocker : NULL;
     ev->kwait = kwait_active(f->kwait) ? f->kwait : 0;
     event_records++;
     pthread_mutex_unlock(&mu);
@@ -894,7 +966,7 @@ cudaEventQuery(struct fevent *ev)
         if (capturing && capture_mode != 2) {
             capture_violations++; /* would invalidate the capture */
         }
-        e = (ev->blocker == NULL || ev->blocker->aborted) && !kwait_active(ev->kwait) &&
+        e = (ev->blocker == NULL || STOPPED(ev->blocker)) && !kwait_active(ev->kwait) &&
                     now() >= ev->done_at
                 ? cudaSuccess
                 : cudaErrorNotReady;
