@@ -9,7 +9,7 @@
  * it is an NCCL non-blocking communicator under the watchdog (watchdog.c),
  * which then owns its handle. */
 #include "communicator.h"
-#include "registration.h"
+#include "reg_list.h"
 #include "ar.h"
 #include "call.h"
 #include "timeouts.h"

@@ -282,7 +282,7 @@ typedef struct {
     pthread_mutex_t mu;
     int setups;          /* own-kernel set-ups in flight (counted in inflight too):
                           * abort() does not wait for them (they hold `mu` per NCCL call) */
-    /* register()/register_window() handles still open (registration.c):
+    /* register()/register_window() handles still open (reg_list.c):
      * a list through the handles, which each hold a reference to c */
     struct pyccl_reg *regs;
 } pyccl_comm;

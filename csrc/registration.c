@@ -4,13 +4,15 @@
  * NCCL's symmetric kernels), each returned as a pyccl.Registration handle.
  *
  * A handle holds its communicator and its tensor (so the memory outlives the
- * registration); the communicator lists its open handles (c->regs), so that
- * destroy() and garbage collection deregister them first and abort() forgets
- * them.  close() (or the handle's garbage collection) deregisters.  A window
- * is collective: the ranks first agree, through an NCCL all_gather on the
+ * registration); the communicator lists its open handles (c->regs, in
+ * reg_list.c, a layer below), so that destroy() and garbage collection
+ * deregister them first and abort() forgets them.  close() (or the handle's
+ * garbage collection) deregisters, through reg_list.c.  A window is
+ * collective: the ranks first agree, through an NCCL all_gather on the
  * communicator itself, that every rank registers the same number of bytes of
  * usable memory, and all raise together otherwise. */
 #include "registration.h"
+#include "reg_list.h"
 #include "comm_ops.h"
 #include "communicator.h"
 #include "call.h"
@@ -24,174 +26,10 @@
 #include <string.h>
 #include <time.h>
 
-struct pyccl_reg {
-    PyObject_HEAD
-    pyccl_comm *comm;        /* strong reference, kept until dealloc (messages) */
-    PyObject *tensor;        /* strong reference while open */
-    void *handle;            /* ncclCommRegister's handle or the ncclWindow_t */
-    char *ptr;
-    int64_t nbytes;
-    int window;
-    int open;
-    int gone;                /* closed by its communicator: 1 destroyed, 2 aborted */
-    struct pyccl_reg *next, *prev; /* in comm->regs while open */
-};
-typedef struct pyccl_reg pyccl_reg;
-
 static const char *
 reg_op(int window)
 {
     return window ? "register_window" : "register";
-}
-
-static void
-unlink_reg(pyccl_reg *r)
-{
-    if (r->prev != NULL) {
-        r->prev->next = r->next;
-    }
-    else if (r->comm != NULL && r->comm->regs == r) {
-        r->comm->regs = r->next;
-    }
-    if (r->next != NULL) {
-        r->next->prev = r->prev;
-    }
-    r->next = r->prev = NULL;
-    r->open = 0;
-}
-
-
-/* One NCCL registration call on c (GIL released by the caller, c entered):
- * kind 0 register, 1 window register, 2 deregister, 3 window deregister.  On
- * a communicator with a timeout (non-blocking) an ncclInProgress is polled
- * with ncclCommGetAsyncError until done or `deadline` (then *late = 1). */
-static ncclResult_t
-nccl_call(const pyccl_api *a, ncclComm_t comm, int kind, void *ptr, size_t n,
-          void **handle, double deadline, int *late, char *last, size_t size)
-{
-    ncclResult_t r;
-    switch (kind) {
-    case 0: r = a->ncclCommRegister(comm, ptr, n, handle); break;
-    case 1:
-        r = a->ncclCommWindowRegister(comm, ptr, n, (ncclWindow_t *)handle,
-                                      NCCL_WIN_COLL_SYMMETRIC);
-        break;
-    case 2: r = a->ncclCommDeregister(comm, *handle); break;
-    default: r = a->ncclCommWindowDeregister(comm, (ncclWindow_t)*handle); break;
-    }
-    /* polled after ncclSuccess too: NCCL 2.28.9's window registration
-     * returns it with a non-blocking communicator still in progress */
-    r = pyccl_nccl_settle(a, comm, r, deadline);
-    if (r == ncclInProgress) {
-        *late = 1;
-    }
-    pyccl_nccl_failed(a, r, comm, last, size);
-    return r;
-}
-
-/* The call with c entered and the GIL released; -1 with an exception (a
- * time-out fails the communicator, as any call on it past its timeout). */
-static int
-call_on_comm(pyccl_state *st, const char *op, pyccl_comm *c, int kind, void *ptr,
-             size_t n, void **handle)
-{
-    if (pyccl_comm_enter(st, op, c) < 0) {
-        return -1;
-    }
-    const pyccl_api *a = &st->api;
-    ncclComm_t comm = c->comm;
-    double timeout = pyccl_comm_timeout(c);
-    double deadline = timeout > 0 ? pyccl_now_s() + timeout : 0; /* 0: none */
-    int late = 0;
-    char last[PYCCL_LAST_ERROR_SIZE] = "";
-    ncclResult_t r;
-    Py_BEGIN_ALLOW_THREADS
-    r = nccl_call(a, comm, kind, ptr, n, handle, deadline, &late, last, sizeof last);
-    Py_END_ALLOW_THREADS
-    pyccl_comm_leave(c);
-    if (late) {
-        char reason[256];
-        snprintf(reason, sizeof reason,
-                 "%s: rank %d of %d timed out after %s s waiting for its peers; the "
-                 "communicator was aborted",
-                 op, c->rank, c->size, pyccl_secs(timeout).s);
-        pyccl_comm_mark_failed(c, reason);
-        if (pyccl_watch_check(st, op, c) == 0) {
-            PyErr_SetString(PyExc_RuntimeError, reason);
-        }
-        return -1;
-    }
-    if (r != ncclSuccess) {
-        pyccl_raise_nccl(st, op, r, last);
-        return -1;
-    }
-    return 0;
-}
-
-/* Deregister r if its communicator can still take the call; mark it closed
- * either way.  The registration is claimed (closed, unlinked) with the GIL
- * held before anything else, so a second close() (another thread's, or
- * destroy()'s) finds it closed and never deregisters it again.
- * `who`: destroy()'s or abort()'s own release (c is theirs, CLOSE_BY_COMM);
- * otherwise the call is begun on c like any other.  While c is being
- * destroyed, close() leaves r to destroy(), and a registration garbage
- * collected meanwhile is only unlinked (NCCL frees it with the handle).  -1 with an
- * exception when NCCL refused. */
-enum { CLOSE_BY_USER = 0, CLOSE_BY_COMM = 1, CLOSE_BY_DEALLOC = 2 };
-
-static int
-close_reg(pyccl_state *st, pyccl_reg *r, int forget, int who)
-{
-    if (!r->open) {
-        return 0;
-    }
-    pyccl_comm *c = r->comm;
-    const int by_comm = who == CLOSE_BY_COMM;
-    if (who == CLOSE_BY_USER && c->life == PYCCL_LIFE_DESTROYING) {
-        return 0; /* destroy() deregisters it, in its order */
-    }
-    void *h = r->handle;
-    int window = r->window;
-    PyObject *tensor = r->tensor;
-    unlink_reg(r);
-    r->handle = NULL;
-    r->tensor = NULL;
-    int rc = 0;
-    int usable = c->comm != NULL && !pyccl_comm_failed(c) && !c->pending &&
-                 (by_comm || c->life == PYCCL_LIFE_USABLE);
-    if (!forget && usable && st != NULL && st->api.loaded && !st->exiting) {
-        if (by_comm || pyccl_call_begin(st, "Registration.close", c) == 0) {
-            rc = call_on_comm(st, "Registration.close", c, window ? 3 : 2, NULL, 0, &h);
-            if (!by_comm) {
-                pyccl_call_end(c);
-            }
-        }
-        else {
-            PyErr_Clear(); /* cannot happen: usable was checked with the GIL */
-        }
-    }
-    Py_XDECREF(tensor);
-    return rc;
-}
-
-void
-pyccl_release_registrations(pyccl_state *st, pyccl_comm *c, int forget)
-{
-    int gone = forget == 2 ? 2 : 1;
-    /* newest first: windows were made in one order on every rank, and go in
-     * the reverse one on every rank */
-    while (c->regs != NULL) {
-        pyccl_reg *r = c->regs;
-        PyObject *exc = PyErr_GetRaisedException();
-        r->gone = gone;
-        if (close_reg(st, r, forget || st->exiting, CLOSE_BY_COMM) < 0) {
-            PyErr_Clear();
-        }
-        PyErr_SetRaisedException(exc);
-        if (c->regs == r) { /* cannot happen: close_reg unlinks */
-            unlink_reg(r);
-        }
-    }
 }
 
 /* ---------------- the driver's view: is the memory cuMem's? ---------------- */
@@ -380,11 +218,7 @@ make_reg(call_ctx *x, PyObject *tensor, const pyccl_tensor *t, void *handle, int
     r->nbytes = t->nbytes;
     r->window = window;
     r->open = 1;
-    r->next = x->c->regs;
-    if (r->next != NULL) {
-        r->next->prev = r;
-    }
-    x->c->regs = r;
+    pyccl_reg_link(x->c, r);
     return (PyObject *)r;
 }
 
@@ -452,7 +286,7 @@ do_register(PyObject *self, PyObject *tensor, int window)
         if (check_tensor(&x, tensor, &t) < 0 || pyccl_call_begin(x.st, op, x.c) < 0) {
             return NULL;
         }
-        if (call_on_comm(x.st, op, x.c, 0, t.ptr, (size_t)t.nbytes, &handle) == 0) {
+        if (pyccl_reg_call(x.st, op, x.c, 0, t.ptr, (size_t)t.nbytes, &handle) == 0) {
             res = make_reg(&x, tensor, &t, handle, 0);
         }
         pyccl_call_end(x.c);
@@ -484,7 +318,7 @@ do_register(PyObject *self, PyObject *tensor, int window)
     int rc = exchange(&x, s, mine, all) < 0 || agree(&x, all, own) < 0;
     PyMem_Free(all);
     Py_XDECREF(own);
-    if (!rc && call_on_comm(x.st, op, x.c, 1, t.ptr, (size_t)t.nbytes, &handle) == 0) {
+    if (!rc && pyccl_reg_call(x.st, op, x.c, 1, t.ptr, (size_t)t.nbytes, &handle) == 0) {
         res = make_reg(&x, tensor, &t, handle, 1);
     }
     pyccl_call_end(x.c);
@@ -517,7 +351,7 @@ static PyObject *
 reg_close(PyObject *self, PyObject *Py_UNUSED(ignored))
 {
     pyccl_reg *r = (pyccl_reg *)self;
-    if (close_reg(reg_state(self), r, 0, CLOSE_BY_USER) < 0) {
+    if (pyccl_reg_close(reg_state(self), r, 0, PYCCL_CLOSE_BY_USER) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -550,7 +384,8 @@ reg_dealloc(PyObject *self)
     if (r->open) {
         PyObject *exc = PyErr_GetRaisedException();
         /* nobody to report a failure to; at exit: nothing is freed */
-        if (close_reg(st, r, st == NULL || st->exiting || Py_IsFinalizing(), CLOSE_BY_DEALLOC) < 0) {
+        if (pyccl_reg_close(st, r, st == NULL || st->exiting || Py_IsFinalizing(),
+                            PYCCL_CLOSE_BY_DEALLOC) < 0) {
             PyErr_Clear();
         }
         PyErr_SetRaisedException(exc);
