@@ -155,9 +155,48 @@ def sigint_in_wait(rank, uid, timeout):
     event("no_error")
 
 
+WORLD = int(os.environ.get("FAILURE_WORLD", "2"))
+
+
+def survivors_shrink(rank, uid, timeout):
+    """WORLD ranks loop over own-kernel all_reduces of exact data; the parent SIGKILLs the
+    last rank.  The others raise, shrink() the failed communicator to the ranks left, and
+    finish the loop there, every 25th result checked bitwise."""
+    victim = WORLD - 1
+    comm = pyccl.Communicator(WORLD, uid, rank, timeout=timeout)
+    members = list(range(WORLD))  # the original ranks of the current communicator, in order
+    t = torch.empty(1 << 16, device="cuda")
+    i, shrunk = 0, 0
+    while i < 600:
+        t.fill_(rank + 1 + i % 7)
+        try:
+            comm.all_reduce(t)
+            if i % 25 == 0 or i == 599:
+                comm.wait()
+                want = float(sum(m + 1 + i % 7 for m in members))
+                assert torch.equal(t.cpu(), torch.full((1 << 16,), want)), (i, members, t[:4])
+            if i == 300 and not shrunk:
+                event("looping", state=comm.all_reduce_info["state"])
+        except pyccl.NcclError as e:
+            event("raised", iters=i, **failure(e))
+            t0 = time.time()
+            new = comm.shrink(exclude=[members.index(victim)])
+            comm.destroy()  # the failed one: its kept handle and region go
+            comm = new
+            members.remove(victim)
+            shrunk += 1
+            event("shrunk", took=time.time() - t0, rank=comm.rank, size=comm.size)
+            continue  # this step again, on the ranks left
+        i += 1
+    comm.wait()
+    event("finished", iters=i, shrunk=shrunk, state=comm.all_reduce_info["state"],
+          parked=comm.all_reduce_info["parked"])
+    comm.destroy()
+
+
 if __name__ == "__main__":
     scenario, rank, uid_hex, timeout = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
-    pyccl.place_rank(rank, 2)  # two processes; they share a GPU where there is one
+    pyccl.place_rank(rank, WORLD)  # WORLD processes; they share a GPU where there is one
     if uid_hex == "-":
         uid = pyccl.unique_id()
         event("uid", uid=uid.hex())
@@ -169,7 +208,7 @@ if __name__ == "__main__":
     os.makedirs(start, exist_ok=True)
     open(os.path.join(start, str(rank)), "w").close()
     deadline = time.time() + 120
-    while not all(os.path.exists(os.path.join(start, str(r))) for r in (0, 1)):
+    while not all(os.path.exists(os.path.join(start, str(r))) for r in range(WORLD)):
         if time.time() > deadline:
             raise SystemExit(f"rank {rank}: the other process never started")
         time.sleep(0.01)

@@ -34,8 +34,8 @@ pytestmark = needs_ranks(2)
 class Child:
     """One rank as a process; its EVENT lines are read in a thread."""
 
-    def __init__(self, scenario, rank, uid="-", timeout=TIMEOUT):
-        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    def __init__(self, scenario, rank, uid="-", timeout=TIMEOUT, world=2):
+        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", FAILURE_WORLD=str(world))
         self.rank = rank
         self.p = subprocess.Popen([sys.executable, CHILD, scenario, str(rank), uid, str(timeout)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -243,3 +243,39 @@ def test_timed_communicator_on_healthy_peers():
 def test_timed_communicator_in_cuda_graph():
     """A capture on a watched communicator: not tracked, not broken (~15 s)."""
     assert set(_with_uid(sc.timed_graph_capture).values()) == {"ok"}
+
+
+@needs_ranks(4)
+def test_survivors_shrink_and_finish_after_one_of_4_is_killed():
+    """SIGKILL rank 3 of 4 inside a loop of own-kernel all_reduces: ranks 0-2 raise within
+    timeout + 2 s of the kill, shrink() the failed communicator to the 3 of them (its handle
+    was revoked, not aborted), and finish the loop there, bitwise; no region is left parked."""
+    world = 4
+    kids = [Child("survivors_shrink", 0, timeout=TIMEOUT, world=world)]
+    try:
+        uid = kids[0].expect("uid", 120)["uid"]
+        kids += [Child("survivors_shrink", r, uid, timeout=TIMEOUT, world=world) for r in range(1, world)]
+        for k in kids:
+            ev = k.expect("looping", 240)
+            assert ev["state"] == "ready", ev  # the own kernels run (ranks share GPUs where few)
+        time.sleep(0.5)
+        killed = time.time()
+        kids[-1].p.send_signal(signal.SIGKILL)
+        for k in kids[:-1]:
+            ev = k.expect("raised", TIMEOUT + 30)
+            delay = ev["t"] - killed
+            print(f"\nrank {k.rank} raised {ev['type']} {delay:.2f} s after the kill: {ev['msg']}")
+            assert ev["is_nccl"] and delay <= TIMEOUT + SLACK, (delay, ev)
+        for k in kids[:-1]:
+            ev = k.expect("shrunk", TIMEOUT + 60)
+            print(f"rank {k.rank}: shrink() took {ev['took']:.2f} s -> rank {ev['rank']} of {ev['size']}")
+            assert (ev["rank"], ev["size"]) == (k.rank, world - 1) and ev["took"] < TIMEOUT + SLACK, ev
+        for k in kids[:-1]:
+            ev = k.expect("finished", 240)
+            assert ev["iters"] == 600 and ev["shrunk"] == 1 and ev["state"] == "ready", ev
+            assert ev["parked"] == 0, ev
+            k.expect("done", 60)
+            assert k.exit_code(60) == 0, k.output()
+    finally:
+        for k in kids:
+            k.kill()
