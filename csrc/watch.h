@@ -35,6 +35,7 @@ struct pyccl_watch {
      * shrink() can make a communicator of the ranks left; aborted when the
      * watch is freed.  NULL: none (aborted at once). */
     ncclComm_t revoked;
+    int revoke_result;        /* what ncclCommRevoke returned (-1: not called) */
     int device, rank, size;
     double timeout;           /* 0: a record of a failed communicator only */
     int registered;

@@ -493,11 +493,16 @@ pyccl_watch_shrink(pyccl_state *st, pyccl_comm *c, int *exclude, int n,
     waiter_finish(&wt);
     if (none) {
         PyMem_RawFree(slot);
+        char why[96] = "";
+        if (w->revoke_result > 0) { /* NCCL refused the revoke: say so */
+            snprintf(why, sizeof why, "; ncclCommRevoke returned %d (%s)", w->revoke_result,
+                     a->ncclGetErrorString((ncclResult_t)w->revoke_result));
+        }
         PyErr_Format(PyExc_RuntimeError,
                      "shrink: the communicator (rank %d of %d) was aborted, so no handle is left "
                      "to shrink (a communicator whose timeout or error failed it is kept for "
-                     "shrink() where NCCL has ncclCommRevoke, until abort() or destroy())",
-                     c->rank, c->size);
+                     "shrink() where NCCL has ncclCommRevoke, until abort() or destroy())%s",
+                     c->rank, c->size, why);
         return -1;
     }
     if (polled < 0) {

@@ -234,8 +234,12 @@ watch_fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...)
     if (comm != NULL) {
         /* A timeout or an error (not abort()): revoked where NCCL can, which
          * stops its work as an abort does but keeps the handle for shrink() */
-        if (kind != PYCCL_FAIL_ABORTED && w->api->ncclCommRevoke != NULL &&
-            w->api->ncclCommRevoke(comm, 0) == ncclSuccess) {
+        ncclResult_t rv = (ncclResult_t)-1;
+        if (kind != PYCCL_FAIL_ABORTED && w->api->ncclCommRevoke != NULL) {
+            rv = w->api->ncclCommRevoke(comm, 0); /* non-blocking: ncclInProgress */
+        }
+        w->revoke_result = rv;
+        if (rv == ncclSuccess || rv == ncclInProgress) {
             w->revoked = comm;
         }
         else {
@@ -526,6 +530,7 @@ new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout)
     w->rank = c->rank;
     w->size = c->size;
     w->timeout = timeout;
+    w->revoke_result = -1;
     return w;
 }
 

@@ -437,7 +437,7 @@ ncclCommRevoke(ncclComm_t c, int flags)
     }
     leave(c);
     pthread_mutex_unlock(&mu);
-    return ncclSuccess;
+    return c->blocking ? ncclSuccess : ncclInProgress;
 }
 #endif
 
