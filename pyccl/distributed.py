@@ -151,14 +151,15 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         return self
 
     def shutdown(self):
-        """destroy_process_group() calls this: destroy the communicator (a failed one is gone already).
+        """destroy_process_group() calls this: destroy the communicator (a failed one too: its
+        kept handle and memory go).
 
         NCCL's destroy waits until every CUDA graph that captured work of the communicator
         is freed; torch.compile(mode="reduce-overhead") keeps its graphs until told, so they
         are freed first (they are recorded again on their next call)."""
         if not self._comm.destroyed:
             free_compiled_cuda_graphs()
-            self._comm.destroy()
+        self._comm.destroy()  # a no-op once destroyed
 
     def abort(self):
         """dist.abort / torch's abort path: abort the communicator (Communicator.abort)."""
@@ -431,6 +432,54 @@ def create_process_group(opts, pg_options=None):
     # DeviceMesh makes its subgroups with split_group, which needs NCCL's C++ backend.
     pg._device_id = device_id
     return pg
+
+
+# torch.distributed's own shrink_group (torch >= 2.10) registers the new group through these; it
+# builds the group from a C++ backend, which a Python group such as ProcessGroupPyccl is not.
+_SHRINK_PARTS = ("_prepare_shrink_target_group", "_validate_and_process_excluded_ranks",
+                 "_extract_group_metadata", "_cleanup_original_group", "_register_pg_in_world",
+                 "_update_default_pg", "_destroy_all_other_groups", "get_process_group_ranks")
+
+
+def shrink_group(ranks_to_exclude, group=None):
+    """torch.distributed.shrink_group for "pyccl" groups: a new group of the ranks not in
+    `ranks_to_exclude` (ranks of `group`, default: the default group), renumbered in their
+    order, over ``Communicator.shrink``.  Every remaining rank calls it, an excluded one does
+    not; it also works after a peer died, on a group made with a timeout (its communicator
+    failed and kept its handle).  The old group is destroyed; when it is the default group,
+    the new one becomes the default and every other group is destroyed (as torch does).
+    torch's own ``dist.shrink_group`` handles NCCL's C++ backend only."""
+    c10d = dist.distributed_c10d
+    missing = [n for n in _SHRINK_PARTS if not hasattr(c10d, n)]
+    if missing:
+        raise RuntimeError(f"pyccl.distributed.shrink_group: torch {torch.__version__} lacks "
+                           f"{', '.join(missing)} (torch.distributed's shrink_group machinery)")
+    info = c10d._prepare_shrink_target_group(group)
+    pg = info["process_group"]
+    if not isinstance(pg, ProcessGroupPyccl):
+        raise TypeError(f"pyccl.distributed.shrink_group: the group's backend is not "
+                        f"\"{BACKEND_NAME}\" ({type(pg).__name__}); use torch.distributed.shrink_group")
+    excluded = c10d._validate_and_process_excluded_ranks(list(ranks_to_exclude), info)
+    comm = pg.communicator.shrink(sorted(excluded))
+    try:
+        is_default = info["is_default_group"]
+        if is_default:
+            c10d._destroy_all_other_groups(exclude_group=pg)
+        meta = c10d._extract_group_metadata(pg)
+        remaining = [g for i, g in enumerate(c10d.get_process_group_ranks(pg)) if i not in excluded]
+        c10d._cleanup_original_group(pg, is_default)  # destroys the old communicator
+        new_pg = ProcessGroupPyccl(comm, comm.rank, comm.size, meta["new_group_name"])
+        new_pg._device_id = pg._device_id
+        if is_default:
+            c10d._update_default_pg(new_pg)
+        c10d._register_pg_in_world(pg=new_pg, backend_name=meta["backend_name"], store=meta["store"],
+                                   group_name=meta["new_group_name"],
+                                   backend_config=meta["backend_config"],
+                                   rank_mapping={g: i for i, g in enumerate(remaining)})
+    except BaseException:
+        comm.destroy()
+        raise
+    return new_pg
 
 
 def _register():

@@ -396,3 +396,33 @@ def device_id_places_groups(rank, world, store_path):
     dist.barrier()
     dist.destroy_process_group()
     return got
+
+
+def survivors_shrink_group(rank, world, store_path, timeout):
+    """"pyccl" default group with timeout=`timeout`; the last rank SIGKILLs itself at step 100
+    of a loop of exact all_reduces.  The others raise, pyccl.distributed.shrink_group() the
+    default group to the ranks left, and finish the 200 steps there, bitwise.  -> (seconds
+    from the kill to the exception, the new world size and rank)."""
+    store = dist.FileStore(store_path, world)
+    _init(rank, world, store, timeout=timeout)
+    victim, members = world - 1, list(range(world))
+    t = torch.empty(1 << 16, device="cuda")
+    step, raised = 0, None
+    while step < 200:
+        if rank == victim and step == 100:
+            store.set("killed_at", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        t.fill_(rank + 1 + step % 5)
+        try:
+            dist.all_reduce(t)
+            dist.distributed_c10d._get_default_group().communicator.wait()  # bounded
+        except pyccl.NcclError:
+            raised = time.time() - float(store.get("killed_at").decode())
+            pd.shrink_group([members.index(victim)])
+            members.remove(victim)
+            continue  # this step again, on the ranks left
+        _check(f"step {step}", t, torch.full_like(t, float(sum(m + 1 + step % 5 for m in members))))
+        step += 1
+    size, new_rank = dist.get_world_size(), dist.get_rank()
+    dist.destroy_process_group()
+    return raised, size, new_rank

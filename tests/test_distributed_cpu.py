@@ -392,7 +392,9 @@ def test_shutdown_of_a_failed_communicator_is_quiet(world):
     pg = dist.group.WORLD
     pg.abort()
     dist.destroy_process_group()
-    assert ("destroy",) not in log and ("abort",) in log
+    # destroy() of a failed or aborted communicator frees what it kept (a revoked handle, the
+    # record of its failure) and raises nothing; it still comes after the abort
+    assert log.index(("abort",)) < log.index(("destroy",)), log
 
 
 def test_shutdown_frees_compiled_cuda_graphs_before_destroy(world, monkeypatch):
@@ -490,3 +492,26 @@ def test_all_to_all_of_uneven_sizes_is_a_group_of_sends_and_receives(world, monk
         pg.alltoall([torch.full((5,), -1), torch.full((5,), -1)], [x])
     assert str(e.value) == ("pyccl backend: alltoall: 1 inputs and 2 outputs, expected 1 each "
                             "(one per rank)")
+
+
+def test_shrink_group_refuses_other_backends_and_a_torch_without_the_machinery(monkeypatch):
+    assert pd.shrink_group.__doc__ and "Communicator.shrink" in pd.shrink_group.__doc__
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        # a one-rank group is torch's own refusal (nothing to shrink), before anything of pyccl's
+        with pytest.raises(ValueError, match="Cannot shrink a process group with size 1"):
+            pd.shrink_group([0])
+        monkeypatch.setattr(dist.distributed_c10d, "_prepare_shrink_target_group",
+                            lambda group: {"process_group": dist.group.WORLD, "group_size": 2,
+                                           "current_rank": 0, "is_default_group": True,
+                                           "group_name": "0"})
+        with pytest.raises(TypeError, match=r'^pyccl.distributed.shrink_group: the group\'s backend is '
+                                            r'not "pyccl" \(ProcessGroup\); use torch.distributed.shrink_group$'):
+            pd.shrink_group([1])
+        monkeypatch.delattr(dist.distributed_c10d, "_register_pg_in_world")
+        with pytest.raises(RuntimeError, match=r"lacks _register_pg_in_world \(torch.distributed's "
+                                               r"shrink_group machinery\)$"):
+            pd.shrink_group([1])
+    finally:
+        dist.destroy_process_group()

@@ -49,6 +49,20 @@ def test_ddp_killed_peer_raises_within_timeout(tmp_path):
         assert "timed out" in text or "abort" in text, f"rank {rank}: {kind}: {text}"
 
 
+@needs_ranks(4)
+def test_survivors_shrink_the_default_group_after_one_of_4_is_killed(tmp_path):
+    """The last of 4 ranks SIGKILLs itself mid-loop: the other 3 raise within TIMEOUT + SLACK,
+    pyccl.distributed.shrink_group() the default "pyccl" group, and finish on 3 ranks, bitwise."""
+    world = 4
+    results = run_ranks(ds.survivors_shrink_group, world, str(tmp_path / "store"), TIMEOUT,
+                        make_comm=False, timeout=240, killed=(world - 1,))
+    assert sorted(results) == [0, 1, 2], results
+    for rank, (elapsed, size, new_rank) in results.items():
+        print(f"\nrank {rank} raised {elapsed:.2f} s after the kill; now rank {new_rank} of {size}")
+        assert elapsed is not None and elapsed <= TIMEOUT + SLACK, (rank, elapsed)
+        assert (size, new_rank) == (world - 1, rank), (rank, size, new_rank)
+
+
 @needs_gpus(1)
 def test_example_06_ddp_backend():
     import sys
