@@ -64,9 +64,17 @@ FAULTS = [
          "        int r = PyErr_CheckSignals();\n")],
         tests=["tests/test_timeout_cpu.py"]),
     dict(name="leak the peer buffer on destroy", tier="cpu", file="csrc/ar_setup.c", edits=[(
-        "        if (freed) {\n            a->cudaFree(base);\n        }\n",
-        "        (void)freed;\n        (void)base; /* MUTANT: never freed */\n")],
+        "    if (safe) {\n        a->cudaFree(base);\n    }\n",
+        "    if (safe) {\n        (void)base; /* MUTANT: never freed */\n    }\n")],
         tests=["tests/test_selection_cpu.py", "-k", "ten_communicators"]),
+    dict(name="a peer never says it closed the region", tier="cpu", file="csrc/ar_release.c", edits=[(
+        "        __atomic_store_n(&m->closed[f->rank], 1, __ATOMIC_RELEASE);\n",
+        "        (void)m; /* MUTANT: the owner is never told */\n")],
+        tests=["tests/test_selection_cpu.py", "-k", "gives_back"]),
+    dict(name="a failed communicator's handle aborted, not revoked", tier="cpu", file="csrc/watchdog.c",
+        edits=[("        if (rv == ncclSuccess || rv == ncclInProgress) {\n            w->revoked = comm;\n",
+                "        if (0) { /* MUTANT: never kept */\n            w->revoked = comm;\n")],
+        tests=["tests/test_timeout_cpu.py", "-k", "shrink"]),
     dict(name="watchdog fires at half the timeout", tier="cpu", file="csrc/watchdog.c", edits=[(
         "    if (w->nq > 0 && now - w->q[0].t > w->timeout) {\n",
         "    if (w->nq > 0 && now - w->q[0].t > w->timeout / 2) {\n")],
