@@ -3,9 +3,9 @@
 # Usage (device tool): bash tools/gpu-check.sh [--part N] [pytest args...]
 #   The whole tier is more than one 10-minute call: --part 1, 2 and 3 split it into three
 #   calls of under 10 minutes each on one GPU (multi-rank tests with ranks sharing it) or on
-#   several: 1 = own kernels, their recovery cycles included (about 450 s on one H100);
-#   2 = failures, per-rank API, drop-in, bad input, registered memory, stress (about 420 s);
-#   3 = torch.distributed
+#   several: 1 = own kernels, their recovery cycles included (about 500 s on one H100);
+#   2 = failures, per-rank API, drop-in, bad input, registered memory, stress (about 480 s);
+#   3 = the own kernels simulated at 2-8 ranks, torch.distributed
 #   backend, compile ops, benchmark tool; with the CPU tests that CI does not already cover
 #   spread over 2 and 3.  Given test paths (tests/...), only those run.
 #        bash tools/gpu-check.sh --bench [pyccl.bench args...]   (build, then the benchmark)
@@ -36,11 +36,11 @@ cat "$OUT/env.txt"
 if [ "${1:-}" = "--part" ]; then
   part=$2; shift 2
   case "$part" in
-    1) set -- tests/test_ar_gpu.py tests/test_ar_sim_gpu.py "$@" ;;
+    1) set -- tests/test_ar_gpu.py "$@" ;;
     2) set -- tests/test_failure_gpu.py tests/test_comm_gpu.py tests/test_nccl_gpu.py tests/test_bad_input.py \
               tests/test_registered_gpu.py tests/test_registered_cpu.py tests/test_stress_gpu.py \
               tests/test_api_cpu.py tests/test_nccl_cpu.py tests/test_share_gpus_cpu.py "$@" ;;
-    3) set -- tests/test_distributed_gpu.py tests/test_ops_gpu.py tests/test_bench_gpu.py \
+    3) set -- tests/test_distributed_gpu.py tests/test_ops_gpu.py tests/test_bench_gpu.py tests/test_ar_sim_gpu.py \
               tests/test_distributed_cpu.py tests/test_ops_cpu.py tests/test_selection_cpu.py "$@" ;;
     *) echo "gpu-check: --part takes 1, 2 or 3, got '$part'"; exit 2 ;;
   esac
