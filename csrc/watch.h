@@ -36,6 +36,7 @@ struct pyccl_watch {
      * watch is freed.  NULL: none (aborted at once). */
     ncclComm_t revoked;
     int revoke_result;        /* what ncclCommRevoke returned (-1: not called) */
+    int keep_failed;          /* revoke rather than abort (PYCCL_KEEP_FAILED, default 1) */
     int device, rank, size;
     double timeout;           /* 0: a record of a failed communicator only */
     int registered;

@@ -235,7 +235,7 @@ watch_fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...)
         /* A timeout or an error (not abort()): revoked where NCCL can, which
          * stops its work as an abort does but keeps the handle for shrink() */
         ncclResult_t rv = (ncclResult_t)-1;
-        if (kind != PYCCL_FAIL_ABORTED && w->api->ncclCommRevoke != NULL) {
+        if (kind != PYCCL_FAIL_ABORTED && w->api->ncclCommRevoke != NULL && w->keep_failed) {
             rv = w->api->ncclCommRevoke(comm, 0); /* non-blocking: ncclInProgress */
         }
         w->revoke_result = rv;
@@ -531,6 +531,8 @@ new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout)
     w->size = c->size;
     w->timeout = timeout;
     w->revoke_result = -1;
+    const char *keep = getenv("PYCCL_KEEP_FAILED");
+    w->keep_failed = keep == NULL || strcmp(keep, "0") != 0;
     return w;
 }
 
