@@ -437,8 +437,27 @@ def create_process_group(opts, pg_options=None):
 # torch.distributed's own shrink_group (torch >= 2.10) registers the new group through these; it
 # builds the group from a C++ backend, which a Python group such as ProcessGroupPyccl is not.
 _SHRINK_PARTS = ("_prepare_shrink_target_group", "_validate_and_process_excluded_ranks",
-                 "_extract_group_metadata", "_cleanup_original_group", "_register_pg_in_world",
-                 "_update_default_pg", "_destroy_all_other_groups", "get_process_group_ranks")
+                 "_extract_group_metadata", "_cleanup_original_group", "_update_default_pg",
+                 "_destroy_all_other_groups", "get_process_group_ranks", "_world",
+                 "_register_process_group")
+
+
+def _register_in_world(c10d, pg, backend_name, store, group_name, backend_config, rank_mapping):
+    """torch's _register_pg_in_world (torch >= 2.12), or the same steps where it is missing."""
+    register = getattr(c10d, "_register_pg_in_world", None)
+    if register is not None:
+        register(pg=pg, backend_name=backend_name, store=store, group_name=group_name,
+                 backend_config=backend_config, rank_mapping=rank_mapping)
+        return
+    world = c10d._world
+    world.pg_map[pg] = (backend_name, store)
+    world.pg_names[pg] = group_name
+    world.pg_backend_config[pg] = backend_config
+    c10d._register_process_group(group_name, pg)
+    world.pg_group_ranks[pg] = rank_mapping
+    tag = f"ptd:{group_name}"
+    world.tags_to_pg.setdefault(tag, []).append(pg)
+    world.pg_to_tag[pg] = tag
 
 
 def shrink_group(ranks_to_exclude, group=None):
@@ -472,10 +491,8 @@ def shrink_group(ranks_to_exclude, group=None):
         new_pg._device_id = pg._device_id
         if is_default:
             c10d._update_default_pg(new_pg)
-        c10d._register_pg_in_world(pg=new_pg, backend_name=meta["backend_name"], store=meta["store"],
-                                   group_name=meta["new_group_name"],
-                                   backend_config=meta["backend_config"],
-                                   rank_mapping={g: i for i, g in enumerate(remaining)})
+        _register_in_world(c10d, new_pg, meta["backend_name"], meta["store"], meta["new_group_name"],
+                           meta["backend_config"], {g: i for i, g in enumerate(remaining)})
     except BaseException:
         comm.destroy()
         raise

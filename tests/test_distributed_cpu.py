@@ -509,9 +509,32 @@ def test_shrink_group_refuses_other_backends_and_a_torch_without_the_machinery(m
         with pytest.raises(TypeError, match=r'^pyccl.distributed.shrink_group: the group\'s backend is '
                                             r'not "pyccl" \(ProcessGroup\); use torch.distributed.shrink_group$'):
             pd.shrink_group([1])
-        monkeypatch.delattr(dist.distributed_c10d, "_register_pg_in_world")
-        with pytest.raises(RuntimeError, match=r"lacks _register_pg_in_world \(torch.distributed's "
+        monkeypatch.delattr(dist.distributed_c10d, "_register_process_group")
+        with pytest.raises(RuntimeError, match=r"lacks _register_process_group \(torch.distributed's "
                                                r"shrink_group machinery\)$"):
             pd.shrink_group([1])
     finally:
         dist.destroy_process_group()
+
+
+def test_shrunk_group_registered_as_torch_registers_groups_with_or_without_its_helper(monkeypatch):
+    # torch 2.11 has no _register_pg_in_world: the same steps are taken by hand there
+    c10d = dist.distributed_c10d
+    for helper in (True, False):
+        if not helper:
+            monkeypatch.delattr(c10d, "_register_pg_in_world", raising=False)
+        pg = pd.ProcessGroupPyccl(StubComm([]), 0, 1, f"shrunk-{helper}")
+        store = dist.HashStore()
+        pd._register_in_world(c10d, pg, "pyccl", store, f"shrunk-{helper}", "cuda:pyccl", {5: 0})
+        try:
+            assert c10d._world.pg_map[pg] == ("pyccl", store)
+            assert c10d._world.pg_names[pg] == f"shrunk-{helper}"
+            assert c10d._world.pg_group_ranks[pg] == {5: 0}
+            assert c10d._resolve_process_group(f"shrunk-{helper}") is pg
+            assert c10d.get_global_rank(pg, 0) == 5
+        finally:
+            for m in (c10d._world.pg_map, c10d._world.pg_names, c10d._world.pg_group_ranks,
+                      c10d._world.pg_backend_config, c10d._world.pg_to_tag):
+                m.pop(pg, None)
+            c10d._world.tags_to_pg.pop(f"ptd:shrunk-{helper}", None)
+            c10d._unregister_process_group(f"shrunk-{helper}")
