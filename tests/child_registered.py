@@ -246,6 +246,8 @@ def old_nccl():
         assert _C._mem_pool_functions() == ("pyccl_nccl_pool_alloc", "pyccl_nccl_pool_free")
     expect(RuntimeError, f"register_window: needs NCCL >= 2.27 for ncclCommWindowRegister; the loaded NCCL "
            f"is {loaded}", c.register_window, Array([1.0]))
+    expect(RuntimeError, f"shrink: needs NCCL >= 2.27 for ncclCommShrink; the loaded NCCL is {loaded}",
+           c.shrink, [])
     c.destroy()
     clean()
     return loaded
