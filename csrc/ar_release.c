@@ -177,15 +177,7 @@ ar_marks_drop(pyccl_ar *f)
     }
 }
 
-uint64_t
-ar_pid_namespace(void)
-{
-    struct stat sb;
-    return stat("/proc/self/ns/pid", &sb) == 0 ? (uint64_t)sb.st_ino : 0;
-}
-
-/* A peer's process is gone (or a zombie, whose mappings went with it).  pid
- * 0: a process of another PID namespace, never known to be gone. */
+/* A peer's process is gone (or a zombie, whose mappings went with it). */
 static int
 gone(int32_t pid)
 {

@@ -277,14 +277,13 @@ typedef struct {
     uint64_t ll_max;
     uint64_t one_max, two_max; /* auto's thresholds: ranks that disagree would pick
                                   different kernels (or NCCL) for one call and hang */
-    uint64_t pidns;            /* its PID namespace (0: unknown) */
     int32_t pid;
     int32_t ok;
     int32_t blocks;
     int32_t threads;
     uint32_t magic;
     char marks[PYCCL_AR_MARKS_NAME]; /* its shared-memory page of "closed" marks, "" none */
-    char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 48 - 20 - PYCCL_AR_MARKS_NAME];
+    char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 40 - 20 - PYCCL_AR_MARKS_NAME];
 } ar_record;
 _Static_assert(sizeof(ar_record) == 256, "ar_record: 256 bytes, the same on every rank");
 
@@ -655,7 +654,6 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
     mine.one_max = f->one_max;
     mine.two_max = f->two_max;
     mine.pid = (int32_t)getpid();
-    mine.pidns = ar_pid_namespace();
     mine.ok = ok;
     mine.blocks = f->blocks;
     mine.threads = f->threads;
@@ -691,9 +689,7 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
     }
     for (int p = 0; p < n && ok; p++) {
         if (p != me) { /* where this rank tells p that it closed p's region */
-            /* a process of another PID namespace cannot be told gone by its pid */
-            ar_marks_open(f, p, all[p].marks,
-                          all[p].pidns != 0 && all[p].pidns == mine.pidns ? all[p].pid : 0);
+            ar_marks_open(f, p, all[p].marks, all[p].pid);
         }
     }
     if (ok) {

@@ -114,10 +114,7 @@ typedef struct pyccl_ar {
  * Without the GIL.  Make this rank's page of marks (its name into name[len],
  * "" when shared memory is unavailable). */
 void ar_marks_create(pyccl_ar *f, char *name, size_t len);
-/* This process's PID namespace (the inode of /proc/self/ns/pid), 0 unknown. */
-uint64_t ar_pid_namespace(void);
-/* After the exchange: peer p's page (named in its record) and process (0:
- * its pid means nothing here, so it never counts as gone). */
+/* After the exchange: peer p's page (named in its record) and process. */
 void ar_marks_open(pyccl_ar *f, int p, const char *name, int32_t pid);
 /* This rank closed its mapping of p's region (or never had one): tell p. */
 void ar_marks_closed(pyccl_ar *f, int p);
