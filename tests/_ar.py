@@ -539,6 +539,15 @@ def recreated_late_first_call(comm, rounds=3):
     return rounds
 
 
+def _timed_comm(comm):
+    """A new communicator of comm's ranks with timeout=60, its unique id sent over comm."""
+    r = comm.rank
+    uid = torch.tensor(list(pyccl.unique_id()) if r == 0 else [0] * 128, dtype=torch.uint8,
+                       device=f"cuda:{comm.device}")
+    comm.broadcast(uid, 0)
+    return pyccl.Communicator(comm.size, bytes(uid.cpu().tolist()), r, device=comm.device, timeout=60)
+
+
 def aborted_communicators_memory(comm, n=4):
     """n communicators with a timeout, each sets the own kernels up and runs them; every other
     one is aborted instead of destroyed.  -> (free bytes before, after, the region's bytes,
@@ -547,19 +556,13 @@ def aborted_communicators_memory(comm, n=4):
     W, r, d = comm.size, comm.rank, comm.device
     dev = f"cuda:{d}"
 
-    def new_comm():
-        uid = torch.tensor(list(pyccl.unique_id()) if r == 0 else [0] * 128, dtype=torch.uint8,
-                           device=dev)
-        comm.broadcast(uid, 0)
-        return pyccl.Communicator(W, bytes(uid.cpu().tolist()), r, device=d, timeout=60)
-
     def use(c, i):
         t = torch.arange(1000, dtype=torch.int32, device=dev) + r + i
         c.all_reduce(t, algo="oneshot")
         _check(t, sum(torch.arange(1000, dtype=torch.int32) + q + i for q in range(W)), "aborted", i)
         torch.cuda.synchronize()
 
-    warm = new_comm()  # NCCL's and the kernels' per-process memory, once
+    warm = _timed_comm(comm)  # NCCL's and the kernels' per-process memory, once
     use(warm, -1)
     info = warm.all_reduce_info
     region = 2 * info["buffer_bytes"] + 2 * W * 2 * info["ll_max"]
@@ -569,7 +572,7 @@ def aborted_communicators_memory(comm, n=4):
     before = torch.cuda.mem_get_info(d)[0]
     aborted = 0
     for i in range(n):
-        c = new_comm()
+        c = _timed_comm(comm)
         use(c, i)
         comm.barrier()  # every rank done with c's kernels before anyone aborts
         torch.cuda.synchronize()
@@ -582,7 +585,7 @@ def aborted_communicators_memory(comm, n=4):
     return before, torch.cuda.mem_get_info(d)[0], region, aborted
 
 
-def recovery_cycles(comm, n=100, kill_every=0):
+def recovery_cycles(comm, n=100):
     """n cycles of what a program that recovers does: a communicator with a timeout, an
     own-kernel all_reduce of random-looking integer data checked bitwise against NCCL's on the
     same communicator, then abort() (odd cycles) or destroy() (even ones).  -> (free bytes
@@ -591,12 +594,6 @@ def recovery_cycles(comm, n=100, kill_every=0):
     mapping (the release handshake), so at most the last aborted one is left."""
     W, r, d = comm.size, comm.rank, comm.device
     dev = f"cuda:{d}"
-
-    def new_comm():
-        uid = torch.tensor(list(pyccl.unique_id()) if r == 0 else [0] * 128, dtype=torch.uint8,
-                           device=dev)
-        comm.broadcast(uid, 0)
-        return pyccl.Communicator(W, bytes(uid.cpu().tolist()), r, device=d, timeout=60)
 
     def use(c, i):
         g = torch.Generator().manual_seed(1000 * i + r)
@@ -607,7 +604,7 @@ def recovery_cycles(comm, n=100, kill_every=0):
         _check(own, ref, "recovery cycle", i)
         assert c.all_reduce_info["state"] == "ready", c.all_reduce_info
 
-    warm = new_comm()  # NCCL's and the kernels' per-process memory, once
+    warm = _timed_comm(comm)  # NCCL's and the kernels' per-process memory, once
     use(warm, -1)
     info = warm.all_reduce_info
     region = 2 * info["buffer_bytes"] + 2 * W * 2 * info["ll_max"]
@@ -616,7 +613,7 @@ def recovery_cycles(comm, n=100, kill_every=0):
     torch.cuda.synchronize()
     before = torch.cuda.mem_get_info(d)[0]
     for i in range(n):
-        c = new_comm()
+        c = _timed_comm(comm)
         use(c, i)
         comm.barrier()  # every rank done with c's kernels before anyone lets go of it
         if i % 2:

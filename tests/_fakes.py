@@ -76,3 +76,54 @@ def run_stand_in(out_dir, scenario, stdin=None):
     results = [json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
     assert r.returncode == 0 and results, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return results[0]
+
+
+def peer_library(tmp_path_factory, name="fakepeer"):
+    """The FAKE_PEER_MEMORY stand-in (a module fixture's body); skips without a C compiler."""
+    import pytest
+    lib = build_fakegpu(tmp_path_factory.mktemp(name), peer_memory=True)
+    if lib is None:
+        pytest.skip("no C compiler to build the stand-in GPU library")
+    return lib
+
+
+def run_rank_pair(lib, scenario, tmp_path, limit=60, drop=(), **extra_env):
+    """tests/child_fakegpu.py's `scenario` as ranks 0 and 1 (FAKE_RANK), each a process of its
+    own on the FAKE_PEER_MEMORY library `lib`, sharing tmp_path: [(RESULT, stderr)] per rank.
+    A rank that fails, or does not end within `limit` s (or reports a hang through
+    faulthandler's dump), fails the test with its output.  `drop`: environment variables
+    taken away; extra_env: set."""
+    import json
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, FAKE_XPROC_DIR=str(tmp_path),
+               LD_LIBRARY_PATH=os.path.dirname(lib) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    for k in ("PYTHONPATH",) + tuple(drop):
+        env.pop(k, None)
+    env.update(extra_env)
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, "child_fakegpu.py"), lib, scenario],
+                              env=dict(env, FAKE_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=limit)
+                outs.append((p.returncode, out, err))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+                outs.append((f"killed after {limit} s", out, err))
+    finally:
+        for p in procs:
+            p.kill()
+    results = []
+    for rank, (rc, out, err) in enumerate(outs):
+        lines = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+        hung = "Timeout (0:" in err  # faulthandler's dump of a hang
+        assert rc == 0 and lines and not hung, (
+            f"rank {rank} of {scenario} {'hung' if hung else 'failed'} (rc {rc}):\n"
+            f"{out[-3000:]}\n{err[-4000:]}")
+        results.append((lines[0], err))
+    return results

@@ -8,16 +8,12 @@ word is set or its own timeout passes.  The scenarios are tests/child_fakegpu.py
 "own kernels: lifecycle under failure"; each process ends itself with every thread's
 traceback when it hangs, and is killed past the limit here.
 """
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+import _fakes
 import pyccl
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 if not pyccl._C._ar_built():
     pytest.skip("pyccl was built without nvcc: no own kernels to test", allow_module_level=True)
@@ -25,48 +21,16 @@ if not pyccl._C._ar_built():
 
 @pytest.fixture(scope="module")
 def peer_lib(tmp_path_factory):
-    from _fakes import build_fakegpu
-    lib = build_fakegpu(tmp_path_factory.mktemp("fakepeer"), peer_memory=True)
-    if lib is None:
-        pytest.skip("no C compiler to build the stand-in GPU library")
-    return lib
+    return _fakes.peer_library(tmp_path_factory)
 
 
 def run_ranks(lib, scenario, tmp_path, case=None, limit=60, **extra_env):
-    """Both ranks' RESULT of `scenario` (FAKE_CASE=case); a rank that failed or did not
-    end within `limit` s fails the test with its last steps and output."""
-    env = dict(os.environ, FAKE_XPROC_DIR=str(tmp_path), PYCCL_QUIET="1", PYCCL_AR_BUFFER_MB="1",
-               LD_LIBRARY_PATH=os.path.dirname(lib) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
-    for k in ("PYTHONPATH", "PYCCL_AR_TIMEOUT", "PYCCL_DISABLE_OWN_KERNELS"):
-        env.pop(k, None)
+    """Both ranks' RESULT of `scenario` (FAKE_CASE=case), 1 MiB buffers, quiet; a rank that
+    failed or did not end within `limit` s fails the test with its last steps and output."""
+    env = dict(PYCCL_QUIET="1", PYCCL_AR_BUFFER_MB="1", **({"FAKE_CASE": case} if case else {}))
     env.update(extra_env)
-    if case is not None:
-        env["FAKE_CASE"] = case
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "child_fakegpu.py"), lib, scenario],
-                              env=dict(env, FAKE_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            try:
-                out, err = p.communicate(timeout=limit)
-                outs.append((p.returncode, out, err))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
-                outs.append((f"killed after {limit} s", out, err))
-    finally:
-        for p in procs:
-            p.kill()
-    results = []
-    for rank, (rc, out, err) in enumerate(outs):
-        lines = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-        hung = "Timeout (0:" in err  # _bounded(): faulthandler's dump of a hang
-        assert rc == 0 and lines and not hung, (
-            f"rank {rank} of {scenario} ({case}) {'hung' if hung else 'failed'} (rc {rc}):\n"
-            f"{out[-3000:]}\n{err[-4000:]}")
-        results.append(lines[0])
-    return results
+    return [res for res, _ in _fakes.run_rank_pair(
+        lib, scenario, tmp_path, limit, ("PYCCL_AR_TIMEOUT", "PYCCL_DISABLE_OWN_KERNELS"), **env)]
 
 
 # 3. The own kernels' set-up talks to NCCL under the communicator's lock; with the stream

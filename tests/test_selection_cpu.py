@@ -8,19 +8,12 @@ library (tests/fakegpu/fakegpu.c built with FAKE_PEER_MEMORY): two processes, on
 whose NCCL all_gather/all_reduce go through files, and which also stands in for the driver
 (libcuda.so.1) that loads the kernels.
 """
-import json
-import os
-import shlex
-import shutil
-import subprocess
-import sys
-import sysconfig
 
 import pytest
 
+import _fakes
 import pyccl
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 if not pyccl._C._ar_built():
     pytest.skip("pyccl was built without nvcc: no kernels to choose", allow_module_level=True)
@@ -28,41 +21,12 @@ if not pyccl._C._ar_built():
 
 @pytest.fixture(scope="module")
 def peer_lib(tmp_path_factory):
-    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
-    if shutil.which(cc[0]) is None:
-        pytest.skip(f"no C compiler ({cc[0]}) to build the fake GPU library")
-    d = tmp_path_factory.mktemp("fakepeer")
-    out = str(d / "libfakegpu_peer.so")
-    r = subprocess.run(cc + ["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-DFAKE_PEER_MEMORY",
-                             "-o", out, os.path.join(HERE, "fakegpu", "fakegpu.c"), "-lpthread", "-lm"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    os.symlink(out, d / "libcuda.so.1")  # the driver, found through LD_LIBRARY_PATH
-    return out
+    return _fakes.peer_library(tmp_path_factory)
 
 
 def run_two_ranks(lib, scenario, tmp_path, timeout=60, **extra_env):
-    env = dict(os.environ, FAKE_XPROC_DIR=str(tmp_path), **extra_env,
-               LD_LIBRARY_PATH=os.path.dirname(lib) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
-    env.pop("PYTHONPATH", None)
-    env.pop("PYCCL_QUIET", None)
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "child_fakegpu.py"), lib, scenario],
-                              env=dict(env, FAKE_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            outs.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            p.kill()
-    results = []
-    for rank, (rc, out, err) in enumerate(outs):
-        lines = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-        assert rc == 0 and lines, f"rank {rank} of {scenario} failed (rc {rc}):\n{out[-3000:]}\n{err[-3000:]}"
-        results.append((lines[0], err))
-    return results
+    # the scenarios' log lines are read from stderr: not quiet
+    return _fakes.run_rank_pair(lib, scenario, tmp_path, timeout, ("PYCCL_QUIET",), **extra_env)
 
 
 @pytest.mark.parametrize("scenario", ["no_kernel_image", "no_peer_access", "shared_gpu_refused"])
