@@ -134,7 +134,7 @@ read_settings(pyccl_ar *f, const pyccl_comm *c, const char *op)
     /* a wait on peers gives up after the communicator's timeout (or
      * PYCCL_AR_TIMEOUT seconds for one without) */
     const char *to = getenv("PYCCL_AR_TIMEOUT");
-    const double ct = pyccl_comm_timeout(c);
+    const double ct = c->timeout;
     f->timeout = ct;
     if (ct <= 0 && to != NULL) {
         char *end = NULL;

@@ -18,6 +18,25 @@
 
 /* ---------------- split, destroy, abort, errors ---------------- */
 
+/* A split's or shrink's child handle, made: poll it until it is ready
+ * (once the parent's job is; no GIL needed, the parent's watch is locked),
+ * then read its rank and size.  poll_comm's result; *res NCCL's. */
+static int
+child_ready(waiter *wt, const pyccl_api *a, ncclComm_t child, double deadline,
+            ncclResult_t *res, int *rank, int *size)
+{
+    wt->interruptible = 0;
+    int polled = poll_comm(wt, a, child, deadline, res);
+    wt->interruptible = 1;
+    if (*res == ncclSuccess && polled == 0) {
+        *res = a->ncclCommUserRank(child, rank);
+    }
+    if (*res == ncclSuccess && polled == 0) {
+        *res = a->ncclCommCount(child, size);
+    }
+    return polled;
+}
+
 int
 pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
                   ncclComm_t *child, int *child_rank, int *child_size)
@@ -58,18 +77,7 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
             res = r;
         }
         if (polled == 0 && res == ncclSuccess && *slot != NULL) {
-            /* ready once the parent's job is: no GIL needed (w is locked) */
-            ncclResult_t e = ncclSuccess;
-            wt.interruptible = 0;
-            polled = poll_comm(&wt, a, *slot, deadline, &e);
-            wt.interruptible = 1;
-            res = e;
-            if (res == ncclSuccess && polled == 0) {
-                res = a->ncclCommUserRank(*slot, &rank);
-            }
-            if (res == ncclSuccess && polled == 0) {
-                res = a->ncclCommCount(*slot, &size);
-            }
+            polled = child_ready(&wt, a, *slot, deadline, &res, &rank, &size);
         }
         pyccl_nccl_failed(a, res, w->comm, last, sizeof last);
         if (polled == 1) {
@@ -465,17 +473,7 @@ pyccl_watch_shrink(pyccl_state *st, pyccl_comm *c, int *exclude, int n,
             res = r;
         }
         if (polled == 0 && res == ncclSuccess && *slot != NULL) {
-            ncclResult_t e = ncclSuccess;
-            wt.interruptible = 0; /* ready once the parent's job is */
-            polled = poll_comm(&wt, a, *slot, deadline, &e);
-            wt.interruptible = 1;
-            res = e;
-            if (res == ncclSuccess && polled == 0) {
-                res = a->ncclCommUserRank(*slot, &rank);
-            }
-            if (res == ncclSuccess && polled == 0) {
-                res = a->ncclCommCount(*slot, &size);
-            }
+            polled = child_ready(&wt, a, *slot, deadline, &res, &rank, &size);
         }
         pyccl_nccl_failed(a, res, parent, last, sizeof last);
         if (!failed && polled == 1) {
