@@ -115,6 +115,31 @@ pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
     raise_with_attrs(st->CudaError, msg, (int)err, errstr, NULL, 0);
 }
 
+int
+pyccl_raise_not_ready(const char *op)
+{
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: the communicator is not ready: it was created inside "
+                 "pyccl.group(), which has not ended yet", op);
+    return -1;
+}
+
+int
+pyccl_raise_unusable(const char *op, const pyccl_comm *c)
+{
+    if (c->pending) {
+        return pyccl_raise_not_ready(op);
+    }
+    /* destroy() begun (call.c) counts as done for every other caller */
+    if (c->comm == NULL || c->life != PYCCL_LIFE_USABLE) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: the communicator (rank %d of %d) has been destroyed",
+                     op, c->rank, c->size);
+        return -1;
+    }
+    return 0;
+}
+
 PyObject *
 pyccl_failure_exception(pyccl_state *st, const char *op, int kind, int code,
                         const char *reason, double timeout)

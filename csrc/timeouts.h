@@ -48,11 +48,9 @@ pthread_mutex_t *pyccl_comm_hold(pyccl_comm *c, ncclComm_t *comm);
 int pyccl_comm_held_done(pyccl_comm *c, pthread_mutex_t *held, const char *op);
 /* -1 raising c's failure when it failed (then c->comm is cleared), else 0. */
 int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
-/* -1 with RuntimeError when c was destroyed (or is pending, or failed). */
+/* -1 raising c's failure (timed out, aborted: its watch's record, first), or
+ * RuntimeError when c is not ready or destroyed (pyccl_raise_unusable). */
 int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
-/* RuntimeError "<op>: the communicator is not ready: it was created inside
- * pyccl.group(), which has not ended yet"; always -1. */
-int pyccl_raise_not_ready(const char *op);
 /* Fill in rank and size of a communicator created inside a group (NCCL
  * knows them only once the group ended). */
 int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);

@@ -669,31 +669,12 @@ pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c)
 }
 
 int
-pyccl_raise_not_ready(const char *op)
-{
-    PyErr_Format(PyExc_RuntimeError,
-                 "%s: the communicator is not ready: it was created inside "
-                 "pyccl.group(), which has not ended yet", op);
-    return -1;
-}
-
-int
 pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
 {
     if (c->watch != NULL && pyccl_watch_check(st, op, c) < 0) {
         return -1; /* timed out or aborted */
     }
-    if (c->pending) {
-        return pyccl_raise_not_ready(op);
-    }
-    /* destroy() begun (call.c) counts as done for every other caller */
-    if (c->comm == NULL || c->life != PYCCL_LIFE_USABLE) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "%s: the communicator (rank %d of %d) has been destroyed",
-                     op, c->rank, c->size);
-        return -1;
-    }
-    return 0;
+    return pyccl_raise_unusable(op, c);
 }
 
 int
