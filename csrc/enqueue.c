@@ -88,13 +88,16 @@ enqueue_one(const pyccl_api *a, const pyccl_task *t, int redop)
     return ncclInvalidArgument;
 }
 
-ncclResult_t
-pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
-                    int redop, const pyccl_premul *premul, char *last, size_t last_size)
+/* The rows as one NCCL group (no group for one row), a premul_sum op made for
+ * them first when asked: NCCL's result, and in *failed the communicator of
+ * the call that failed (NULL for the group's start). */
+static ncclResult_t
+nccl_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n, int redop,
+           const pyccl_premul *premul, ncclComm_t *failed)
 {
-    ncclResult_t r, r2;
-    ncclComm_t failed = NULL;
+    ncclResult_t r = ncclSuccess, r2;
     ncclRedOp_t made = (ncclRedOp_t)0;
+    *failed = tasks[0].comm;
     if (premul != NULL) {
         /* the tasks' one communicator, locked by the caller; NCCL lets the
          * op go as soon as the calls given it returned */
@@ -102,22 +105,21 @@ pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
                                         (ncclDataType_t)premul->type,
                                         ncclScalarHostImmediate, tasks[0].comm);
         if (r != ncclSuccess) {
-            pyccl_nccl_failed(a, r, tasks[0].comm, last, last_size);
             return r;
         }
         redop = (int)made;
     }
     if (n == 1) {
         r = enqueue_one(a, &tasks[0], redop);
-        failed = tasks[0].comm;
     }
     else {
+        *failed = NULL;
         r = a->ncclGroupStart();
         if (r == ncclSuccess) {
             for (Py_ssize_t i = 0; i < n; i++) {
                 r = enqueue_one(a, &tasks[i], redop);
                 if (r != ncclSuccess) {
-                    failed = tasks[i].comm;
+                    *failed = tasks[i].comm;
                     break;
                 }
             }
@@ -125,17 +127,30 @@ pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
             r2 = a->ncclGroupEnd();
             if (r == ncclSuccess) {
                 r = r2;
-                failed = tasks[0].comm;
+                *failed = tasks[0].comm;
             }
         }
     }
-    /* ncclInProgress is no error: a non-blocking communicator is still
-     * working on the call (watchdog.c polls it). */
-    if (r != ncclSuccess && r != ncclInProgress) {
-        pyccl_nccl_failed(a, r, failed, last, last_size);
-    }
     if (premul != NULL) {
         a->ncclRedOpDestroy(made, tasks[0].comm);
+    }
+    return r;
+}
+
+ncclResult_t
+pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n, int redop,
+                    const pyccl_premul *premul, pyccl_comm *const *comms, Py_ssize_t ncomms,
+                    char *last, size_t last_size)
+{
+    ncclComm_t failed;
+    pyccl_comms_lock(comms, ncomms); /* one thread at a time in NCCL */
+    ncclResult_t r = nccl_calls(a, tasks, n, redop, premul, &failed);
+    pyccl_comms_unlock(comms, ncomms);
+    /* NCCL keeps its text per thread: this one's next NCCL call is not made
+     * yet.  ncclInProgress is no error: a non-blocking communicator is still
+     * working on the call (the watch polls it). */
+    if (r != ncclSuccess && r != ncclInProgress) {
+        pyccl_nccl_failed(a, r, failed, last, last_size);
     }
     return r;
 }
@@ -145,7 +160,6 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
               Py_ssize_t n, int redop, const pyccl_premul *premul,
               PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms)
 {
-    const pyccl_api *a = &st->api;
     ncclResult_t r;
     char last[PYCCL_LAST_ERROR_SIZE] = "";
     Py_BEGIN_ALLOW_THREADS
@@ -153,9 +167,7 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
     if (serialize != NULL) {
         PyThread_acquire_lock(serialize, WAIT_LOCK);
     }
-    pyccl_comms_lock(comms, ncomms); /* one thread at a time in NCCL */
-    r = pyccl_enqueue_calls(a, tasks, n, redop, premul, last, sizeof last);
-    pyccl_comms_unlock(comms, ncomms);
+    r = pyccl_enqueue_calls(&st->api, tasks, n, redop, premul, comms, ncomms, last, sizeof last);
     if (serialize != NULL) {
         PyThread_release_lock(serialize);
     }

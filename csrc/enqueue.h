@@ -17,16 +17,21 @@
 int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
                   Py_ssize_t n, int redop, const pyccl_premul *premul,
                   PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms);
-/* The NCCL calls of pyccl_enqueue alone (no GIL handling, no exception):
- * NCCL's result, with ncclGetLastError's text copied into `last` on error. */
+/* The NCCL calls of pyccl_enqueue alone, without the GIL and raising
+ * nothing: the locks of the communicators of `comms` without a watch held
+ * around them (pyccl_comms_lock); a premul_sum op made for the call when
+ * `premul` is not NULL (else `redop`).  NCCL's result, with
+ * ncclGetLastError's text copied into `last` on error (ncclInProgress is no
+ * error: a non-blocking communicator is still working on the call). */
+ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
+                                 int redop, const pyccl_premul *premul,
+                                 pyccl_comm *const *comms, Py_ssize_t ncomms, char *last,
+                                 size_t last_size);
 /* Without the GIL, after an NCCL call on comm returned r: on a non-blocking
  * communicator, poll ncclCommGetAsyncError until the call is done (its
  * result), or ncclInProgress once `deadline` (monotonic s, 0: none) passed. */
 ncclResult_t pyccl_nccl_settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r,
                                double deadline);
-ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks,
-                                 Py_ssize_t n, int redop, const pyccl_premul *premul,
-                                 char *last, size_t last_size);
 /* With the GIL released: the locks (mu) of the distinct communicators of cs
  * that have no watch, in address order (one order for every thread);
  * unlock the same list while still holding them. */

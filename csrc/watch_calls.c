@@ -371,9 +371,7 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
         }
         /* communicators without a watch in the same call (NCCL refuses
          * the group, but only at its end) */
-        pyccl_comms_lock(comms, ncomms);
-        r = pyccl_enqueue_calls(a, tasks, n, redop, premul, last, sizeof last);
-        pyccl_comms_unlock(comms, ncomms);
+        r = pyccl_enqueue_calls(a, tasks, n, redop, premul, comms, ncomms, last, sizeof last);
         for (int j = 0; j < nw; j++) {
             call_end(ws[j], op);
         }
