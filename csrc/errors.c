@@ -93,10 +93,14 @@ pyccl_raise_nccl(pyccl_state *st, const char *op, ncclResult_t res,
 }
 
 int
-pyccl_raise_refusal(pyccl_state *st, const char *op, ncclResult_t res, const char *reason)
+pyccl_raise_mixed_group(pyccl_state *st, const char *op)
 {
+    /* NCCL's code where NCCL would (or might) refuse it */
+    ncclResult_t res = ncclInvalidArgument;
     const char *errstr = st->api.ncclGetErrorString ? st->api.ncclGetErrorString(res) : "unknown";
-    PyObject *msg = PyUnicode_FromFormat("%s: %s", op, reason);
+    PyObject *msg = PyUnicode_FromFormat("%s: one pyccl.group() cannot mix communicators with "
+                                         "and without a timeout (NCCL's non-blocking and "
+                                         "blocking kinds); this call was not enqueued", op);
     if (msg != NULL) {
         raise_with_attrs(st->NcclError, msg, (int)res, errstr, NULL, 0);
     }

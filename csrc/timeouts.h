@@ -64,8 +64,13 @@ int pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out,
 int pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
                        double timeout);
 /* pyccl_enqueue for tasks on communicators of which some have a watch
- * (comms: the communicators of the tasks, repeats allowed); the door's
- * submit (call.c) chooses it. */
+ * (comms: the communicators of the tasks, repeats allowed): the door's
+ * submit (call.c) hands the call over whole.  Each communicator with a
+ * watch is checked first (pyccl_comm_alive: its failure, then not ready or
+ * destroyed), then the call joins this thread's open pyccl.group()
+ * (pyccl_group_join), then, under the watches: room for another event, the
+ * NCCL calls, their completion polled (outside a group), an event recorded
+ * after them, and what went wrong raised.  -1 with an exception. */
 int pyccl_enqueue_timed(pyccl_state *st, const char *op,
                         const pyccl_task *tasks, Py_ssize_t n, int redop,
                         const pyccl_premul *premul, pyccl_comm *const *comms,

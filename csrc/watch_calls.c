@@ -253,7 +253,8 @@ watch_set_free(watch_set *g)
     }
 }
 
-/* -1 with an exception: out of memory, or a communicator already failed. */
+/* -1 with an exception: out of memory, or a communicator with a watch
+ * already failed (or not usable: pyccl_comm_alive). */
 static int
 watch_set_fill(watch_set *g, pyccl_state *st, const char *op, pyccl_comm *const *comms,
                Py_ssize_t ncomms, int in_group)
@@ -280,7 +281,8 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, pyccl_comm *const 
         if (w == NULL || seen) {
             continue;
         }
-        if (pyccl_watch_check(st, op, comms[i]) < 0) {
+        /* its failure first, as the door's begin would say it */
+        if (pyccl_comm_alive(st, op, comms[i]) < 0) {
             return -1;
         }
         g->ws[g->n++] = w;
@@ -299,23 +301,75 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, pyccl_comm *const 
     return 0;
 }
 
-/* After the calls: raise the failure of the watch that failed first (from
- * `which` on) and forget the handles the watchdog aborted.  1 when raised. */
+/* What came of a call under the watch, raised at one place at its end. */
+typedef struct {
+    int refused;    /* the open group holds communicators without a timeout */
+    int got;        /* acquire_all: 0 locked, 1 ws[which] failed, -1 interrupted */
+    int polled;     /* 1: the deadline of ws[which] passed; -1: interrupted */
+    int which;
+    ncclResult_t r; /* the NCCL calls' (ncclInProgress polled to its end) */
+    cudaError_t rec_err;
+    char last[PYCCL_LAST_ERROR_SIZE];
+} timed_outcome;
+
+/* The calls were made and every watch is well. */
 static int
-raise_failed(pyccl_state *st, const char *op, watch_set *g, int which)
+all_well(const watch_set *g, const timed_outcome *o)
 {
-    int raised = 0;
+    int ok = !o->refused && o->got == 0 && o->polled == 0 && o->r == ncclSuccess &&
+             o->rec_err == cudaSuccess;
+    for (int j = 0; ok && j < g->n; j++) {
+        ok = !failed_kind(g->ws[j]);
+    }
+    return ok;
+}
+
+/* The handles the watch aborted are forgotten (their communicators' comm
+ * cleared); the watch whose failure the call raises: the one that failed
+ * first (acquiring, or from `which` on after the calls), or -1. */
+static int
+forget_failed(watch_set *g, const timed_outcome *o)
+{
+    if (o->got == 1) {
+        g->owners[o->which]->comm = NULL;
+        return o->which;
+    }
+    if (o->refused || o->got < 0) {
+        return -1;
+    }
+    int first = -1;
     for (int k = 0; k < g->n; k++) {
-        int j = (k + which) % g->n; /* the one that failed first, first */
-        if (failed_kind(g->ws[j])) {
+        int j = (k + o->which) % g->n; /* the one that failed first, first */
+        if (o->polled < 0 || failed_kind(g->ws[j])) {
             g->owners[j]->comm = NULL;
-            if (!raised) {
-                raised = 1;
-                raise_failure(st, op, g->ws[j]);
-            }
+            first = first < 0 ? j : first;
         }
     }
-    return raised;
+    /* interrupted mid-call, every handle aborted: the signal handler's
+     * exception is the one raised */
+    return o->polled < 0 ? -1 : first;
+}
+
+/* The call did not go well: raise why (-1), the first failure first. */
+static int
+raise_outcome(pyccl_state *st, const char *op, watch_set *g, const timed_outcome *o)
+{
+    int failed = forget_failed(g, o);
+    if (failed >= 0) {
+        return raise_failure(st, op, g->ws[failed]);
+    }
+    if (o->refused) {
+        return pyccl_raise_mixed_group(st, op);
+    }
+    if (o->got < 0 || o->polled < 0) {
+        return -1; /* the signal handler's exception */
+    }
+    if (o->r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, o->r, o->last);
+        return -1;
+    }
+    pyccl_raise_cuda(st, op, "cudaEventRecord", o->rec_err);
+    return -1;
 }
 
 /* Inside pyccl.group(): remember each communicator's tasks for the group's
@@ -349,69 +403,52 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
                     pyccl_comm *const *comms, Py_ssize_t ncomms)
 {
     const pyccl_api *a = &st->api;
-    int in_group = pyccl_group_depth() > 0, rc = -1;
+    int in_group = pyccl_group_depth() > 0;
+    timed_outcome o = {.r = ncclSuccess, .rec_err = cudaSuccess};
     watch_set g;
-    if (watch_set_fill(&g, st, op, comms, ncomms, in_group) < 0) {
+    /* the communicators first, then this thread's open group (refused
+     * before anything is enqueued) */
+    if (watch_set_fill(&g, st, op, comms, ncomms, in_group) < 0 ||
+        (o.refused = pyccl_group_join(comms, ncomms, 1)) < 0) {
         watch_set_free(&g);
         return -1;
     }
     struct pyccl_watch **ws = g.ws;
-    int nw = g.n;
-    ncclResult_t r = ncclSuccess;
-    char last[512] = "";
-    int which = 0, got;
-    int polled = 0; /* 1: deadline passed on ws[which]; -1: interrupted */
-    cudaError_t rec_err = cudaSuccess;
-    waiter wt;
-    waiter_start(&wt, 1);
-    got = acquire_all(&wt, ws, nw, !in_group, &which);
-    if (got == 0) {
-        for (int j = 0; j < nw; j++) {
-            call_begin(ws[j]);
-        }
-        /* communicators without a watch in the same call (NCCL refuses
-         * the group, but only at its end) */
-        r = pyccl_enqueue_calls(a, tasks, n, redop, premul, comms, ncomms, last, sizeof last);
-        for (int j = 0; j < nw; j++) {
-            call_end(ws[j], op);
-        }
-        if (in_group) {
-            /* NCCL launches nothing before the group's end */
-            r = r == ncclInProgress ? ncclSuccess : r;
-            for (int j = 0; j < nw; j++) {
-                ws[j]->in_group += r == ncclSuccess && g.fresh[j] && !ws[j]->failed;
-                pthread_mutex_unlock(&ws[j]->mu);
+    if (!o.refused) {
+        waiter wt;
+        waiter_start(&wt, 1);
+        o.got = acquire_all(&wt, ws, g.n, !in_group, &o.which);
+        if (o.got == 0) {
+            for (int j = 0; j < g.n; j++) {
+                call_begin(ws[j]);
+            }
+            /* communicators without a watch in the same call are locked too
+             * (NCCL refuses the group, but only at its end) */
+            o.r = pyccl_enqueue_calls(a, tasks, n, redop, premul, comms, ncomms, o.last,
+                                      sizeof o.last);
+            for (int j = 0; j < g.n; j++) {
+                call_end(ws[j], op);
+            }
+            if (in_group) {
+                /* NCCL launches nothing before the group's end */
+                o.r = o.r == ncclInProgress ? ncclSuccess : o.r;
+                for (int j = 0; j < g.n; j++) {
+                    ws[j]->in_group += o.r == ncclSuccess && g.fresh[j] && !ws[j]->failed;
+                    pthread_mutex_unlock(&ws[j]->mu);
+                }
+            }
+            else {
+                if (o.r == ncclInProgress) {
+                    o.polled = poll_in_progress(a, &wt, ws, g.n, &o.r, &o.which);
+                }
+                o.rec_err = settle_watches(a, op, tasks, n, ws, g.n, o.r, o.polled, o.last,
+                                           &o.which);
             }
         }
-        else {
-            if (r == ncclInProgress) {
-                polled = poll_in_progress(a, &wt, ws, nw, &r, &which);
-            }
-            rec_err = settle_watches(a, op, tasks, n, ws, nw, r, polled, last, &which);
-        }
+        waiter_finish(&wt);
     }
-    waiter_finish(&wt);
-    if (got == 1) {
-        raise_failure(st, op, ws[which]);
-        g.owners[which]->comm = NULL;
-    }
-    else if (got < 0 || polled < 0) {
-        for (int j = 0; got == 0 && j < nw; j++) {
-            g.owners[j]->comm = NULL; /* aborted: interrupted mid-call */
-        }
-        /* the signal handler's exception */
-    }
-    else if (!raise_failed(st, op, &g, which)) {
-        if (r != ncclSuccess) {
-            pyccl_raise_nccl(st, op, r, last);
-        }
-        else if (rec_err != cudaSuccess) {
-            pyccl_raise_cuda(st, op, "cudaEventRecord", rec_err);
-        }
-        else {
-            rc = in_group ? add_to_group(op, &g, tasks, n) : 0;
-        }
-    }
+    int rc = all_well(&g, &o) ? (in_group ? add_to_group(op, &g, tasks, n) : 0)
+                              : raise_outcome(st, op, &g, &o);
     watch_set_free(&g);
     return rc;
 }
