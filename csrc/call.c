@@ -6,7 +6,8 @@
  * The GIL may be released between a call's begin and end (NCCL calls,
  * kernel launches, waits); c->inflight says how many calls are in that
  * stretch, and destroy() refuses while any is.  This file is the only one
- * that writes c->inflight, c->in_group and c->life. */
+ * that writes c->inflight and c->life; c->in_group is written where this
+ * thread's pyccl.group() is kept (enqueue.c), as a call joins the group. */
 #include "call.h"
 #include "timeouts.h"
 #include "enqueue.h"
@@ -57,51 +58,6 @@ pyccl_call_end_all(pyccl_comm *const *cs, Py_ssize_t n)
     }
 }
 
-/* ---------------- groups ----------------
- * The communicators this thread enqueued on inside its open pyccl.group(),
- * each once, with a reference (NCCL uses them at the group's end). */
-static _Thread_local PyObject **group_comms;
-static _Thread_local Py_ssize_t group_n, group_cap;
-
-int
-pyccl_call_note_group(pyccl_comm *c)
-{
-    for (Py_ssize_t i = 0; i < group_n; i++) {
-        if (group_comms[i] == (PyObject *)c) {
-            return 0;
-        }
-    }
-    if (group_n == group_cap) {
-        Py_ssize_t cap = group_cap ? 2 * group_cap : 8;
-        PyObject **v = PyMem_Realloc(group_comms, (size_t)cap * sizeof *v);
-        if (v == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        group_comms = v;
-        group_cap = cap;
-    }
-    group_comms[group_n++] = Py_NewRef((PyObject *)c);
-    c->in_group++;
-    return 0;
-}
-
-void
-pyccl_call_group_done(void)
-{
-    PyObject **v = group_comms;
-    Py_ssize_t n = group_n;
-    group_comms = NULL;
-    group_n = group_cap = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        ((pyccl_comm *)v[i])->in_group--;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_DECREF(v[i]);
-    }
-    PyMem_Free(v);
-}
-
 /* ---------------- submit ---------------- */
 
 /* A communicator without timeout was used on stream s (for wait(), which
@@ -146,33 +102,24 @@ pyccl_call_submit(pyccl_state *st, const char *op, const pyccl_task *tasks,
             }
         }
     }
-    /* refused on every rank alike, before anything is enqueued */
-    int refused = 0;
-    if (pyccl_group_depth() > 0) {
-        refused = pyccl_group_join(timed) < 0;
-        for (Py_ssize_t j = 0; !refused && j < ncomms; j++) {
-            if (pyccl_call_note_group(comms[j]) < 0) {
-                return -1;
-            }
-        }
-    }
-    if (!refused) {
-        return timed ? pyccl_enqueue_timed(st, op, tasks, n, redop, premul, comms, ncomms)
-                     : pyccl_enqueue(st, op, tasks, n, redop, premul, serialize, comms, ncomms);
-    }
-    return pyccl_raise_refusal(st, op, ncclInvalidArgument,
-                               "one pyccl.group() cannot mix communicators with and "
-                               "without a timeout (NCCL's non-blocking and blocking "
-                               "kinds); this call was not enqueued");
+    /* Each joins this thread's open pyccl.group() (refused, before anything
+     * is enqueued, when it holds the other kind), the watch once it checked
+     * its communicators. */
+    return timed ? pyccl_enqueue_timed(st, op, tasks, n, redop, premul, comms, ncomms)
+                 : pyccl_enqueue(st, op, tasks, n, redop, premul, serialize, comms, ncomms);
 }
 
 int
 pyccl_call_run(pyccl_state *st, const char *op, pyccl_comm *c, const pyccl_task *tasks,
                Py_ssize_t n, int redop, const pyccl_premul *premul)
 {
-    if (pyccl_call_begin(st, op, c) < 0) {
+    /* The call begins: a communicator with a watch is checked by the watch's
+     * enqueue, first thing (its failure first, as pyccl_call_begin would:
+     * nothing runs between), the others here. */
+    if (c->watch == NULL && pyccl_raise_unusable(op, c) < 0) {
         return -1;
     }
+    pyccl_call_hold(c);
     int rc = pyccl_call_submit(st, op, tasks, n, redop, premul, NULL, &c, 1);
     pyccl_call_end(c);
     return rc;
@@ -181,7 +128,7 @@ pyccl_call_run(pyccl_state *st, const char *op, pyccl_comm *c, const pyccl_task 
 int
 pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s)
 {
-    if (pyccl_group_depth() > 0 && pyccl_call_note_group(c) < 0) {
+    if (pyccl_group_depth() > 0 && pyccl_group_note(c) < 0) {
         return -1;
     }
     if (c->watch == NULL) {

@@ -7,8 +7,9 @@
  * decision here, with the GIL held and before any side effect, so every
  * other thread's entry sees it.
  *
- * A communicator's states (c->life, plus the counters that only this file
- * writes):
+ * A communicator's states (c->life and c->inflight, which only this file
+ * writes, and c->in_group, which a call's submit counts as it joins the
+ * thread's open pyccl.group(): enqueue.c):
  *   usable      calls begin;
  *   in a group  c->in_group > 0: enqueued on inside a pyccl.group() of some
  *               thread that has not ended (NCCL runs that work at the group's
@@ -44,30 +45,25 @@ void pyccl_call_end_all(pyccl_comm *const *cs, Py_ssize_t n);
 
 /* Own-kernel work of a begun call was launched on stream s: tracked as
  * NCCL work would be (pyccl_comm_track), and noted in this thread's open
- * group like it.  -1 with an exception. */
+ * group like it (pyccl_group_note).  -1 with an exception. */
 int pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s);
 
 /* Submit NCCL tasks of a begun call: on `comms` (their communicators,
  * repeats allowed; NULL and 0 for a clique's, which `serialize` covers):
- * under the watch when one of them has a timeout, else pyccl_enqueue; the
- * streams of communicators without a timeout noted for wait(); inside a
- * pyccl.group(), each communicator noted as in the group until its end.
+ * the streams of communicators without a timeout noted for wait(), then one
+ * hook below: the watch's enqueue when one of them has a timeout (which
+ * checks them first), else pyccl_enqueue; inside a pyccl.group(), either
+ * joins it, each communicator noted as in the group until its end.
  * `premul`: a premul_sum op to make for the call (NULL: `redop`). */
 int pyccl_call_submit(pyccl_state *st, const char *op, const pyccl_task *tasks,
                       Py_ssize_t n, int redop, const pyccl_premul *premul,
                       PyThread_type_lock serialize, pyccl_comm *const *comms,
                       Py_ssize_t ncomms);
-/* One call on one communicator, whole: begin, submit, end.  -1 with an
- * exception. */
+/* One call on one communicator, whole: begin, submit, end (a communicator
+ * with a watch is checked by the watch's enqueue, first thing, as begin
+ * would).  -1 with an exception. */
 int pyccl_call_run(pyccl_state *st, const char *op, pyccl_comm *c, const pyccl_task *tasks,
                    Py_ssize_t n, int redop, const pyccl_premul *premul);
-/* c is used inside this thread's open pyccl.group() (NCCL takes it up at
- * the group's end): counted there once until pyccl_call_group_done.  -1
- * with MemoryError. */
-int pyccl_call_note_group(pyccl_comm *c);
-/* The outermost pyccl.group() of this thread ended (after its watched
- * communicators were settled): the communicators used in it leave it. */
-void pyccl_call_group_done(void);
 
 /* destroy(): 0 with c in the destroying state (nothing done yet), or -1
  * with RuntimeError when c is in use by another thread, used inside a

@@ -102,7 +102,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         }
         char last[PYCCL_LAST_ERROR_SIZE] = "";
         /* NCCL uses the parent at the group's end: it is in the group */
-        if (pyccl_call_begin(x.st, "split", x.c) < 0 || pyccl_call_note_group(x.c) < 0) {
+        if (pyccl_call_begin(x.st, "split", x.c) < 0 || pyccl_group_note(x.c) < 0) {
             Py_XDECREF(child);
             return NULL;
         }

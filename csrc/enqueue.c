@@ -88,13 +88,16 @@ enqueue_one(const pyccl_api *a, const pyccl_task *t, int redop)
     return ncclInvalidArgument;
 }
 
-ncclResult_t
-pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
-                    int redop, const pyccl_premul *premul, char *last, size_t last_size)
+/* The rows as one NCCL group (no group for one row), a premul_sum op made for
+ * them first when asked: NCCL's result, and in *failed the communicator of
+ * the call that failed (NULL for the group's start). */
+static ncclResult_t
+nccl_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n, int redop,
+           const pyccl_premul *premul, ncclComm_t *failed)
 {
-    ncclResult_t r, r2;
-    ncclComm_t failed = NULL;
+    ncclResult_t r = ncclSuccess, r2;
     ncclRedOp_t made = (ncclRedOp_t)0;
+    *failed = tasks[0].comm;
     if (premul != NULL) {
         /* the tasks' one communicator, locked by the caller; NCCL lets the
          * op go as soon as the calls given it returned */
@@ -102,22 +105,21 @@ pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
                                         (ncclDataType_t)premul->type,
                                         ncclScalarHostImmediate, tasks[0].comm);
         if (r != ncclSuccess) {
-            pyccl_nccl_failed(a, r, tasks[0].comm, last, last_size);
             return r;
         }
         redop = (int)made;
     }
     if (n == 1) {
         r = enqueue_one(a, &tasks[0], redop);
-        failed = tasks[0].comm;
     }
     else {
+        *failed = NULL;
         r = a->ncclGroupStart();
         if (r == ncclSuccess) {
             for (Py_ssize_t i = 0; i < n; i++) {
                 r = enqueue_one(a, &tasks[i], redop);
                 if (r != ncclSuccess) {
-                    failed = tasks[i].comm;
+                    *failed = tasks[i].comm;
                     break;
                 }
             }
@@ -125,17 +127,30 @@ pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
             r2 = a->ncclGroupEnd();
             if (r == ncclSuccess) {
                 r = r2;
-                failed = tasks[0].comm;
+                *failed = tasks[0].comm;
             }
         }
     }
-    /* ncclInProgress is no error: a non-blocking communicator is still
-     * working on the call (watchdog.c polls it). */
-    if (r != ncclSuccess && r != ncclInProgress) {
-        pyccl_nccl_failed(a, r, failed, last, last_size);
-    }
     if (premul != NULL) {
         a->ncclRedOpDestroy(made, tasks[0].comm);
+    }
+    return r;
+}
+
+ncclResult_t
+pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n, int redop,
+                    const pyccl_premul *premul, pyccl_comm *const *comms, Py_ssize_t ncomms,
+                    char *last, size_t last_size)
+{
+    ncclComm_t failed;
+    pyccl_comms_lock(comms, ncomms); /* one thread at a time in NCCL */
+    ncclResult_t r = nccl_calls(a, tasks, n, redop, premul, &failed);
+    pyccl_comms_unlock(comms, ncomms);
+    /* NCCL keeps its text per thread: this one's next NCCL call is not made
+     * yet.  ncclInProgress is no error: a non-blocking communicator is still
+     * working on the call (the watch polls it). */
+    if (r != ncclSuccess && r != ncclInProgress) {
+        pyccl_nccl_failed(a, r, failed, last, last_size);
     }
     return r;
 }
@@ -145,21 +160,26 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
               Py_ssize_t n, int redop, const pyccl_premul *premul,
               PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms)
 {
-    const pyccl_api *a = &st->api;
-    ncclResult_t r;
+    ncclResult_t r = ncclSuccess;
     char last[PYCCL_LAST_ERROR_SIZE] = "";
-    Py_BEGIN_ALLOW_THREADS
-    /* Taken without the GIL: a holder may be waiting for the GIL. */
-    if (serialize != NULL) {
-        PyThread_acquire_lock(serialize, WAIT_LOCK);
+    /* refused on every rank alike, before anything is enqueued */
+    int refused = pyccl_group_join(comms, ncomms, 0);
+    if (refused == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        /* Taken without the GIL: a holder may be waiting for the GIL. */
+        if (serialize != NULL) {
+            PyThread_acquire_lock(serialize, WAIT_LOCK);
+        }
+        r = pyccl_enqueue_calls(&st->api, tasks, n, redop, premul, comms, ncomms, last,
+                                sizeof last);
+        if (serialize != NULL) {
+            PyThread_release_lock(serialize);
+        }
+        Py_END_ALLOW_THREADS
     }
-    pyccl_comms_lock(comms, ncomms); /* one thread at a time in NCCL */
-    r = pyccl_enqueue_calls(a, tasks, n, redop, premul, last, sizeof last);
-    pyccl_comms_unlock(comms, ncomms);
-    if (serialize != NULL) {
-        PyThread_release_lock(serialize);
+    if (refused != 0) {
+        return refused < 0 ? -1 : pyccl_raise_mixed_group(st, op);
     }
-    Py_END_ALLOW_THREADS
     if (r != ncclSuccess) {
         pyccl_raise_nccl(st, op, r, last);
         return -1;
@@ -167,10 +187,16 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
     return 0;
 }
 
-/* pyccl.group() nesting on this thread: NCCL's group state is per thread;
- * group_timed: the kind of the communicators in the open group (-1: none yet). */
+/* ---------------- this thread's pyccl.group() ----------------
+ * NCCL's group state is per thread, and so is pyccl.group(): its depth, the
+ * kind of the communicators in the open group (with a timeout or not; -1:
+ * none yet), and the communicators used in it, each once with a reference
+ * (NCCL uses them at the group's end) and counted in c->in_group until then,
+ * which the door reads to refuse destroy() and abort(). */
 static _Thread_local int group_depth;
 static _Thread_local int group_timed = -1;
+static _Thread_local PyObject **group_comms;
+static _Thread_local Py_ssize_t group_n, group_cap;
 
 int
 pyccl_group_depth(void)
@@ -179,12 +205,62 @@ pyccl_group_depth(void)
 }
 
 int
-pyccl_group_join(int timed)
+pyccl_group_note(pyccl_comm *c)
 {
+    for (Py_ssize_t i = 0; i < group_n; i++) {
+        if (group_comms[i] == (PyObject *)c) {
+            return 0;
+        }
+    }
+    if (group_n == group_cap) {
+        Py_ssize_t cap = group_cap ? 2 * group_cap : 8;
+        PyObject **v = PyMem_Realloc(group_comms, (size_t)cap * sizeof *v);
+        if (v == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        group_comms = v;
+        group_cap = cap;
+    }
+    group_comms[group_n++] = Py_NewRef((PyObject *)c);
+    c->in_group++;
+    return 0;
+}
+
+int
+pyccl_group_join(pyccl_comm *const *comms, Py_ssize_t ncomms, int timed)
+{
+    if (group_depth == 0) {
+        return 0;
+    }
     if (group_timed == -1) {
         group_timed = timed;
     }
-    return group_timed == timed ? 0 : -1;
+    if (group_timed != timed) {
+        return 1;
+    }
+    for (Py_ssize_t j = 0; j < ncomms; j++) {
+        if (pyccl_group_note(comms[j]) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+void
+pyccl_group_done(void)
+{
+    PyObject **v = group_comms;
+    Py_ssize_t n = group_n;
+    group_comms = NULL;
+    group_n = group_cap = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ((pyccl_comm *)v[i])->in_group--;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_DECREF(v[i]);
+    }
+    PyMem_Free(v);
 }
 
 /* ncclGroupStart (start) or ncclGroupEnd, GIL released around exactly

@@ -1,7 +1,8 @@
 /* The enqueue layer (enqueue.c): the NCCL calls of a collective (the
- * pyccl_task rows of pyccl.h, one NCCL group for several), the group depth
- * of pyccl.group() and the kind of communicators in it, the per-communicator
- * locks, polling a non-blocking NCCL call.  Below the timeouts, above the
+ * pyccl_task rows of pyccl.h, one NCCL group for several), this thread's
+ * pyccl.group() (its depth, the kind of communicators in it, the
+ * communicators used in it), the per-communicator locks, polling a
+ * non-blocking NCCL call.  Below the timeouts, above the
  * shared pieces. */
 #ifndef PYCCL_ENQUEUE_H
 #define PYCCL_ENQUEUE_H
@@ -10,6 +11,8 @@
 
 /* Enqueue the tasks as one NCCL group (no group for a single task), GIL
  * released around exactly the NCCL calls; -1 with NcclError on failure.
+ * Inside a pyccl.group(), the call joins it first (pyccl_group_join; refused
+ * with NcclError when the group holds communicators with a timeout).
  * `serialize`, when not NULL, is held around the group: communicators shared
  * between threads must see their groups in one order on every rank.  The
  * locks of `comms` (the tasks' communicators, none with a watch; NULL for
@@ -17,16 +20,21 @@
 int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
                   Py_ssize_t n, int redop, const pyccl_premul *premul,
                   PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms);
-/* The NCCL calls of pyccl_enqueue alone (no GIL handling, no exception):
- * NCCL's result, with ncclGetLastError's text copied into `last` on error. */
+/* The NCCL calls of pyccl_enqueue alone, without the GIL and raising
+ * nothing: the locks of the communicators of `comms` without a watch held
+ * around them (pyccl_comms_lock); a premul_sum op made for the call when
+ * `premul` is not NULL (else `redop`).  NCCL's result, with
+ * ncclGetLastError's text copied into `last` on error (ncclInProgress is no
+ * error: a non-blocking communicator is still working on the call). */
+ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
+                                 int redop, const pyccl_premul *premul,
+                                 pyccl_comm *const *comms, Py_ssize_t ncomms, char *last,
+                                 size_t last_size);
 /* Without the GIL, after an NCCL call on comm returned r: on a non-blocking
  * communicator, poll ncclCommGetAsyncError until the call is done (its
  * result), or ncclInProgress once `deadline` (monotonic s, 0: none) passed. */
 ncclResult_t pyccl_nccl_settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r,
                                double deadline);
-ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks,
-                                 Py_ssize_t n, int redop, const pyccl_premul *premul,
-                                 char *last, size_t last_size);
 /* With the GIL released: the locks (mu) of the distinct communicators of cs
  * that have no watch, in address order (one order for every thread);
  * unlock the same list while still holding them. */
@@ -36,12 +44,22 @@ void pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n);
 void pyccl_comm_lock(pyccl_comm *c);
 /* Depth of pyccl.group() on the calling thread (NCCL groups are per thread). */
 int pyccl_group_depth(void);
-/* A call on a communicator with (timed = 1) or without a timeout joins this
- * thread's open group: 0, or -1 when the group already holds the other kind
- * (NCCL's non-blocking and blocking communicators, which one NCCL group cannot
- * mix; NCCL itself refuses only where a connection or launch job is queued,
- * so on some ranks and transports and not on others). */
-int pyccl_group_join(int timed);
+/* A call on `comms` (repeats allowed; NULL and 0 for a clique's), with
+ * (timed = 1) or without a timeout, joins this thread's open pyccl.group(),
+ * if one is open: each communicator noted in it (pyccl_group_note).  0; 1
+ * refused, nothing noted, when the group already holds the other kind
+ * (NCCL's non-blocking and blocking communicators, which one NCCL group
+ * cannot mix; NCCL itself refuses only where a connection or launch job is
+ * queued, so on some ranks and transports and not on others): the caller
+ * raises pyccl_raise_mixed_group; -1 with MemoryError. */
+int pyccl_group_join(pyccl_comm *const *comms, Py_ssize_t ncomms, int timed);
+/* c is used inside this thread's open pyccl.group() (NCCL takes it up at
+ * the group's end): counted in c->in_group once until pyccl_group_done.
+ * -1 with MemoryError. */
+int pyccl_group_note(pyccl_comm *c);
+/* The outermost pyccl.group() of this thread ended (after its watched
+ * communicators were settled): the communicators used in it leave it. */
+void pyccl_group_done(void);
 /* ncclGroupStart (start) or ncclGroupEnd with the GIL released; NCCL's
  * result, with ncclGetLastError's text copied into `last` on error.
  * *outermost: this ended the thread's outermost group (even when failing:

@@ -93,10 +93,14 @@ pyccl_raise_nccl(pyccl_state *st, const char *op, ncclResult_t res,
 }
 
 int
-pyccl_raise_refusal(pyccl_state *st, const char *op, ncclResult_t res, const char *reason)
+pyccl_raise_mixed_group(pyccl_state *st, const char *op)
 {
+    /* NCCL's code where NCCL would (or might) refuse it */
+    ncclResult_t res = ncclInvalidArgument;
     const char *errstr = st->api.ncclGetErrorString ? st->api.ncclGetErrorString(res) : "unknown";
-    PyObject *msg = PyUnicode_FromFormat("%s: %s", op, reason);
+    PyObject *msg = PyUnicode_FromFormat("%s: one pyccl.group() cannot mix communicators with "
+                                         "and without a timeout (NCCL's non-blocking and "
+                                         "blocking kinds); this call was not enqueued", op);
     if (msg != NULL) {
         raise_with_attrs(st->NcclError, msg, (int)res, errstr, NULL, 0);
     }
@@ -113,6 +117,31 @@ pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
     PyObject *msg = PyUnicode_FromFormat("%s: %s failed: CUDA error %d (%s)",
                                          op, call, (int)err, errstr);
     raise_with_attrs(st->CudaError, msg, (int)err, errstr, NULL, 0);
+}
+
+int
+pyccl_raise_not_ready(const char *op)
+{
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: the communicator is not ready: it was created inside "
+                 "pyccl.group(), which has not ended yet", op);
+    return -1;
+}
+
+int
+pyccl_raise_unusable(const char *op, const pyccl_comm *c)
+{
+    if (c->pending) {
+        return pyccl_raise_not_ready(op);
+    }
+    /* destroy() begun (call.c) counts as done for every other caller */
+    if (c->comm == NULL || c->life != PYCCL_LIFE_USABLE) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: the communicator (rank %d of %d) has been destroyed",
+                     op, c->rank, c->size);
+        return -1;
+    }
+    return 0;
 }
 
 PyObject *

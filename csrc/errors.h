@@ -1,9 +1,10 @@
 /* What errors.c offers: every raise of the extension (NCCL's and CUDA's
  * errors, with ncclGetLastError's text copied on the thread that made the
- * call; a call refused with NCCL's code; the exception of a failed
- * communicator, of kind PYCCL_FAIL_*, and the timeout messages) and seconds
- * as the messages print them.  A shared piece (the lowest layer): one header
- * per file there. */
+ * call; a call refused with NCCL's code (a pyccl.group() mixing kinds of
+ * communicators); a communicator not ready or destroyed; the exception of a
+ * failed communicator, of kind PYCCL_FAIL_*, and the timeout messages) and
+ * seconds as the messages print them.  A shared piece (the lowest layer):
+ * one header per file there. */
 #ifndef PYCCL_ERRORS_H
 #define PYCCL_ERRORS_H
 
@@ -28,11 +29,18 @@ int pyccl_nccl_failed(const pyccl_api *a, ncclResult_t r, ncclComm_t comm,
 /* Raise NcclError for `res`; `last` is ncclGetLastError text or NULL. */
 void pyccl_raise_nccl(pyccl_state *st, const char *op, ncclResult_t res,
                       const char *last);
-/* NcclError "op: reason" with NCCL's code `res`, for a call pyccl refuses
- * where NCCL would (or might) with that code; -1. */
-int pyccl_raise_refusal(pyccl_state *st, const char *op, ncclResult_t res, const char *reason);
+/* NcclError (code ncclInvalidArgument, as NCCL would or might refuse it):
+ * one pyccl.group() cannot mix communicators with and without a timeout,
+ * and this call was not enqueued; -1. */
+int pyccl_raise_mixed_group(pyccl_state *st, const char *op);
 void pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
                       cudaError_t err);
+/* RuntimeError "<op>: the communicator is not ready: it was created inside
+ * pyccl.group(), which has not ended yet"; always -1. */
+int pyccl_raise_not_ready(const char *op);
+/* c's own state (not its watch's): -1 raising RuntimeError when it is not
+ * ready (above) or has been destroyed (also while destroy() runs), else 0. */
+int pyccl_raise_unusable(const char *op, const pyccl_comm *c);
 
 /* The exception instance for a failed communicator (kind PYCCL_FAIL_*):
  * the message is `reason`, prefixed with "<op>: " unless it names op. */

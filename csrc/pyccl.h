@@ -254,8 +254,9 @@ typedef struct {
     int device;
     void *scratch;       /* barrier()'s device word, allocated on first use */
     /* The door's (call.c, the only writer): calls between begin and end,
-     * pyccl.group()s not ended that hold work of it, and its life
-     * (PYCCL_LIFE_*); abort_asked: abort() came while destroy() ran. */
+     * and its life (PYCCL_LIFE_*); in_group: pyccl.group()s not ended that
+     * hold work of it (enqueue.c, the only writer, as a call joins the
+     * group); abort_asked: abort() came while destroy() ran. */
     int inflight;
     int in_group;
     int life;

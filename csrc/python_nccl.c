@@ -691,7 +691,7 @@ nccl_group(PyObject *m, int start)
          * (ncclInProgress is how a non-blocking group ends); then every
          * communicator used in the group leaves it */
         int rc = pyccl_watch_group_end(st, r);
-        pyccl_call_group_done();
+        pyccl_group_done();
         if (rc < 0) {
             return NULL;
         }

@@ -48,11 +48,9 @@ pthread_mutex_t *pyccl_comm_hold(pyccl_comm *c, ncclComm_t *comm);
 int pyccl_comm_held_done(pyccl_comm *c, pthread_mutex_t *held, const char *op);
 /* -1 raising c's failure when it failed (then c->comm is cleared), else 0. */
 int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
-/* -1 with RuntimeError when c was destroyed (or is pending, or failed). */
+/* -1 raising c's failure (timed out, aborted: its watch's record, first), or
+ * RuntimeError when c is not ready or destroyed (pyccl_raise_unusable). */
 int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
-/* RuntimeError "<op>: the communicator is not ready: it was created inside
- * pyccl.group(), which has not ended yet"; always -1. */
-int pyccl_raise_not_ready(const char *op);
 /* Fill in rank and size of a communicator created inside a group (NCCL
  * knows them only once the group ended). */
 int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
@@ -66,8 +64,13 @@ int pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out,
 int pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
                        double timeout);
 /* pyccl_enqueue for tasks on communicators of which some have a watch
- * (comms: the communicators of the tasks, repeats allowed); the door's
- * submit (call.c) chooses it. */
+ * (comms: the communicators of the tasks, repeats allowed): the door's
+ * submit (call.c) hands the call over whole.  Each communicator with a
+ * watch is checked first (pyccl_comm_alive: its failure, then not ready or
+ * destroyed), then the call joins this thread's open pyccl.group()
+ * (pyccl_group_join), then, under the watches: room for another event, the
+ * NCCL calls, their completion polled (outside a group), an event recorded
+ * after them, and what went wrong raised.  -1 with an exception. */
 int pyccl_enqueue_timed(pyccl_state *st, const char *op,
                         const pyccl_task *tasks, Py_ssize_t n, int redop,
                         const pyccl_premul *premul, pyccl_comm *const *comms,

@@ -95,11 +95,13 @@ int failed_kind(const struct pyccl_watch *w);
 void free_watch(struct pyccl_watch *w);
 void lock_watch(struct pyccl_watch *w);
 struct pyccl_watch * new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout);
-int poll_comm(waiter *wt, const pyccl_api *a, ncclComm_t comm, double deadline, ncclResult_t *res);
 int raise_failure(pyccl_state *st, const char *op, struct pyccl_watch *w);
 cudaError_t watch_record(struct pyccl_watch *w, cudaStream_t s, const char *op);
 cudaError_t watch_retire(struct pyccl_watch *w, int all, const char **bad_op);
 pyccl_state * watch_state_of(PyObject *self);
+/* Add w to the watchdog's list, starting its thread on first use; -1 with
+ * RuntimeError when it cannot start. */
+int register_watch(pyccl_state *st, const char *op, struct pyccl_watch *w);
 void unregister_watch(pyccl_state *st, struct pyccl_watch *w);
 void waiter_finish(waiter *wt);
 int waiter_pause(waiter *wt);
@@ -110,6 +112,12 @@ int waiter_pause(waiter *wt);
 int poll_watch(waiter *wt, struct pyccl_watch *w, double deadline, ncclResult_t *res);
 void waiter_start(waiter *wt, int interruptible);
 int acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room, int *which);
+/* This thread's open pyccl.group() holds work under w (the watch's own list
+ * of it, settled at the group's end: pyccl_watch_group_end). */
+int group_has(struct pyccl_watch *w);
+/* Work of comm (w its watch) went to stream s inside the group: remembered
+ * with a reference to comm for the group's end.  -1 with MemoryError. */
+int group_add(PyObject *comm, struct pyccl_watch *w, cudaStream_t s, const char *op);
 int wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit);
 int wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit, int interruptible);
 

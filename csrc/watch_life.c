@@ -1,9 +1,11 @@
-/* A watched communicator's life past its calls (see watchdog.c): split,
- * destroy (finalize within the timeout, else abort), abort(), wait(),
+/* A watched communicator's life around its calls (see watchdog.c): its
+ * creation (a non-blocking init, polled; the watch given), split, destroy
+ * (finalize within the timeout, else abort), abort(), wait(),
  * get_async_error(), and failing it from outside (the own kernels). */
 #include "timeouts.h"
 #include "watch.h"
 #include "enqueue.h"
+#include "tensor.h"
 #include "errors.h"
 
 #include <pthread.h>
@@ -15,6 +17,121 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+/* ---------------- creation ---------------- */
+
+/* Poll comm (GIL released, in a waiter) until NCCL's call on it is done.
+ * 0: done, *res is its result; 1: deadline passed; -1: interrupted. */
+static int
+poll_comm(waiter *wt, const pyccl_api *a, ncclComm_t comm, double deadline,
+          ncclResult_t *res)
+{
+    for (;;) {
+        ncclResult_t e = ncclSuccess;
+        ncclResult_t r = a->ncclCommGetAsyncError(comm, &e);
+        if (r != ncclSuccess) {
+            *res = r;
+            return 0;
+        }
+        if (e != ncclInProgress) {
+            *res = e;
+            return 0;
+        }
+        if (pyccl_now_s() > deadline) {
+            return 1;
+        }
+        if (waiter_pause(wt) < 0) {
+            return -1;
+        }
+    }
+}
+
+int
+pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out, int nranks,
+                 const ncclUniqueId *uid, int rank, int device, double timeout)
+{
+    const pyccl_api *a = &st->api;
+    if (a->ncclCommInitRankConfig == NULL || a->ncclCommGetAsyncError == NULL) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: timeout= needs NCCL >= 2.14 (non-blocking "
+                     "communicators); this NCCL is %d",
+                     op, a->nccl_version);
+        return -1;
+    }
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = NULL;
+    ncclResult_t r, res = ncclSuccess;
+    cudaError_t ce;
+    char last[512] = "";
+    int polled = 0;
+    waiter wt;
+    double deadline = pyccl_now_s() + timeout;
+    waiter_start(&wt, 1);
+    int prev;
+    ce = pyccl_device_enter(a, device, &prev);
+    if (ce == cudaSuccess) {
+        /* NCCL's init thread keeps the device current at this call. */
+        r = a->ncclCommInitRankConfig(&comm, nranks, *uid, rank, &config);
+        pyccl_device_leave(a, device, prev);
+        if (r == ncclSuccess || r == ncclInProgress) {
+            polled = comm != NULL ? poll_comm(&wt, a, comm, deadline, &res) : 0;
+        }
+        else {
+            res = r;
+        }
+        if ((polled != 0 || res != ncclSuccess) && a->ncclGetLastError) {
+            strncpy(last, a->ncclGetLastError(comm), sizeof last - 1);
+        }
+        if ((polled != 0 || res != ncclSuccess) && comm != NULL) {
+            a->ncclCommAbort(comm); /* its abort flag ends the init's waits */
+            comm = NULL;
+        }
+    }
+    waiter_finish(&wt);
+    if (ce != cudaSuccess) {
+        pyccl_raise_cuda(st, op, "cudaSetDevice", ce);
+        return -1;
+    }
+    if (polled < 0) {
+        return -1; /* KeyboardInterrupt (or a handler's exception) */
+    }
+    if (polled > 0) {
+        return pyccl_raise_timeout(st, op, timeout,
+                                   "rank %d of %d timed out after %s s waiting for its peers "
+                                   "to join (every rank must call it with the same unique_id "
+                                   "and world_size); the communicator was aborted",
+                                   rank, nranks, pyccl_secs(timeout).s);
+    }
+    if (res != ncclSuccess) {
+        pyccl_raise_nccl(st, op, res, last);
+        return -1;
+    }
+    *out = comm;
+    return 0;
+}
+
+int
+pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
+                   double timeout)
+{
+    struct pyccl_watch *w = new_watch(st, c, c->comm, timeout);
+    if (w != NULL && register_watch(st, op, w) == 0) {
+        c->watch = w;
+        c->timeout = timeout;
+        return 0;
+    }
+    if (w != NULL) {
+        free_watch(w);
+    }
+    ncclComm_t comm = c->comm;
+    c->comm = NULL;
+    const pyccl_api *a = &st->api;
+    Py_BEGIN_ALLOW_THREADS
+    a->ncclCommAbort(comm);
+    Py_END_ALLOW_THREADS
+    return -1;
+}
 
 /* ---------------- split, destroy, abort, errors ---------------- */
 
