@@ -14,7 +14,6 @@
 #include "ar.h"
 #include "ar_setup.h"
 #include "timeouts.h"
-#include "enqueue.h"
 #include "tensor.h"
 #include "errors.h"
 
@@ -324,26 +323,18 @@ static ncclResult_t
 held_call(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, int gather, const void *send,
           void *recv, size_t count, cudaStream_t s)
 {
-    ncclComm_t comm;
-    pthread_mutex_t *held = pyccl_comm_hold(c, &comm);
-    if (held == NULL) {
+    pyccl_task t = {.coll = gather ? PYCCL_ALL_GATHER : PYCCL_ALL_REDUCE,
+                    .send = send, .recv = recv, .count = count,
+                    .type = gather ? ncclUint8 : ncclInt32, .stream = s};
+    int gone;
+    ncclResult_t r = pyccl_comm_held_call(a, c, &t, ncclMin, f->deadline, f->last,
+                                          sizeof f->last, &gone);
+    /* a peer may have what this rank sent once the call was made */
+    f->sent |= gone != PYCCL_HELD_GONE;
+    if (gone != PYCCL_HELD_MADE) {
         f->gone = 1;
         return ncclInvalidUsage;
     }
-    f->sent = 1; /* a peer may get what this call sends from here on */
-    ncclResult_t r = gather ? a->ncclAllGather(send, recv, count, ncclUint8, comm, s)
-                            : a->ncclAllReduce(send, recv, count, ncclInt32, ncclMin, comm, s);
-    if (pyccl_comm_held_done(c, held, "all_reduce")) {
-        /* the watchdog aborted the handle under the stuck call */
-        pthread_mutex_unlock(held);
-        f->gone = 1;
-        return ncclInvalidUsage;
-    }
-    r = pyccl_nccl_settle(a, comm, r, f->deadline);
-    if (r != ncclInProgress) {
-        pyccl_nccl_failed(a, r, comm, f->last, sizeof f->last);
-    }
-    pthread_mutex_unlock(held);
     if (r == ncclSuccess) {
         r = sync_stream(a, c, s, f->deadline);
     }

@@ -128,13 +128,14 @@ pyccl_call_run(pyccl_state *st, const char *op, pyccl_comm *c, const pyccl_task 
 int
 pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s)
 {
-    if (pyccl_group_depth() > 0 && pyccl_group_note(c) < 0) {
-        return -1;
-    }
+    /* never inside a pyccl.group(): the own kernels leave those to NCCL */
     if (c->watch == NULL) {
         return note_stream(c, s);
     }
-    return pyccl_comm_track(st, op, c, s);
+    /* watched as an NCCL call's rows are: an event after it, with room made
+     * in the watch first, and the watch's failure raised */
+    const pyccl_task launched = {.coll = PYCCL_LAUNCHED, .comm = c->comm, .stream = s};
+    return pyccl_enqueue_timed(st, op, &launched, 1, ncclSum, NULL, &c, 1);
 }
 
 /* ---------------- destroy and abort ---------------- */

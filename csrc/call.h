@@ -43,9 +43,10 @@ int pyccl_call_begin_all(pyccl_state *st, const char *op, pyccl_comm *const *cs,
                          Py_ssize_t n);
 void pyccl_call_end_all(pyccl_comm *const *cs, Py_ssize_t n);
 
-/* Own-kernel work of a begun call was launched on stream s: tracked as
- * NCCL work would be (pyccl_comm_track), and noted in this thread's open
- * group like it (pyccl_group_note).  -1 with an exception. */
+/* Own-kernel work of a begun call (never inside a pyccl.group()) was
+ * launched on stream s: tracked as NCCL work is, a row of its own
+ * (PYCCL_LAUNCHED) through the watch's enqueue with a timeout, the stream
+ * noted for wait() without.  -1 with an exception. */
 int pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s);
 
 /* Submit NCCL tasks of a begun call: on `comms` (their communicators,

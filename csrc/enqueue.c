@@ -84,6 +84,8 @@ enqueue_one(const pyccl_api *a, const pyccl_task *t, int redop)
     case PYCCL_RECV:
         return a->ncclRecv(t->recv, t->count, type, t->peer, t->comm,
                            t->stream);
+    case PYCCL_LAUNCHED:
+        return ncclSuccess;
     }
     return ncclInvalidArgument;
 }

@@ -297,6 +297,9 @@ typedef enum {
     PYCCL_REDUCE_SCATTER,
     PYCCL_SEND,
     PYCCL_RECV,
+    /* pyccl's own kernel, launched on `stream` already: nothing for NCCL to
+     * do; the row has its work tracked like an NCCL call's (ar.c) */
+    PYCCL_LAUNCHED,
 } pyccl_coll;
 
 /* A premul_sum reduction as read from the arguments (its scalar in the

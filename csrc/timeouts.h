@@ -24,11 +24,6 @@ double pyccl_comm_timeout(const pyccl_comm *c);
  * its peers; the communicator was aborted".  Call with the GIL held (for
  * pyccl's own kernels, when one reports that it gave up). */
 void pyccl_comm_mark_failed(pyccl_comm *c, const char *reason);
-/* After work of c's (which has a timeout) that is not an NCCL call
- * (pyccl's own kernels) was launched on stream s: track it as an NCCL call
- * would be (an event, watched).  -1 with an exception.  GIL held. */
-int pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
-                     cudaStream_t s);
 
 /* None -> 0; an int or float > 0 -> seconds; else TypeError/ValueError
  * naming op and "timeout". */
@@ -36,16 +31,21 @@ int pyccl_read_timeout(const char *op, PyObject *obj, double *out);
 /* Non-zero once c failed or was aborted (its handle is gone then).  Safe
  * without the GIL. */
 int pyccl_comm_failed(const pyccl_comm *c);
-/* Without the GIL: the lock abort() and the watchdog take before they touch
- * c's NCCL handle, held, and the handle in *comm; NULL (nothing held) once c
- * was aborted, failed or destroyed.  Unlock the returned mutex after the
- * NCCL call (and its completion poll).  For the own kernels' set-up. */
-pthread_mutex_t *pyccl_comm_hold(pyccl_comm *c, ncclComm_t *comm);
-/* The NCCL call made under what pyccl_comm_hold returned came back (the
- * lock still held): 1 when the watchdog gave up on it meanwhile (stuck past
- * the timeout) and aborted the handle (c is failed then), else 0.  Without
- * the GIL. */
-int pyccl_comm_held_done(pyccl_comm *c, pthread_mutex_t *held, const char *op);
+/* The own kernels' set-up and release, without the GIL: the NCCL call of
+ * row t (its comm filled in here with c's handle) made and settled under the
+ * lock that abort() and the watchdog take before they touch the handle (c's
+ * own without a timeout, the watch's with one, the call counted as in NCCL
+ * there), so neither frees the handle under it; the wait for its kernel is
+ * the caller's, outside that lock, where an abort can end it.  NCCL's result
+ * (its last error in last[last_size]; ncclInProgress once `deadline`, 0 for
+ * none, passed), or ncclInvalidUsage when c was gone: *gone says when. */
+enum {
+    PYCCL_HELD_MADE = 0, /* the call was made; its result returned */
+    PYCCL_HELD_GONE,     /* aborted, failed or destroyed before: nothing sent */
+    PYCCL_HELD_CLAIMED,  /* stuck past the timeout: the watchdog aborted the handle under it */
+};
+ncclResult_t pyccl_comm_held_call(const pyccl_api *a, pyccl_comm *c, pyccl_task *t, int redop,
+                                  double deadline, char *last, size_t last_size, int *gone);
 /* -1 raising c's failure when it failed (then c->comm is cleared), else 0. */
 int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
 /* -1 raising c's failure (timed out, aborted: its watch's record, first), or

@@ -1,8 +1,8 @@
 /* The other calls of a communicator with timeout= (its enqueue and a
  * group's end are watchdog.c's): waiting for a communicator's work
  * (comm.wait(), barrier()), and for one without a timeout the streams it was
- * used on; pyccl's own kernels' work tracked as an enqueue's is, and their
- * set-up's NCCL calls held under the watch. */
+ * used on; the NCCL calls of pyccl's own kernels' set-up and release, held
+ * under the watch (their launches are rows of the timed enqueue). */
 #include "timeouts.h"
 #include "watch.h"
 #include "enqueue.h"
@@ -202,51 +202,6 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
     return 0;
 }
 
-int
-pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
-                 cudaStream_t s)
-{
-    struct pyccl_watch *w = c->watch; /* not NULL: the door (call.c) notes the others */
-    if (pyccl_watch_check(st, op, c) < 0) {
-        return -1;
-    }
-    if (pyccl_group_depth() > 0) {
-        int fresh = !group_has(w);
-        if (group_add((PyObject *)c, w, s, op) < 0) {
-            return -1;
-        }
-        if (fresh) { /* the group's end counts it down once */
-            lock_watch(w);
-            w->in_group++;
-            pthread_mutex_unlock(&w->mu);
-        }
-        return 0;
-    }
-    int which = 0;
-    cudaError_t e = cudaSuccess;
-    waiter wt;
-    waiter_start(&wt, 1);
-    int got = acquire_all(&wt, &w, 1, 1, &which);
-    if (got == 0) {
-        call_begin(w);
-        e = watch_record(w, s, op);
-        got = call_end(w, op); /* 1: failed meanwhile */
-        pthread_mutex_unlock(&w->mu);
-    }
-    waiter_finish(&wt);
-    if (got < 0) {
-        return -1;
-    }
-    if (got > 0) {
-        return pyccl_watch_check(st, op, c);
-    }
-    if (e != cudaSuccess) {
-        pyccl_raise_cuda(st, op, "cudaEventRecord", e);
-        return -1;
-    }
-    return 0;
-}
-
 /* For a caller that talks to NCCL without the GIL between waits that
  * another thread's abort() or the watchdog may end (the own kernels' set-up,
  * ar.c): take the lock that abort() and the watchdog take before they
@@ -254,8 +209,8 @@ pyccl_comm_track(pyccl_state *st, const char *op, pyccl_comm *c,
  * give the handle.  NULL, with nothing held, once the communicator was
  * aborted, failed or destroyed.  The lock is held for one NCCL call and
  * its completion poll, never across a wait on peers. */
-pthread_mutex_t *
-pyccl_comm_hold(pyccl_comm *c, ncclComm_t *comm)
+static pthread_mutex_t *
+hold(pyccl_comm *c, ncclComm_t *comm)
 {
     *comm = NULL;
     pthread_mutex_lock(&c->mu);
@@ -284,12 +239,29 @@ pyccl_comm_hold(pyccl_comm *c, ncclComm_t *comm)
     return &w->mu;
 }
 
-int
-pyccl_comm_held_done(pyccl_comm *c, pthread_mutex_t *held, const char *op)
+ncclResult_t
+pyccl_comm_held_call(const pyccl_api *a, pyccl_comm *c, pyccl_task *t, int redop,
+                     double deadline, char *last, size_t last_size, int *gone)
 {
-    struct pyccl_watch *w = c->watch;
-    if (w != NULL && held == &w->mu) {
-        return call_end(w, op);
+    pthread_mutex_t *held = hold(c, &t->comm);
+    if (held == NULL) {
+        *gone = PYCCL_HELD_GONE;
+        return ncclInvalidUsage;
     }
-    return 0;
+    *gone = PYCCL_HELD_MADE;
+    /* no communicators to lock: the one lock is held */
+    ncclResult_t r = pyccl_enqueue_calls(a, t, 1, redop, NULL, NULL, 0, NULL, 0);
+    struct pyccl_watch *w = c->watch;
+    if (w != NULL && held == &w->mu && call_end(w, "all_reduce")) {
+        /* the watchdog aborted the handle under the stuck call */
+        pthread_mutex_unlock(held);
+        *gone = PYCCL_HELD_CLAIMED;
+        return ncclInvalidUsage;
+    }
+    r = pyccl_nccl_settle(a, t->comm, r, deadline);
+    if (r != ncclInProgress) {
+        pyccl_nccl_failed(a, r, t->comm, last, last_size);
+    }
+    pthread_mutex_unlock(held);
+    return r;
 }

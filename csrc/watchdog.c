@@ -47,8 +47,9 @@
  * door's one hook for a timed call (pyccl_enqueue_timed: its communicators
  * checked, the group joined, back-pressure, the NCCL calls, their
  * completion, an event, and what went wrong raised at one place) and the
- * end of a group holding such calls.  watch_calls.c has the other calls
- * (waits, the own kernels'), watch_life.c creation, split, destroy, abort. */
+ * end of a group holding such calls (an own kernel's launch is one of its
+ * rows, PYCCL_LAUNCHED).  watch_calls.c has the other calls (waits, the own
+ * kernels' set-up), watch_life.c creation, split, destroy, abort. */
 #include "timeouts.h"
 #include "watch.h"
 #include "enqueue.h"
