@@ -192,11 +192,7 @@ timed_out(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const cha
              op, f->rank, f->nranks, pyccl_secs(f->timeout).s, where);
     f->state = AR_OFF;
     pyccl_ar_stop(c);
-    pyccl_comm_mark_failed(c, msg);
-    if (pyccl_comm_alive(st, op, c) == 0) {
-        PyErr_SetString(PyExc_RuntimeError, msg);
-    }
-    return -1;
+    return pyccl_comm_give_up(st, op, c, msg, msg);
 }
 
 /* The collective set-up of c's kernels, GIL released, one at a time per
@@ -232,10 +228,9 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
     c->setups--;
     if (ran && f->gone) { /* abort() or the watchdog ended it meanwhile */
         f->state = AR_OFF;
-        if (pyccl_comm_alive(st, op, c) == 0) {
-            PyErr_Format(PyExc_RuntimeError, "%s: %s", op, f->reason);
-        }
-        return -1;
+        char msg[sizeof f->reason + 64];
+        snprintf(msg, sizeof msg, "%s: %s", op, f->reason);
+        return pyccl_comm_give_up(st, op, c, NULL, msg);
     }
     if (r == ncclInProgress) { /* the peers did not come within the timeout */
         return timed_out(st, c, f, op, " (setting up pyccl's all-reduce kernels)");

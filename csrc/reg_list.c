@@ -92,11 +92,7 @@ pyccl_reg_call(pyccl_state *st, const char *op, pyccl_comm *c, int kind, void *p
                  "%s: rank %d of %d timed out after %s s waiting for its peers; the "
                  "communicator was aborted",
                  op, c->rank, c->size, pyccl_secs(timeout).s);
-        pyccl_comm_mark_failed(c, reason);
-        if (pyccl_watch_check(st, op, c) == 0) {
-            PyErr_SetString(PyExc_RuntimeError, reason);
-        }
-        return -1;
+        return pyccl_comm_give_up(st, op, c, reason, reason);
     }
     if (r != ncclSuccess) {
         pyccl_raise_nccl(st, op, r, last);

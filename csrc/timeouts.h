@@ -18,12 +18,15 @@
 /* c's timeout in seconds; 0 when it has none.  Safe without the GIL.  (For
  * pyccl's own kernels: the deadline of a spin-wait on peers.) */
 double pyccl_comm_timeout(const pyccl_comm *c);
-/* Give up on c: ncclCommAbort it (its stuck kernels return) and make every
- * later call on it raise NcclTimeoutError(reason).  `reason` is the whole
- * message, e.g. "all_reduce: rank 0 of 2 timed out after 5.0 s waiting for
- * its peers; the communicator was aborted".  Call with the GIL held (for
- * pyccl's own kernels, when one reports that it gave up). */
-void pyccl_comm_mark_failed(pyccl_comm *c, const char *reason);
+/* A call on c gives up, with the GIL held; always -1.  With `failure` (the
+ * whole message, e.g. "all_reduce: rank 0 of 2 timed out after 5.0 s waiting
+ * for its peers; the communicator was aborted"): c is aborted (its stuck
+ * kernels return) and every later call on it raises NcclTimeoutError(failure)
+ * (pyccl's own kernels, when one reports that it gave up; a registration's
+ * NCCL call past the timeout).  Then c's failure is raised, or where c has
+ * none (still usable), RuntimeError(otherwise). */
+int pyccl_comm_give_up(pyccl_state *st, const char *op, pyccl_comm *c, const char *failure,
+                       const char *otherwise);
 
 /* None -> 0; an int or float > 0 -> seconds; else TypeError/ValueError
  * naming op and "timeout". */

@@ -513,13 +513,9 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
     return exc;
 }
 
-void
-pyccl_comm_mark_failed(pyccl_comm *c, const char *reason)
+static void
+mark_failed(pyccl_state *st, pyccl_comm *c, const char *reason)
 {
-    pyccl_state *st = PyType_GetModuleState(Py_TYPE(c));
-    if (st == NULL) {
-        return;
-    }
     struct pyccl_watch *w = c->watch;
     if (w == NULL) {
         if (mark_untimed(st, c, PYCCL_FAIL_TIMEOUT, reason) < 0) {
@@ -533,6 +529,19 @@ pyccl_comm_mark_failed(pyccl_comm *c, const char *reason)
     Py_END_ALLOW_THREADS
     pthread_mutex_unlock(&w->mu);
     c->comm = NULL;
+}
+
+int
+pyccl_comm_give_up(pyccl_state *st, const char *op, pyccl_comm *c, const char *failure,
+                   const char *otherwise)
+{
+    if (failure != NULL) {
+        mark_failed(st, c, failure);
+    }
+    if (pyccl_comm_alive(st, op, c) == 0) {
+        PyErr_SetString(PyExc_RuntimeError, otherwise);
+    }
+    return -1;
 }
 
 
