@@ -1053,6 +1053,26 @@ def own_kernel_stuck_untimed():
     return out
 
 
+def own_kernel_stuck_timed():
+    """A communicator with a 2 s timeout whose own kernel waits for a peer that died with
+    the call in flight: the launch is watched as an NCCL call is (an event after it), so
+    wait() raises the watchdog's NcclTimeoutError once the timeout passed, ahead of the
+    kernel's own deadline (1 s later), and so does the next call."""
+    _bounded(25)
+    c = _own_kernels_ready(timeout=2.0)
+    put("peer_dead", 1)
+    c.all_reduce(Array([1.0, 2.0]))   # the own kernel: it waits for the dead peer
+    assert get("ar_stuck") == 1, "the own kernel was not launched"
+    _step("wait()")
+    dt, err = timed(c.wait)
+    out = {"wait": [dt, _outcome(err)]}
+    _step("all_reduce()")
+    dt, err = timed(lambda: c.all_reduce(Array([1.0, 2.0])))
+    out["next"] = [dt, _outcome(err)]
+    out["misuse"] = get("misuse")
+    return out
+
+
 class _EndsOnRead(Array):
     """An Array whose __cuda_array_interface__, the first time it is read, calls `end`
     (the communicator's destroy or abort): user code that runs while pyccl reads the

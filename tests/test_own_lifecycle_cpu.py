@@ -99,6 +99,21 @@ def test_abort_then_destroy_with_a_stuck_own_kernel(peer_lib, tmp_path):
         assert res["misuse"] == 0, res
 
 
+# A communicator with a timeout watches its own kernels' work as it watches NCCL's: a kernel
+# stuck on a dead peer fails the communicator once the timeout passed.
+
+def test_a_stuck_own_kernel_is_watched_on_a_timed_communicator(peer_lib, tmp_path):
+    for rank, res in enumerate(run_ranks(peer_lib, "own_kernel_stuck_timed", tmp_path)):
+        msg = (f"all_reduce: rank {rank} of 2 timed out after 2.0 s waiting for its peers; "
+               "the communicator was aborted")
+        dt, err = res["wait"]
+        assert err == ["NcclTimeoutError", "wait: " + msg], res
+        # the watchdog's verdict (its 10 ms looks), not the kernel's own deadline 1 s later
+        assert dt < 2.0 + 0.9, res
+        assert res["next"][1] == ["NcclTimeoutError", msg], res
+        assert res["misuse"] == 0, res
+
+
 # 7a. The communicator destroyed or aborted by the arguments' own Python code while the
 # first all_reduce reads them: nothing of the own kernels is made (or kept).
 

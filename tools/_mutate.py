@@ -75,6 +75,10 @@ FAULTS = [
         edits=[("        if (rv == ncclSuccess || rv == ncclInProgress) {\n            w->revoked = comm;\n",
                 "        if (0) { /* MUTANT: never kept */\n            w->revoked = comm;\n")],
         tests=["tests/test_timeout_cpu.py", "-k", "shrink"]),
+    dict(name="an own kernel's launch on a timed communicator not tracked", tier="cpu", file="csrc/call.c",
+        edits=[("    return pyccl_enqueue_timed(st, op, &launched, 1, ncclSum, NULL, &c, 1);\n",
+                "    (void)launched;\n    return 0; /* MUTANT: no event, no room made, no failure raised */\n")],
+        tests=["tests/test_own_lifecycle_cpu.py", "-k", "stuck_own_kernel_is_watched"]),
     dict(name="watchdog fires at half the timeout", tier="cpu", file="csrc/watchdog.c", edits=[(
         "    if (w->nq > 0 && now - w->q[0].t > w->timeout) {\n",
         "    if (w->nq > 0 && now - w->q[0].t > w->timeout / 2) {\n")],
