@@ -251,3 +251,29 @@ def test_every_planted_fault_still_applies():
         for old, new in fault["edits"]:
             assert old != new, fault["name"]
             assert text.count(old) == 1, (fault["name"], fault["file"], old[:80])
+
+
+def test_gpu_check_parts_cover_the_whole_gpu_tier_once():
+    """tools/gpu-check.sh --part 1..5 together run every GPU test file (a test_ar_gpu.py test
+    that part 1 leaves out is one that part 2 names), and no file twice."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "tools", "gpu-check.sh")) as f:
+        text = f.read()
+    parts = re.findall(r"^    ([1-9])\) set -- (.*?);;", text, re.M | re.S)
+    assert [p for p, _ in parts] == ["1", "2", "3", "4", "5"], parts
+    files, left_out, named = [], set(), set()
+    for _, body in parts:
+        words = body.replace("\\\n", " ").split()
+        for i, w in enumerate(words):
+            if w == "--deselect":
+                left_out.add(words[i + 1])
+            elif w.startswith("tests/") and words[i - 1] != "--deselect":
+                if "::" in w:
+                    named.add(w)
+                else:
+                    files.append(w)
+    gpu = sorted(f"tests/{n}" for n in os.listdir(os.path.join(root, "tests"))
+                 if re.fullmatch(r"test_\w+_gpu\.py", n)) + ["tests/test_bad_input.py"]
+    assert len(files) == len(set(files)), files
+    assert set(gpu) <= set(files) | {n.split("::")[0] for n in named}, set(gpu) - set(files)
+    assert left_out == named, (left_out, named)
