@@ -43,8 +43,11 @@ assert ctypes.sizeof(Params) == 144, ctypes.sizeof(Params)  # what ar.c passes b
 
 
 class LaunchAttr(ctypes.Structure):
-    """CUlaunchAttribute (ar_setup.h's cu_launch_attr)."""
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+    """CUlaunchAttribute (ar_setup.h's cu_launch_attr): its 64-byte value union as the int that
+    programmatic stream serialization reads, then the rest.  (A `c_char * 64` field would read
+    back as a new bytes object, never as the struct's own memory.)"""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
 
 
 class LaunchConfig(ctypes.Structure):
@@ -56,6 +59,14 @@ class LaunchConfig(ctypes.Structure):
 
 assert ctypes.sizeof(LaunchAttr) == 72 and ctypes.sizeof(LaunchConfig) == 56
 PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+def pdl_attr():
+    """The launch attribute that turns programmatic dependent launch on, as ar.c sets it."""
+    attr = LaunchAttr()
+    attr.id = PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value = 1
+    return attr
 
 
 class SimError(RuntimeError):
@@ -112,9 +123,7 @@ class Kernels:
                                                    None),
                    "cuLaunchKernel")
             return
-        attr = LaunchAttr()
-        attr.id = PROGRAMMATIC_STREAM_SERIALIZATION
-        ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int(1)), 4)
+        attr = pdl_attr()
         cfg = LaunchConfig((blocks, 1, 1), (threads, 1, 1), 0, stream.cuda_stream,
                            ctypes.pointer(attr), 1)
         _check(self.cu, self.cu.cuLaunchKernelEx(ctypes.byref(cfg), fn, args, None),

@@ -277,3 +277,16 @@ def test_gpu_check_parts_cover_the_whole_gpu_tier_once():
     assert len(files) == len(set(files)), files
     assert set(gpu) <= set(files) | {n.split("::")[0] for n in named}, set(gpu) - set(files)
     assert left_out == named, (left_out, named)
+
+
+def test_the_simulated_launch_turns_programmatic_dependent_launch_on():
+    """tests/_ar_sim.py launches the kernels with programmatic dependent launch as ar.c does: its
+    launch attribute holds the attribute's id and 1 in the value union, where the driver reads
+    it, and nothing else (so the chained-calls test schedules a kernel while the one before it
+    still runs, and the attribute is written in its own memory, nowhere else)."""
+    import _ar_sim as sim
+    raw = bytes(sim.pdl_attr())
+    assert len(raw) == 72
+    assert int.from_bytes(raw[0:4], "little") == sim.PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert int.from_bytes(raw[8:12], "little") == 1
+    assert raw[4:8] + raw[12:] == bytes(64)
