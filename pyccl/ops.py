@@ -61,9 +61,30 @@ def _op_name(opname, op):
     return _NAMES[_redop(opname, op)]
 
 
+def _dist_ops():
+    """torch.distributed's ReduceOp values pyccl has, each with its name (none without
+    torch.distributed)."""
+    try:
+        from torch.distributed import ReduceOp
+    except ImportError:
+        return ()
+    return tuple((getattr(ReduceOp, k.upper() if k != "prod" else "PRODUCT"), k)
+                 for k in REDUCE_OPS)
+
+
+_DIST_OPS = _dist_ops()
+
+
 def _name(opname, op):
     # a name in lower case goes through as it is (checked by the op itself)
-    return op if type(op) is str and op in REDUCE_OPS else _op_name(opname, op)
+    if type(op) is str and op in REDUCE_OPS:
+        return op
+    # dist.ReduceOp.X by identity: torch.compile folds `is` on them, while torch 2.11 cannot
+    # pass one to a function assumed constant (_op_name)
+    for value, name in _DIST_OPS:
+        if op is value:
+            return name
+    return _op_name(opname, op)
 
 
 def _process_group(name):
