@@ -8,13 +8,17 @@
 #   3. The wheel installed in a fresh venv with torch; pyccl imported from a
 #      folder outside the checkout: its version, then, with NCCL's wheel added,
 #      pyccl.nccl.version() and a unique id.
-# Environment: PYTHON (default python3), PYCCL_TORCH_SPEC (default torch==2.13.0),
+#   4. With that torch, the oldest pyccl supports (pyproject.toml's dependencies), the
+#      CPU tests of what rests on torch's own machinery: the custom ops under
+#      torch.compile and the torch.distributed backend (tests/test_ops_cpu.py,
+#      tests/test_distributed_cpu.py), run against the installed wheel.
+# Environment: PYTHON (default python3), PYCCL_TORCH_SPEC (default torch==2.11.0),
 # PYCCL_NCCL_SPEC (default nvidia-nccl-cu13==2.28.9), PYCCL_CUDA_ARCHS (passed to
 # the build; default: setup.py's), KEEP=1 keeps the scratch folder.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd -P)"
 py="${PYTHON:-python3}"
-torch_spec="${PYCCL_TORCH_SPEC:-torch==2.13.0}"
+torch_spec="${PYCCL_TORCH_SPEC:-torch==2.11.0}"
 nccl_spec="${PYCCL_NCCL_SPEC:-nvidia-nccl-cu13==2.28.9}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 t0=$(date +%s)
@@ -89,4 +93,10 @@ if "==" in spec:  # the NCCL loaded is the wheel's
 assert len(pyccl.unique_id()) == pyccl.NCCL_UNIQUE_ID_BYTES == 128
 print(f"package-check: pyccl.nccl.version() {v}, unique_id() 128 bytes")
 EOF
+step "pytest in the venv" "$work/venv/bin/pip" install pytest
+# from a folder without pyccl, so that the tests import the wheel's
+(cd "$work/elsewhere" && "$work/venv/bin/python" -m pytest -q -p no:cacheprovider \
+   "$work/src/tests/test_ops_cpu.py" "$work/src/tests/test_distributed_cpu.py") > "$log" 2>&1 ||
+  { tail -60 "$log"; echo "package-check: the torch-facing tests failed with $torch_spec"; exit 1; }
+echo "package-check: $torch_spec: $(tail -n 1 "$log")"
 echo "package-check: OK in $(( $(date +%s) - t0 )) s"
