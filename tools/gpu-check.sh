@@ -5,10 +5,10 @@
 #   of under 10 minutes each on one GPU (multi-rank tests with ranks sharing it) or on
 #   several (times measured on one H100, about 2,100 s in all): 1 = the own kernels (about
 #   480 s); 2 = their recovery cycles, memory and sanitizer tests, failures, stress (about
-#   470 s); 3 = the per-rank API and its examples (about 530 s); 4 = the drop-in, bad input,
+#   470 s); 3 = the per-rank API and its examples (about 440 s); 4 = the drop-in, bad input,
 #   the torch.distributed backend, registered memory (about 260 s); 5 = compile ops, the
-#   benchmark tool, the own kernels simulated at 2-8 ranks (about 290 s), with the CPU tests
-#   that CI does not already cover.  Given test paths (tests/...), only those run.
+#   benchmark tool, the own kernels simulated at 2-8 ranks, with the CPU tests
+#   that CI does not already cover (about 450 s).  Given test paths (tests/...), only those run.
 #        bash tools/gpu-check.sh --bench [pyccl.bench args...]   (build, then the benchmark)
 #   GPU_CHECK_BENCH=0 leaves out the quick benchmark and the own-kernel sweep (python -m
 #   pyccl.bench --algos) after the tests;
