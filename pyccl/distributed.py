@@ -15,6 +15,7 @@ torch's NCCL backend.
 """
 import collections
 import datetime
+import inspect
 import sys
 
 import torch
@@ -385,11 +386,33 @@ def _new_communicator(size, uid, rank, timeout, device=None):
     return _C.Communicator(size, uid, rank, device, timeout)
 
 
+def _cuda_index(dev):
+    """The CUDA device index `dev` (a torch.device or an index, as device_id= takes) names, else None."""
+    if isinstance(dev, int) and not isinstance(dev, bool) and dev >= 0:
+        return dev
+    if getattr(dev, "type", None) == "cuda" and dev.index is not None:
+        return dev.index
+    return None
+
+
+def _init_call_device():
+    """device_id= of the torch.distributed.init_process_group call that is making this group,
+    read from that call's frame: torch up to 2.13 does not hand it to the creator.  None where
+    no such call is running (new_group, a creator called directly) or it gave none."""
+    code = getattr(inspect.unwrap(dist.distributed_c10d.init_process_group), "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return _cuda_index(frame.f_locals.get("device_id"))
+        frame = frame.f_back
+    return None
+
+
 def _bound_device(opts):
-    """The CUDA device index of init_process_group(device_id=...), where torch tells the creator
-    (the group it made, opts.process_group, holds it as bound_device_id), else None: the
-    communicator goes on the current device.  A group made later (new_group, DeviceMesh) goes
-    where the default group's went."""
+    """The CUDA device index of init_process_group(device_id=...): where torch tells the creator
+    (the group it made, opts.process_group, holds it as bound_device_id), else from that call's
+    arguments; a group made later (new_group, DeviceMesh) goes where the default group's went.
+    None: the communicator goes on the current device."""
     groups = [getattr(opts, "process_group", None)]
     if dist.is_initialized():
         groups.append(dist.distributed_c10d._get_default_group())
@@ -398,10 +421,10 @@ def _bound_device(opts):
             if pg._device_id is not None:
                 return pg._device_id
             continue
-        dev = getattr(pg, "bound_device_id", None)
-        if dev is not None and getattr(dev, "type", None) == "cuda" and dev.index is not None:
-            return dev.index
-    return None
+        index = _cuda_index(getattr(pg, "bound_device_id", None))
+        if index is not None:
+            return index
+    return _init_call_device()
 
 
 def _seconds(timeout):

@@ -368,20 +368,16 @@ def ddp_killed_peer(rank, world, store_path, timeout, kill_after):
 
 def device_id_places_groups(rank, world, store_path):
     """init_process_group(device_id=cuda:rank) with every rank's current device left at cuda:0:
-    the communicator goes on cuda:rank where torch tells the creator about the device
-    (opts.process_group), all_reduce is exact there and a new_group follows it; on a torch that
-    does not tell, a rank whose device_id is not its current device gets pyccl's ValueError."""
+    the communicator goes on cuda:rank (where torch tells the creator about the device,
+    opts.process_group, and where it does not), all_reduce is exact there and a new_group
+    follows it."""
     from torch._C._distributed_c10d import _DistributedBackendOptions
     told = hasattr(_DistributedBackendOptions(), "process_group")
     torch.cuda.set_device(0)
     dev = torch.device("cuda", rank)
     store = dist.FileStore(store_path, world) if world > 1 else dist.HashStore()
-    try:
-        dist.init_process_group("pyccl", store=store, rank=rank, world_size=world, device_id=dev,
-                                timeout=datetime.timedelta(seconds=60))
-    except ValueError as e:
-        assert not told and rank != 0, (told, rank, e)
-        return {"told": told, "refused": str(e)}
+    dist.init_process_group("pyccl", store=store, rank=rank, world_size=world, device_id=dev,
+                            timeout=datetime.timedelta(seconds=60))
     pg = dist.group.WORLD
     got = {"told": told, "world": pg.communicator.device}
     x = _data(1023, torch.int32, rank).to(dev)

@@ -538,3 +538,26 @@ def test_shrunk_group_registered_as_torch_registers_groups_with_or_without_its_h
                 m.pop(pg, None)
             c10d._world.tags_to_pg.pop(f"ptd:shrunk-{helper}", None)
             c10d._unregister_process_group(f"shrunk-{helper}")
+
+
+
+def test_device_id_read_from_init_process_group_where_torch_does_not_hand_it_over(stub, monkeypatch):
+    # torch up to 2.13 makes the group without telling the creator about device_id: the
+    # creator reads it from the init_process_group call it runs in (two ranks of a machine
+    # would otherwise both be on the current device, cuda:0, which NCCL refuses)
+    import inspect
+    real = inspect.unwrap(dist.distributed_c10d.init_process_group)
+    assert "device_id" in real.__code__.co_varnames[:real.__code__.co_argcount + real.__code__.co_kwonlyargcount]
+    log, _ = stub
+
+    def init_process_group(backend, device_id=None):  # torch's, as far as the creator can see
+        return pd.create_process_group(_opts(dist.HashStore(), 0, 1, "g"))
+
+    monkeypatch.setattr(dist.distributed_c10d, "init_process_group", init_process_group)
+    for device_id, want in ((torch.device("cuda", 1), 1), (2, 2), (None, None),
+                            (torch.device("cuda"), None), (torch.device("cpu", 0), None)):
+        pg = init_process_group("pyccl", device_id=device_id)
+        assert log[-1] == ("device", want), device_id
+        assert pg._device_id == want
+    pd.create_process_group(_opts(dist.HashStore(), 0, 1, "direct"))  # no init call running
+    assert log[-1] == ("device", None)

@@ -85,8 +85,4 @@ def test_device_id_places_each_ranks_communicator(tmp_path):
     # every rank's current device is cuda:0; device_id=cuda:rank decides
     res = run_ranks(ds.device_id_places_groups, 2, str(tmp_path / "store"), make_comm=False, timeout=120)
     for r, got in res.items():
-        if got["told"]:
-            assert got["world"] == r and got["sub"] == r, res
-        elif r:
-            assert got["refused"].startswith(f"pyccl backend: device_id=cuda:{r} but the communicator "
-                                             "is on cuda:0"), res
+        assert got["world"] == r and got["sub"] == r, res
