@@ -1246,3 +1246,33 @@ def test_symm_driver_only_builds_all_reduce():
     assert d.build("all_reduce", "in-place", "sum", 0, [(None, None)]) is not None
     d.ok = False
     assert d.build("all_reduce", "in-place", "sum", 0, [(None, None)]) is None
+
+
+def _peers_bench():
+    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "peers_bench.py"
+    spec = importlib.util.spec_from_file_location("peers_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_peers_bench_sizes_end_at_the_largest():
+    pb = _peers_bench()
+    assert pb._size("64M") == 64 << 20 and pb._size("2k") == 2048 and pb._size("8") == 8
+    assert pb._sizes(8, 64 << 20, 4) == [8 * 4 ** k for k in range(12)] + [64 << 20]
+    assert pb._sizes(8, 32, 2) == [8, 16, 32]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs")
+@pytest.mark.parametrize("what", ["symm", "ddp"])
+def test_peers_bench_and_sweep_need_two_gpus(what, tmp_path):
+    root = pathlib.Path(__file__).resolve().parent.parent
+    n = torch.cuda.device_count()
+    r = subprocess.run([sys.executable, str(root / "tools" / "peers_bench.py"), what],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip().endswith(f"peers_bench: needs 2 or more GPUs, one per rank (asked {n}, "
+                                     f"this machine has {n})"), r.stderr
+    r = subprocess.run(["bash", str(root / "tools" / "sweep.sh")], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, OUT=str(tmp_path)))
+    assert r.returncode == 1 and r.stdout.strip() == f"sweep: needs 2 or more GPUs, one rank each (this machine has {n})"

@@ -1,0 +1,261 @@
+"""all_reduce latency of the peers pyccl.bench does not drive: torch's symmetric-memory
+one-shot and two-shot kernels (torch.ops.symm_mem), and a DDP training step on backend
+"nccl" against backend "pyccl".  One process per GPU, every rank on a GPU of its own.
+
+  python tools/peers_bench.py symm [-b 8] [-e 64M] [-f 4] [-n 100] [--dtype float,bfloat16]
+  python tools/peers_bench.py ddp [--steps 100] [--width 1024] [--layers 4]
+
+symm: µs per call, CUDA events around -n back-to-back calls, median of 5 loops, maximum over
+ranks, eager and replayed from a CUDA graph; each size is checked against a float64 reference
+first (random data).  A kernel torch does not have, or that refuses a size or dtype, reads N/A.
+ddp: ms per training step (forward, backward with DDP's gradient all-reduce, SGD step) of an
+MLP, median of 5 loops of --steps steps, maximum over ranks, the same seeds on both backends;
+the parameters after training must be bitwise equal between the two backends.
+Prints one table; --json FILE writes the rows.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _size(text):
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper()
+    return int(t[:-1]) * mult[t[-1]] if t[-1] in mult else int(t)
+
+
+def _sizes(lo, hi, factor):
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= factor
+    if out[-1] != hi:
+        out.append(hi)
+    return out
+
+
+def _events_us(fn, iters, loops=5):
+    times = []
+    for _ in range(loops):
+        dist.barrier()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / iters)
+    return statistics.median(times)
+
+
+def _graph_us(fn, iters, loops=5):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    torch.cuda.synchronize()
+    return _events_us(g.replay, 1, loops) / iters
+
+
+def _max_over_ranks(v):
+    t = torch.tensor([v], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _symm_worker(rank, world, port, args, queue):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    import torch.distributed._symmetric_memory as symm_mem
+    group = dist.group.WORLD.group_name
+    rows = []
+    for dname in args.dtype.split(","):
+        dtype = {"float": torch.float32, "bfloat16": torch.bfloat16}[dname]
+        esize = torch.tensor([], dtype=dtype).element_size()
+        for nbytes in _sizes(args.minbytes, args.maxbytes, args.stepfactor):
+            n = max(1, nbytes // esize)
+            buf = symm_mem.empty(n, dtype=dtype, device="cuda")
+            symm_mem.rendezvous(buf, group)
+            out = torch.empty_like(buf)
+            gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
+            data = torch.randn(n, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+            every = [torch.empty_like(data) for _ in range(world)]
+            dist.all_gather(every, data)
+            ref = torch.stack([e.double() for e in every]).sum(0)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            kernels = {
+                "one_shot": lambda: torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", group, out),
+                "two_shot": lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group),
+            }
+            for name, fn in kernels.items():
+                row = {"kernel": name, "dtype": dname, "bytes": n * esize}
+                try:
+                    buf.copy_(data)
+                    fn()
+                    torch.cuda.synchronize()
+                    got = (out if name == "one_shot" else buf).double()
+                    err = ((got - ref).abs() / (ref.abs() + 1.0)).max().item()
+                    if err > tol:
+                        raise AssertionError(f"{name} {dname} {nbytes} B: relative error {err:.2e}")
+                    ok = 1.0
+                except AssertionError:
+                    raise
+                except Exception as e:  # not in this torch, or refused for this size/dtype
+                    row["na"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    ok = 0.0
+                if _max_over_ranks(1.0 - ok) > 0:
+                    row.setdefault("na", "refused on another rank")
+                    rows.append(row)
+                    continue
+                row["eager_us"] = _max_over_ranks(_events_us(fn, args.iters))
+                try:
+                    graph = _graph_us(fn, args.iters)
+                except Exception as e:  # the kernel cannot be captured
+                    row["graph_na"], graph = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", -1.0
+                graph = _max_over_ranks(graph) if _max_over_ranks(-graph) < 0 else None
+                row["graph_us"] = graph
+                rows.append(row)
+            del buf, out
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def _ddp_worker(rank, world, port, backend, args, queue):
+    import pyccl  # noqa: F401  (registers "pyccl")
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, args.width), torch.nn.ReLU()]
+    for _ in range(args.layers - 2):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(args.width, 1))
+    model = DDP(torch.nn.Sequential(*layers).cuda(), device_ids=[rank])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    xs = [torch.randn(args.batch, 64, device="cuda", generator=g) for _ in range(8)]
+    ys = [x.sum(1, keepdim=True).sin() for x in xs]
+
+    def step(i):
+        loss = torch.nn.functional.mse_loss(model(xs[i % 8]), ys[i % 8])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    for i in range(10):
+        step(i)
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for i in range(args.steps):
+            step(i)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / args.steps)
+    ms = _max_over_ranks(statistics.median(times))
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy().tobytes()
+    if rank == 0:
+        queue.put({"backend": backend, "ms_per_step": ms,
+                   "params": sum(p.numel() for p in model.parameters()), "final": params})
+    dist.destroy_process_group()
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, world, *extra):
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = mp.spawn(fn, args=(world, _port()) + extra + (queue,), nprocs=world, join=False)
+    result = queue.get()  # before joining: rank 0 blocks in put() until this reads
+    while not procs.join():
+        pass
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="tools/peers_bench.py", description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=("symm", "ddp"))
+    p.add_argument("-g", "--ngpus", type=int, default=None, help="ranks = GPUs (default: all)")
+    p.add_argument("-b", "--minbytes", type=_size, default=8)
+    p.add_argument("-e", "--maxbytes", type=_size, default=64 << 20)
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("-n", "--iters", type=int, default=100)
+    p.add_argument("--dtype", default="float,bfloat16")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    world = args.ngpus or torch.cuda.device_count()
+    if world < 2 or world > torch.cuda.device_count():
+        sys.exit(f"peers_bench: needs 2 or more GPUs, one per rank (asked {world}, "
+                 f"this machine has {torch.cuda.device_count()})")
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                        ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(name, value)
+    if args.what == "symm":
+        rows = _spawn(_symm_worker, world, args)
+        print(f"torch symm_mem all_reduce, {world} ranks, µs per call (max over ranks)")
+        print(f"{'dtype':>8} {'bytes':>10} {'one_shot eager':>15} {'graph':>8} "
+              f"{'two_shot eager':>15} {'graph':>8}")
+        by = {}
+        for r in rows:
+            by.setdefault((r["dtype"], r["bytes"]), {})[r["kernel"]] = r
+        for (dname, nbytes), ks in by.items():
+            cells = []
+            for k in ("one_shot", "two_shot"):
+                r = ks.get(k, {})
+                eager, graph = r.get("eager_us"), r.get("graph_us")
+                cells += [f"{eager:15.2f}" if eager is not None else f"{'N/A':>15}",
+                          f"{graph:8.2f}" if graph is not None else f"{'N/A':>8}"]
+            print(f"{dname:>8} {nbytes:>10} " + " ".join(cells))
+        for r in rows:
+            for key in ("na", "graph_na"):
+                if key in r:
+                    print(f"N/A {r['kernel']} {r['dtype']} {r['bytes']} ({key}): {r[key]}")
+    else:
+        rows = [_spawn(_ddp_worker, world, b, args) for b in ("nccl", "pyccl")]
+        same = rows[0].pop("final") == rows[1].pop("final")
+        print(f"DDP step, {world} ranks, MLP {args.layers} layers of {args.width} "
+              f"({rows[0]['params']} parameters), batch {args.batch} per rank")
+        for r in rows:
+            print(f"  backend {r['backend']:>6}: {r['ms_per_step']:.3f} ms per step")
+        print(f"  pyccl / nccl: {rows[1]['ms_per_step'] / rows[0]['ms_per_step']:.3f}; "
+              f"parameters after training bitwise equal: {same}")
+        if not same:
+            print("peers_bench: the two backends trained to different parameters")
+            return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
