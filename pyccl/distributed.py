@@ -92,7 +92,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         # and makes the waiter's current stream wait on it (NCCL's Work semantics).
         # Without a device (the CPU tier's stand-in communicator) it is a plain finished Future.
         self._devices = [] if device is None else [torch.device("cuda", device)]
-        self._device_id = None  # init_process_group(device_id=...)'s index, when torch said it
+        self._device_id = None  # init_process_group(device_id=...)'s index, where one was given
 
     # ---- plumbing ----
     @property
@@ -141,8 +141,8 @@ class ProcessGroupPyccl(dist.ProcessGroup):
 
     def _get_backend(self, device):
         # init_process_group(device_id=cuda:i) asks this with that device right after creating
-        # the group: a torch that did not tell the creator about device_id got a communicator
-        # on the current device, which must then be the same one.
+        # the group, whose communicator went on cuda:i (_bound_device); a communicator on
+        # another device (device_id not found by the creator) is refused here.
         index, mine = getattr(device, "index", None), getattr(self._comm, "device", None)
         if index is not None and mine is not None and index != mine:
             raise ValueError(
@@ -395,14 +395,18 @@ def _cuda_index(dev):
     return None
 
 
+# torch's own init_process_group (under its logging decorators), taken when pyccl is imported:
+# a wrapper put around it later does not hide its frame
+_INIT_CODE = getattr(inspect.unwrap(dist.distributed_c10d.init_process_group), "__code__", None)
+
+
 def _init_call_device():
     """device_id= of the torch.distributed.init_process_group call that is making this group,
     read from that call's frame: torch up to 2.13 does not hand it to the creator.  None where
     no such call is running (new_group, a creator called directly) or it gave none."""
-    code = getattr(inspect.unwrap(dist.distributed_c10d.init_process_group), "__code__", None)
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is code:
+        if frame.f_code is _INIT_CODE:
             return _cuda_index(frame.f_locals.get("device_id"))
         frame = frame.f_back
     return None

@@ -1263,7 +1263,7 @@ def test_peers_bench_sizes_end_at_the_largest():
     assert pb._sizes(8, 32, 2) == [8, 16, 32]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs or more")
 @pytest.mark.parametrize("what", ["symm", "ddp"])
 def test_peers_bench_and_sweep_need_two_gpus(what, tmp_path):
     root = pathlib.Path(__file__).resolve().parent.parent
@@ -1274,5 +1274,8 @@ def test_peers_bench_and_sweep_need_two_gpus(what, tmp_path):
     assert r.stderr.strip().endswith(f"peers_bench: needs 2 or more GPUs, one per rank (asked {n}, "
                                      f"this machine has {n})"), r.stderr
     r = subprocess.run(["bash", str(root / "tools" / "sweep.sh")], capture_output=True, text=True,
-                       timeout=120, env=dict(os.environ, OUT=str(tmp_path)))
+                       timeout=120, env=dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable))
     assert r.returncode == 1 and r.stdout.strip() == f"sweep: needs 2 or more GPUs, one rank each (this machine has {n})"
+    r = subprocess.run(["bash", str(root / "tools" / "sweep.sh")], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, OUT=str(tmp_path), PYTHON="false"))
+    assert r.returncode == 1 and r.stdout.strip() == "sweep: false cannot import torch"

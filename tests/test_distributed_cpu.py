@@ -546,16 +546,19 @@ def test_device_id_read_from_init_process_group_where_torch_does_not_hand_it_ove
     # creator reads it from the init_process_group call it runs in (two ranks of a machine
     # would otherwise both be on the current device, cuda:0, which NCCL refuses)
     import inspect
-    real = inspect.unwrap(dist.distributed_c10d.init_process_group)
-    assert "device_id" in real.__code__.co_varnames[:real.__code__.co_argcount + real.__code__.co_kwonlyargcount]
+    c10d = dist.distributed_c10d
+    real = pd._INIT_CODE  # torch's function under its decorators, with device_id a parameter
+    assert real is inspect.unwrap(c10d.init_process_group).__code__
+    assert (real.co_name, real.co_filename) == ("init_process_group", c10d.__file__)
+    assert "device_id" in real.co_varnames[:real.co_argcount + real.co_kwonlyargcount]
     log, _ = stub
 
     def init_process_group(backend, device_id=None):  # torch's, as far as the creator can see
         return pd.create_process_group(_opts(dist.HashStore(), 0, 1, "g"))
 
-    monkeypatch.setattr(dist.distributed_c10d, "init_process_group", init_process_group)
-    for device_id, want in ((torch.device("cuda", 1), 1), (2, 2), (None, None),
-                            (torch.device("cuda"), None), (torch.device("cpu", 0), None)):
+    monkeypatch.setattr(pd, "_INIT_CODE", init_process_group.__code__)
+    # torch turns an int into torch.device("cuda", i) before the creator runs; both are read
+    for device_id, want in ((torch.device("cuda", 1), 1), (2, 2), (None, None)):
         pg = init_process_group("pyccl", device_id=device_id)
         assert log[-1] == ("device", want), device_id
         assert pg._device_id == want

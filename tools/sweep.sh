@@ -10,45 +10,54 @@
 # Writes nt.txt, algos.txt/json, cmp.txt/json, cmpg.txt/json, symm.txt/json, ddp.txt under $OUT
 # (or ./sweep-out); about 8 minutes on 2 H100s.  SWEEP_ARCH (default 90) is the compute
 # capability nccl-tests is built for.
+# Exit status: 0, or 1 when a step failed or timed out (the others still run).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-$PWD/sweep-out}
+OUT=$(realpath -m "${OUT:-$PWD/sweep-out}")
+SRC=${1:+$(realpath "$1")}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-G=$($PY -c 'import torch; print(torch.cuda.device_count())')
+if ! G=$($PY -c 'import torch; print(torch.cuda.device_count())'); then
+  echo "sweep: $PY cannot import torch"; exit 1
+fi
 if [ "$G" -lt 2 ]; then
   echo "sweep: needs 2 or more GPUs, one rank each (this machine has $G)"; exit 1
 fi
-if [ -n "${1:-}" ]; then
+rc=0
+step() {  # a step's command; its failure is remembered, the sweep goes on
+  "$@" || { echo "sweep: failed (exit $?): $*"; rc=1; }
+}
+if [ -n "$SRC" ]; then
   # nccl-tests against the libnccl of the nvidia-nccl wheel that torch loads (one NCCL per process)
   NH=$($PY -c "import nvidia.nccl as m; print(list(m.__path__)[0])")
   export LD_LIBRARY_PATH=$NH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  B=$(mktemp -d); mkdir -p "$B/nccl/lib"; ln -s "$NH/include" "$B/nccl/include"
+  B=$(mktemp -d); trap 'rm -rf "$B"' EXIT
+  mkdir -p "$B/nccl/lib"; ln -s "$NH/include" "$B/nccl/include"
   ln -s "$NH/lib/libnccl.so.2" "$B/nccl/lib/libnccl.so"
-  cp -r "$1" "$B/src"
+  cp -r "$SRC" "$B/src"
   A=${SWEEP_ARCH:-90}
   make -j"$(nproc)" -C "$B/src/src" build BUILDDIR="$B/build" NCCL_HOME="$B/nccl" MPI=0 \
       NVCC_GENCODE="-gencode=arch=compute_$A,code=sm_$A" > "$OUT/nt-build.log" 2>&1 \
     || { tail -20 "$OUT/nt-build.log"; echo "sweep: nccl-tests did not build"; exit 1; }
   NT=$B/build/all_reduce_perf
-  {
   for d in float bfloat16; do
-    echo "### nccl-tests $d eager"; timeout 60 $NT -b 8 -e 64M -f 4 -g "$G" -n 100 -w 20 -d $d
-    echo "### nccl-tests $d graph -G 10"; timeout 60 $NT -b 8 -e 64M -f 4 -g "$G" -n 20 -w 5 -G 10 -d $d
-    echo "### nccl-tests $d symmetric -R 2"; timeout 60 $NT -b 8 -e 64M -f 4 -g "$G" -n 100 -w 20 -R 2 -d $d
-  done
-  echo "### nccl-tests float 1G"; timeout 60 $NT -b 64M -e 1G -f 4 -g "$G" -n 20 -w 5
-  } > "$OUT/nt.txt" 2>&1
-  grep -E "^###|Avg bus" "$OUT/nt.txt"
+    echo "### nccl-tests $d eager"; step timeout 60 $NT -b 8 -e 64M -f 4 -g "$G" -n 100 -w 20 -d $d
+    echo "### nccl-tests $d graph -G 10"; step timeout 60 $NT -b 8 -e 64M -f 4 -g "$G" -n 20 -w 5 -G 10 -d $d
+    echo "### nccl-tests $d symmetric -R 2"; step timeout 60 $NT -b 8 -e 64M -f 4 -g "$G" -n 100 -w 20 -R 2 -d $d
+  done > "$OUT/nt.txt" 2>&1
+  echo "### nccl-tests float 1G" >> "$OUT/nt.txt"
+  step timeout 60 $NT -b 64M -e 1G -f 4 -g "$G" -n 20 -w 5 >> "$OUT/nt.txt" 2>&1
+  grep -E "^###|Avg bus|^sweep:" "$OUT/nt.txt"
 fi
-timeout 200 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -n 100 --algos nccl,oneshot,twoshot,auto \
+step timeout 200 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -n 100 --algos nccl,oneshot,twoshot,auto \
     --json "$OUT/algos.json" --no-progress > "$OUT/algos.txt" 2>&1; tail -40 "$OUT/algos.txt"
-timeout 150 $PY tools/peers_bench.py symm -g "$G" --json "$OUT/symm.json" > "$OUT/symm.txt" 2>&1
+step timeout 150 $PY tools/peers_bench.py symm -g "$G" --json "$OUT/symm.json" > "$OUT/symm.txt" 2>&1
 tail -30 "$OUT/symm.txt"
-timeout 100 $PY tools/peers_bench.py ddp -g "$G" > "$OUT/ddp.txt" 2>&1; tail -4 "$OUT/ddp.txt"
-timeout 280 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -d float,bfloat16 --registered --compare -n 100 \
+step timeout 100 $PY tools/peers_bench.py ddp -g "$G" > "$OUT/ddp.txt" 2>&1; tail -4 "$OUT/ddp.txt"
+step timeout 280 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -d float,bfloat16 --registered --compare -n 100 \
     --repeats 3 --json "$OUT/cmp.json" --no-progress > "$OUT/cmp.txt" 2>&1; tail -50 "$OUT/cmp.txt"
-timeout 150 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -G 10 -n 20 --registered \
+step timeout 150 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -G 10 -n 20 --registered \
     --json "$OUT/cmpg.json" --no-progress > "$OUT/cmpg.txt" 2>&1; tail -30 "$OUT/cmpg.txt"
+exit $rc
