@@ -7,8 +7,9 @@
 # step (tools/peers_bench.py).
 # Usage: bash tools/sweep.sh NCCL_TESTS_SOURCE   (a checkout of github.com/NVIDIA/nccl-tests;
 #        without it the nccl-tests part is left out)
-# Writes nt.txt, algos.txt/json, cmp.txt/json, cmpg.txt/json, symm.txt/json, ddp.txt under $OUT
-# (or ./sweep-out); about 8 minutes on 2 H100s.  SWEEP_ARCH (default 90) is the compute
+# Writes nt.txt (and nt-mpi.txt: nccl-tests built with MPI, one process per GPU, where mpicc is
+# found), algos.txt/json, cmp.txt/json, cmpg.txt/json, symm.txt/json, ddp.txt under $OUT (or
+# ./sweep-out); about 8 minutes on 2 H100s.  SWEEP_ARCH (default 90) is the compute
 # capability nccl-tests is built for.
 # Exit status: 0, or 1 when a step failed or timed out (the others still run).
 set -u
@@ -50,6 +51,29 @@ if [ -n "$SRC" ]; then
   echo "### nccl-tests float 1G" >> "$OUT/nt.txt"
   step timeout 60 $NT -b 64M -e 1G -f 4 -g "$G" -n 20 -w 5 >> "$OUT/nt.txt" 2>&1
   grep -E "^###|Avg bus|^sweep:" "$OUT/nt.txt"
+  # One process per GPU, as pyccl runs: nccl-tests built with MPI, where an MPI compiler is here
+  if MPICC=$(command -v mpicc); then
+    MH=$(dirname "$(dirname "$MPICC")")
+    step make -j"$(nproc)" -C "$B/src/src" build BUILDDIR="$B/build" NCCL_HOME="$B/nccl" MPI=1 \
+        MPI_HOME="$MH" NAME_SUFFIX=_mpi NVCC_GENCODE="-gencode=arch=compute_$A,code=sm_$A" \
+        >> "$OUT/nt-build.log" 2>&1
+    RUN=(mpirun -np "$G")
+    if mpirun --version 2>&1 | grep -q "Open MPI"; then  # Open MPI: as root, and pass the settings
+      RUN+=(--allow-run-as-root -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
+            -x NVSHMEM_DISABLE_NVLS -x LD_LIBRARY_PATH)
+    fi
+    NTM=$B/build/all_reduce_perf_mpi
+    if [ -x "$NTM" ]; then
+      for d in float bfloat16; do
+        echo "### nccl-tests MPI $d eager"; step timeout 90 "${RUN[@]}" "$NTM" -b 8 -e 64M -f 4 -g 1 -n 100 -w 20 -d $d
+        echo "### nccl-tests MPI $d graph -G 10"; step timeout 90 "${RUN[@]}" "$NTM" -b 8 -e 64M -f 4 -g 1 -n 20 -w 5 -G 10 -d $d
+        echo "### nccl-tests MPI $d symmetric -R 2"; step timeout 90 "${RUN[@]}" "$NTM" -b 8 -e 64M -f 4 -g 1 -n 100 -w 20 -R 2 -d $d
+      done > "$OUT/nt-mpi.txt" 2>&1
+      grep -E "^###|Avg bus|^sweep:" "$OUT/nt-mpi.txt"
+    fi
+  else
+    echo "sweep: no mpicc here: nccl-tests one process per GPU left out"
+  fi
 fi
 step timeout 200 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -n 100 --algos nccl,oneshot,twoshot,auto \
     --json "$OUT/algos.json" --no-progress > "$OUT/algos.txt" 2>&1; tail -40 "$OUT/algos.txt"
