@@ -28,21 +28,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pyccl.bench import sizes
+
 
 def _size(text):
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper()
-    return int(t[:-1]) * mult[t[-1]] if t[-1] in mult else int(t)
+    """Bytes from '8', '64K', '1M' (pyccl.bench's and nccl-tests' sizes), for argparse."""
+    try:
+        return sizes.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _sizes(lo, hi, factor):
-    out, s = [], lo
-    while s <= hi:
-        out.append(s)
-        s *= factor
-    if out[-1] != hi:
-        out.append(hi)
-    return out
+    """pyccl.bench's sweep of sizes, the largest one always included."""
+    out = sizes.size_list(lo, hi, stepfactor=factor)
+    return out if out[-1] == hi else out + [hi]
 
 
 def _events_us(fn, iters, loops=5):
