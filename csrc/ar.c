@@ -180,20 +180,33 @@ ar_of(pyccl_comm *c, const char *op)
     return c->ar;
 }
 
-/* The peers did not come within the timeout (`where`: during the set-up, or
- * in a kernel): the own kernels are off, the communicator is failed, and
- * the call raises (NcclTimeoutError, or RuntimeError if it was alive). */
+/* The own kernels are off on c for good, and the call raises: one place for
+ * what ends them.  `gone`: abort() or the watchdog ended c during the set-up
+ * (RuntimeError now if it was alive).  Else r: ncclInProgress, the peers did
+ * not come within the timeout (`where`: during the set-up, or in a kernel):
+ * c is failed, its kernels that wait for peers give up, and the call raises
+ * (NcclTimeoutError, or RuntimeError if it was alive); any other result, the
+ * set-up's NCCL error, raised with c still usable.  Always -1. */
 static int
-timed_out(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const char *where)
+turn_off(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, int gone,
+         ncclResult_t r, const char *where)
 {
-    char msg[400];
-    snprintf(msg, sizeof msg,
-             "%s: rank %d of %d timed out after %s s waiting for its peers%s; the communicator "
-             "was aborted",
-             op, f->rank, f->nranks, pyccl_secs(f->timeout).s, where);
     f->state = AR_OFF;
-    pyccl_ar_stop(c);
-    return pyccl_comm_give_up(st, op, c, msg, msg);
+    if (!gone && r != ncclInProgress) {
+        pyccl_raise_nccl(st, op, r, f->last);
+        return -1;
+    }
+    char msg[sizeof f->reason + 64];
+    if (gone) {
+        snprintf(msg, sizeof msg, "%s: %s", op, f->reason);
+    } else {
+        snprintf(msg, sizeof msg,
+                 "%s: rank %d of %d timed out after %s s waiting for its peers%s; the "
+                 "communicator was aborted",
+                 op, f->rank, f->nranks, pyccl_secs(f->timeout).s, where);
+        pyccl_ar_stop(c);
+    }
+    return pyccl_comm_give_up(st, op, c, gone ? NULL : msg, msg);
 }
 
 /* The collective set-up of c's kernels, GIL released, one at a time per
@@ -227,19 +240,8 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
     pthread_mutex_unlock(&f->setup_mu);
     Py_END_ALLOW_THREADS
     c->setups--;
-    if (ran && f->gone) { /* abort() or the watchdog ended it meanwhile */
-        f->state = AR_OFF;
-        char msg[sizeof f->reason + 64];
-        snprintf(msg, sizeof msg, "%s: %s", op, f->reason);
-        return pyccl_comm_give_up(st, op, c, NULL, msg);
-    }
-    if (r == ncclInProgress) { /* the peers did not come within the timeout */
-        return timed_out(st, c, f, op, " (setting up pyccl's all-reduce kernels)");
-    }
-    if (r != ncclSuccess) {
-        f->state = AR_OFF;
-        pyccl_raise_nccl(st, op, r, f->last);
-        return -1;
+    if (ran && (f->gone || r != ncclSuccess)) {
+        return turn_off(st, c, f, op, f->gone, r, " (setting up pyccl's all-reduce kernels)");
     }
     if (f->state != AR_READY) {
         log_once(f);
@@ -470,7 +472,7 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
     if (*(volatile int *)f->host_err) {
         /* a kernel gave up on a peer: the communicator is done for */
         AR_WHY(f, "a wait gave up after %g s", f->timeout);
-        return timed_out(st, c, f, op, " in pyccl's all-reduce kernel");
+        return turn_off(st, c, f, op, 0, ncclInProgress, " in pyccl's all-reduce kernel");
     }
     int variant = algo == PYCCL_ALGO_TWOSHOT ? 2 : nbytes <= f->ll_max ? 0 : 1;
     int k = variant * K_NTYPES * K_NOPS + kt * K_NOPS + ko;
