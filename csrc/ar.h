@@ -28,7 +28,8 @@ PyObject *pyccl_ar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value);
 void pyccl_ar_stop(pyccl_comm *c);
 void pyccl_ar_stop_all(void);
 /* Regions of this process's released communicators that a peer may still
- * map, kept until every peer closed its mapping or is gone (ar_release.c). */
+ * map, kept until every peer closed its mapping or is gone (the release
+ * handshake, ar_setup.c). */
 int pyccl_ar_parked(void);
 /* Whether the kernels were compiled in (setup.py found nvcc). */
 int pyccl_ar_built(void);

@@ -71,7 +71,7 @@ extern ar_device ar_devs[MAX_DEVICES];
 
 enum { AR_UNTRIED = 0, AR_READY = 1, AR_OFF = -1 };
 
-/* ar_release.c: the release handshake's shared-memory page of a rank */
+/* the release handshake's shared-memory page of a rank (ar_setup.c) */
 #define PYCCL_AR_MARKS_NAME 40
 typedef struct ar_marks ar_marks;
 
@@ -99,7 +99,7 @@ typedef struct pyccl_ar {
     int sent;                           /* the set-up enqueued its exchange */
     char last[512];                     /* ncclGetLastError after a failed set-up call */
     pthread_mutex_t setup_mu;           /* one set-up at a time on a communicator */
-    /* the release handshake (ar_release.c): this rank's page and name, and
+    /* the release handshake: this rank's page and name, and
      * each peer's page (NULL once told), name and process */
     ar_marks *marks;
     char marks_name[PYCCL_AR_MARKS_NAME];
@@ -109,24 +109,6 @@ typedef struct pyccl_ar {
     struct pyccl_ar *prev, *next;   /* in the live list, under live_mu */
     int in_live;
 } pyccl_ar;
-
-/* ---- ar_release.c: giving back a region peers may still map ----
- * Without the GIL.  Make this rank's page of marks (its name into name[len],
- * "" when shared memory is unavailable). */
-void ar_marks_create(pyccl_ar *f, char *name, size_t len);
-/* After the exchange: peer p's page (named in its record) and process. */
-void ar_marks_open(pyccl_ar *f, int p, const char *name, int32_t pid);
-/* This rank closed its mapping of p's region (or never had one): tell p. */
-void ar_marks_closed(pyccl_ar *f, int p);
-/* The page's name goes (every peer opened it); the mapping stays. */
-void ar_marks_unlink(pyccl_ar *f);
-/* This rank's page goes (its region freed, or parked with it). */
-void ar_marks_drop(pyccl_ar *f);
-/* base, which peers may still map, is freed once every peer marked it
- * closed or is gone: 1 parked, 0 kept (no page of marks). */
-int ar_park(pyccl_ar *f, char *base);
-/* Free the parked regions no peer maps any more; how many. */
-int ar_drain(const pyccl_api *a);
 
 /* Why the own kernels are off for `ar` (a pyccl_ar *), printf-style. */
 #define AR_WHY(ar, ...) snprintf((ar)->reason, sizeof (ar)->reason, __VA_ARGS__)
