@@ -712,11 +712,18 @@ pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c)
     return 0;
 }
 
-/* Lock w, the GIL released while waiting for it. */
+/* Lock w, the GIL released only while waiting for it (as
+ * pyccl_lock_released does, spelled out here so that the watch's own lock
+ * stays within the watch). */
 void
 lock_watch(struct pyccl_watch *w)
 {
-    pyccl_lock_released(&w->mu);
+    if (pthread_mutex_trylock(&w->mu) == 0) {
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&w->mu);
+    Py_END_ALLOW_THREADS
 }
 
 int
