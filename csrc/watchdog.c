@@ -935,18 +935,34 @@ poll_in_progress(const pyccl_api *a, waiter *wt, struct pyccl_watch **ws, int nw
     return polled;
 }
 
+/* The distinct watches of a call's communicators, in lock order, each with
+ * the communicator it came from and whether this call is the first of the
+ * thread's open group on it; and for each of the call's rows, the watch
+ * (index into ws, -1: none) whose handle it runs on and its stream: what the
+ * watch records its events after. */
+typedef struct {
+    struct pyccl_watch *ws_small[8], **ws;
+    pyccl_comm *owners_small[8], **owners;
+    int fresh_small[8], *fresh;
+    int n;
+    struct watch_row {
+        int j;
+        cudaStream_t stream;
+    } rows_small[8], *rows;
+    Py_ssize_t nrows;
+} watch_set;
+
 /* After the NCCL calls outside a group, every watch locked: fail each as
  * the outcome says (timeout, interrupt, NCCL error; *which the one NCCL
  * failed on), or record an event after its work on each of its streams;
  * then unlock it.  Returns the first event record's error. */
 static cudaError_t
-settle_watches(const pyccl_api *a, const char *op, const pyccl_task *tasks, Py_ssize_t n,
-               struct pyccl_watch **ws, int nw, ncclResult_t r, int polled,
-               const char *last, int *which)
+settle_watches(const pyccl_api *a, const char *op, const watch_set *g, ncclResult_t r,
+               int polled, const char *last, int *which)
 {
     cudaError_t rec_err = cudaSuccess;
-    for (int j = 0; j < nw; j++) {
-        struct pyccl_watch *w = ws[j];
+    for (int j = 0; j < g->n; j++) {
+        struct pyccl_watch *w = g->ws[j];
         if (polled > 0) {
             /* one NCCL group: the others cannot finish alone */
             fail_timeout(w, op, "its peers");
@@ -970,18 +986,17 @@ settle_watches(const pyccl_api *a, const char *op, const pyccl_task *tasks, Py_s
             }
         }
         else if (r == ncclSuccess && w->comm != NULL) {
-            for (Py_ssize_t i = 0; i < n && rec_err == cudaSuccess; i++) {
+            for (Py_ssize_t i = 0; i < g->nrows && rec_err == cudaSuccess; i++) {
                 int dup = 0;
-                if (tasks[i].comm != w->comm) {
+                if (g->rows[i].j != j) {
                     continue;
                 }
                 for (Py_ssize_t k = 0; k < i; k++) {
-                    dup |= tasks[k].comm == w->comm &&
-                           tasks[k].stream == tasks[i].stream;
+                    dup |= g->rows[k].j == j && g->rows[k].stream == g->rows[i].stream;
                 }
                 if (!dup) {
                     call_begin(w);
-                    rec_err = watch_record(w, tasks[i].stream, op);
+                    rec_err = watch_record(w, g->rows[i].stream, op);
                     if (call_end(w, op)) {
                         rec_err = cudaSuccess;
                         break;
@@ -994,16 +1009,6 @@ settle_watches(const pyccl_api *a, const char *op, const pyccl_task *tasks, Py_s
     return rec_err;
 }
 
-/* The distinct watches of a call's communicators, in lock order, each with
- * the communicator it came from and whether this call is the first of the
- * thread's open group on it. */
-typedef struct {
-    struct pyccl_watch *ws_small[8], **ws;
-    pyccl_comm *owners_small[8], **owners;
-    int fresh_small[8], *fresh;
-    int n;
-} watch_set;
-
 static void
 watch_set_free(watch_set *g)
 {
@@ -1012,18 +1017,30 @@ watch_set_free(watch_set *g)
         PyMem_Free(g->owners);
         PyMem_Free(g->fresh);
     }
+    if (g->rows != g->rows_small) {
+        PyMem_Free(g->rows);
+    }
 }
 
 /* -1 with an exception: out of memory, or a communicator with a watch
  * already failed (or not usable: pyccl_comm_alive). */
 static int
-watch_set_fill(watch_set *g, pyccl_state *st, const char *op, pyccl_comm *const *comms,
-               Py_ssize_t ncomms, int in_group)
+watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *tasks,
+               Py_ssize_t n, pyccl_comm *const *comms, Py_ssize_t ncomms, int in_group)
 {
     g->n = 0;
     g->ws = g->ws_small;
     g->owners = g->owners_small;
     g->fresh = g->fresh_small;
+    g->rows = g->rows_small;
+    g->nrows = n;
+    if (n > 8) {
+        g->rows = PyMem_Calloc((size_t)n, sizeof *g->rows);
+        if (g->rows == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
     if (ncomms > 8) {
         g->ws = PyMem_Calloc((size_t)ncomms, sizeof *g->ws);
         g->owners = PyMem_Calloc((size_t)ncomms, sizeof *g->owners);
@@ -1058,6 +1075,19 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, pyccl_comm *const 
             }
         }
         g->fresh[j] = in_group && !group_has(g->ws[j]);
+    }
+    /* Each row's watch, by its handle: once the communicators are found
+     * usable, a watched one's handle is its watch's (never replaced, only
+     * cleared when it fails) and differs from every other's. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        g->rows[i].j = -1;
+        g->rows[i].stream = tasks[i].stream;
+        for (int j = 0; j < g->n; j++) {
+            if (tasks[i].comm == g->owners[j]->comm) {
+                g->rows[i].j = j;
+                break;
+            }
+        }
     }
     return 0;
 }
@@ -1136,13 +1166,13 @@ raise_outcome(pyccl_state *st, const char *op, watch_set *g, const timed_outcome
 /* Inside pyccl.group(): remember each communicator's tasks for the group's
  * end (which the watch then covers).  -1 with MemoryError. */
 static int
-add_to_group(const char *op, watch_set *g, const pyccl_task *tasks, Py_ssize_t n)
+add_to_group(const char *op, watch_set *g)
 {
     int rc = 0;
     for (int j = 0; j < g->n; j++) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (tasks[i].comm == g->owners[j]->comm &&
-                group_add((PyObject *)g->owners[j], g->ws[j], tasks[i].stream, op) < 0) {
+        for (Py_ssize_t i = 0; i < g->nrows; i++) {
+            if (g->rows[i].j == j &&
+                group_add((PyObject *)g->owners[j], g->ws[j], g->rows[i].stream, op) < 0) {
                 rc = -1;
             }
         }
@@ -1169,7 +1199,7 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
     watch_set g;
     /* the communicators first, then this thread's open group (refused
      * before anything is enqueued) */
-    if (watch_set_fill(&g, st, op, comms, ncomms, in_group) < 0 ||
+    if (watch_set_fill(&g, st, op, tasks, n, comms, ncomms, in_group) < 0 ||
         (o.refused = pyccl_group_join(comms, ncomms, 1)) < 0) {
         watch_set_free(&g);
         return -1;
@@ -1202,13 +1232,12 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
                 if (o.r == ncclInProgress) {
                     o.polled = poll_in_progress(a, &wt, ws, g.n, &o.r, &o.which);
                 }
-                o.rec_err = settle_watches(a, op, tasks, n, ws, g.n, o.r, o.polled, o.last,
-                                           &o.which);
+                o.rec_err = settle_watches(a, op, &g, o.r, o.polled, o.last, &o.which);
             }
         }
         waiter_finish(&wt);
     }
-    int rc = all_well(&g, &o) ? (in_group ? add_to_group(op, &g, tasks, n) : 0)
+    int rc = all_well(&g, &o) ? (in_group ? add_to_group(op, &g) : 0)
                               : raise_outcome(st, op, &g, &o);
     watch_set_free(&g);
     return rc;
