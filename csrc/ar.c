@@ -184,29 +184,32 @@ ar_of(pyccl_comm *c, const char *op)
  * what ends them.  `gone`: abort() or the watchdog ended c during the set-up
  * (RuntimeError now if it was alive).  Else r: ncclInProgress, the peers did
  * not come within the timeout (`where`: during the set-up, or in a kernel):
- * c is failed, its kernels that wait for peers give up, and the call raises
- * (NcclTimeoutError, or RuntimeError if it was alive); any other result, the
- * set-up's NCCL error, raised with c still usable.  Always -1. */
+ * c fails, its kernels that wait for peers give up, and the call raises
+ * (NcclTimeoutError, or the failure before it); both through the door's
+ * tracking of the call on stream s.  Any other result, the set-up's NCCL
+ * error, raised with c still usable.  Always -1. */
 static int
 turn_off(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, int gone,
-         ncclResult_t r, const char *where)
+         ncclResult_t r, const char *where, cudaStream_t s)
 {
     f->state = AR_OFF;
-    if (!gone && r != ncclInProgress) {
-        pyccl_raise_nccl(st, op, r, f->last);
+    if (gone || r == ncclInProgress) {
+        char msg[sizeof f->reason + 64];
+        if (gone) {
+            snprintf(msg, sizeof msg, "%s: %s", op, f->reason);
+        } else {
+            snprintf(msg, sizeof msg,
+                     "%s: rank %d of %d timed out after %s s waiting for its peers%s; the "
+                     "communicator was aborted",
+                     op, f->rank, f->nranks, f->timeout_text.s, where);
+        }
+        if (pyccl_call_track(st, op, c, s, gone ? NULL : f->host_err, gone ? NULL : msg) == 0) {
+            PyErr_SetString(PyExc_RuntimeError, msg); /* c was still usable */
+        }
         return -1;
     }
-    char msg[sizeof f->reason + 64];
-    if (gone) {
-        snprintf(msg, sizeof msg, "%s: %s", op, f->reason);
-    } else {
-        snprintf(msg, sizeof msg,
-                 "%s: rank %d of %d timed out after %s s waiting for its peers%s; the "
-                 "communicator was aborted",
-                 op, f->rank, f->nranks, pyccl_secs(f->timeout).s, where);
-        pyccl_ar_stop(c);
-    }
-    return pyccl_comm_give_up(st, op, c, gone ? NULL : msg, msg);
+    pyccl_raise_nccl(st, op, r, f->last);
+    return -1;
 }
 
 /* The collective set-up of c's kernels, GIL released, one at a time per
@@ -236,12 +239,13 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
             r = ar_setup(a, f, c, s);
         }
         pyccl_device_leave(a, f->device, prev);
+        f->timeout_text = pyccl_secs(f->timeout); /* for the messages that end them */
     }
     pthread_mutex_unlock(&f->setup_mu);
     Py_END_ALLOW_THREADS
     c->setups--;
     if (ran && (f->gone || r != ncclSuccess)) {
-        return turn_off(st, c, f, op, f->gone, r, " (setting up pyccl's all-reduce kernels)");
+        return turn_off(st, c, f, op, f->gone, r, " (setting up pyccl's all-reduce kernels)", s);
     }
     if (f->state != AR_READY) {
         log_once(f);
@@ -324,7 +328,7 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const pyccl_
         return -1;
     }
     /* as an NCCL call would be: watched with a timeout, else noted for wait() */
-    return pyccl_call_track(st, op, c, s) < 0 ? -1 : 1;
+    return pyccl_call_track(st, op, c, s, NULL, NULL) < 0 ? -1 : 1;
 }
 
 /* Whether the own kernels may take this call at all (kt, ko: the kernel's type
@@ -472,7 +476,7 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
     if (*(volatile int *)f->host_err) {
         /* a kernel gave up on a peer: the communicator is done for */
         AR_WHY(f, "a wait gave up after %g s", f->timeout);
-        return turn_off(st, c, f, op, 0, ncclInProgress, " in pyccl's all-reduce kernel");
+        return turn_off(st, c, f, op, 0, ncclInProgress, " in pyccl's all-reduce kernel", s);
     }
     int variant = algo == PYCCL_ALGO_TWOSHOT ? 2 : nbytes <= f->ll_max ? 0 : 1;
     int k = variant * K_NTYPES * K_NOPS + kt * K_NOPS + ko;

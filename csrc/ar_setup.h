@@ -6,6 +6,7 @@
 
 #include "ar.h"
 #include "kernels/ar_abi.h"
+#include "errors.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -92,6 +93,7 @@ typedef struct pyccl_ar {
     cudaEvent_t order;                  /* orders a launch after the previous one on another stream */
     int rank, nranks, device;
     double timeout;                     /* seconds a wait may take; 0 = forever */
+    pyccl_secs_text timeout_text;       /* as messages write it, from the set-up on */
     double kernel_timeout;              /* the kernels' deadline */
     unsigned skew_ns;                   /* PYCCL_AR_DEBUG_SKEW_NS (testing) */
     double deadline;                    /* the set-up's (monotonic s); 0: none */

@@ -126,11 +126,20 @@ pyccl_call_run(pyccl_state *st, const char *op, pyccl_comm *c, const pyccl_task 
 }
 
 int
-pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s)
+pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s,
+                 int *stop, const char *gave_up)
 {
     /* never inside a pyccl.group(): the own kernels leave those to NCCL */
-    if (c->watch == NULL) {
+    if (c->watch == NULL && gave_up == NULL) {
         return note_stream(c, s);
+    }
+    if (gave_up != NULL) {
+        /* failed now (the watch's record where c had none): the enqueue
+         * below finds the failure and raises it, enqueuing nothing */
+        pyccl_comm_time_out(st, c, stop, gave_up);
+        if (c->watch == NULL) {
+            return 0; /* no memory for the record: c stays as it was */
+        }
     }
     /* watched as an NCCL call's rows are: an event after it, with room made
      * in the watch first, and the watch's failure raised */

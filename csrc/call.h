@@ -46,8 +46,13 @@ void pyccl_call_end_all(pyccl_comm *const *cs, Py_ssize_t n);
 /* Own-kernel work of a begun call (never inside a pyccl.group()) was
  * launched on stream s: tracked as NCCL work is, a row of its own
  * (PYCCL_LAUNCHED) through the watch's enqueue with a timeout, the stream
- * noted for wait() without.  -1 with an exception. */
-int pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s);
+ * noted for wait() without.  Or the own kernels gave up on the peers
+ * (`gave_up`: the whole message, as pyccl_comm_time_out's reason; `stop`:
+ * their stop word): c fails for that timeout, and the watch's enqueue
+ * raises its failure (the first one, an abort() before say), nothing
+ * tracked.  -1 with an exception; 0 when c has no failure to raise. */
+int pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s,
+                     int *stop, const char *gave_up);
 
 /* Submit NCCL tasks of a begun call: on `comms` (their communicators,
  * repeats allowed; NULL and 0 for a clique's, which `serialize` covers):

@@ -27,6 +27,11 @@ double pyccl_comm_timeout(const pyccl_comm *c);
  * none (still usable), RuntimeError(otherwise). */
 int pyccl_comm_give_up(pyccl_state *st, const char *op, pyccl_comm *c, const char *failure,
                        const char *otherwise);
+/* c gives up for a timeout (`reason`, the whole message), GIL held, nothing
+ * raised: `stop` (an own kernels' stop word, or NULL) set first, then c
+ * aborted, and every later call on it raises NcclTimeoutError(reason).  The
+ * first failure stays: an abort() or a timeout before this one is kept. */
+void pyccl_comm_time_out(pyccl_state *st, pyccl_comm *c, int *stop, const char *reason);
 
 /* None -> 0; an int or float > 0 -> seconds; else TypeError/ValueError
  * naming op and "timeout". */

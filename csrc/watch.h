@@ -6,6 +6,7 @@
 #define PYCCL_WATCH_H
 
 #include "timeouts.h"
+#include "errors.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -39,6 +40,7 @@ struct pyccl_watch {
     int keep_failed;          /* revoke rather than abort (PYCCL_KEEP_FAILED, default 1) */
     int device, rank, size;
     double timeout;           /* 0: a record of a failed communicator only */
+    pyccl_secs_text timeout_text; /* as messages write it (pyccl_secs) */
     int registered;
     int busy;                 /* a thread polls an NCCL call in progress */
     int in_group;             /* threads with it in an open pyccl.group() */
@@ -95,6 +97,9 @@ int failed_kind(const struct pyccl_watch *w);
 void free_watch(struct pyccl_watch *w);
 void lock_watch(struct pyccl_watch *w);
 struct pyccl_watch * new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout);
+/* c (without timeout) failed as `kind` for `reason`: its handle aborted, a
+ * record of the failure as its watch.  -1 with MemoryError. */
+int mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason);
 int raise_failure(pyccl_state *st, const char *op, struct pyccl_watch *w);
 cudaError_t watch_record(struct pyccl_watch *w, cudaStream_t s, const char *op);
 cudaError_t watch_retire(struct pyccl_watch *w, int all, const char **bad_op);

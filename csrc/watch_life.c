@@ -116,6 +116,9 @@ pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
                    double timeout)
 {
     struct pyccl_watch *w = new_watch(st, c, c->comm, timeout);
+    if (w != NULL) {
+        w->timeout_text = pyccl_secs(timeout);
+    }
     if (w != NULL && register_watch(st, op, w) == 0) {
         c->watch = w;
         c->timeout = timeout;
@@ -339,32 +342,6 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
     return rc;
 }
 
-/* A record of a communicator without timeout that was aborted. */
-static int
-mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
-{
-    const pyccl_api *a = &st->api;
-    struct pyccl_watch *w = new_watch(st, c, NULL, 0.0);
-    if (w == NULL) {
-        return -1;
-    }
-    snprintf(w->reason, sizeof w->reason, "%s", reason);
-    w->failed = kind;
-    /* Under c's lock: no other thread is inside NCCL on the handle (an
-     * own-kernel set-up waits between its calls), and none uses it after. */
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&c->mu);
-    ncclComm_t comm = c->comm;
-    c->comm = NULL;
-    if (comm != NULL && a->loaded) {
-        a->ncclCommAbort(comm);
-    }
-    c->watch = w;
-    pthread_mutex_unlock(&c->mu);
-    Py_END_ALLOW_THREADS
-    return 0;
-}
-
 int
 pyccl_watch_abort(pyccl_state *st, pyccl_comm *c)
 {
@@ -513,30 +490,12 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
     return exc;
 }
 
-static void
-mark_failed(pyccl_state *st, pyccl_comm *c, const char *reason)
-{
-    struct pyccl_watch *w = c->watch;
-    if (w == NULL) {
-        if (mark_untimed(st, c, PYCCL_FAIL_TIMEOUT, reason) < 0) {
-            PyErr_Clear();
-        }
-        return;
-    }
-    lock_watch(w);
-    Py_BEGIN_ALLOW_THREADS
-    watch_fail(w, PYCCL_FAIL_TIMEOUT, 0, "%s", reason);
-    Py_END_ALLOW_THREADS
-    pthread_mutex_unlock(&w->mu);
-    c->comm = NULL;
-}
-
 int
 pyccl_comm_give_up(pyccl_state *st, const char *op, pyccl_comm *c, const char *failure,
                    const char *otherwise)
 {
     if (failure != NULL) {
-        mark_failed(st, c, failure);
+        pyccl_comm_time_out(st, c, NULL, failure);
     }
     if (pyccl_comm_alive(st, op, c) == 0) {
         PyErr_SetString(PyExc_RuntimeError, otherwise);

@@ -289,7 +289,7 @@ call_end(struct pyccl_watch *w, const char *op)
          "%s: rank %d of %d timed out after %s s waiting for its peers (the "
          "call itself was stuck in NCCL or CUDA, e.g. behind a full launch "
          "queue); the communicator was aborted",
-         op, w->rank, w->size, pyccl_secs(w->timeout).s);
+         op, w->rank, w->size, w->timeout_text.s);
     return 1;
 }
 
@@ -334,7 +334,7 @@ fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for)
     watch_fail(w, PYCCL_FAIL_TIMEOUT, 0,
          "%s: rank %d of %d timed out after %s s waiting for %s; the "
          "communicator was aborted",
-         op, w->rank, w->size, pyccl_secs(w->timeout).s, waiting_for);
+         op, w->rank, w->size, w->timeout_text.s, waiting_for);
 }
 
 static void
@@ -557,6 +557,53 @@ free_watch(struct pyccl_watch *w)
     PyMem_RawFree(w->q);
     PyMem_RawFree(w->pool);
     PyMem_RawFree(w);
+}
+
+int
+mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
+{
+    const pyccl_api *a = &st->api;
+    struct pyccl_watch *w = new_watch(st, c, NULL, 0.0);
+    if (w == NULL) {
+        return -1;
+    }
+    snprintf(w->reason, sizeof w->reason, "%s", reason);
+    w->failed = kind;
+    /* Under c's lock: no other thread is inside NCCL on the handle (an
+     * own-kernel set-up waits between its calls), and none uses it after. */
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&c->mu);
+    ncclComm_t comm = c->comm;
+    c->comm = NULL;
+    if (comm != NULL && a->loaded) {
+        a->ncclCommAbort(comm);
+    }
+    c->watch = w;
+    pthread_mutex_unlock(&c->mu);
+    Py_END_ALLOW_THREADS
+    return 0;
+}
+
+void
+pyccl_comm_time_out(pyccl_state *st, pyccl_comm *c, int *stop, const char *reason)
+{
+    if (stop != NULL) {
+        /* the own kernels that wait for peers give up first */
+        *(volatile int *)stop = 2;
+    }
+    struct pyccl_watch *w = c->watch;
+    if (w == NULL) {
+        if (mark_untimed(st, c, PYCCL_FAIL_TIMEOUT, reason) < 0) {
+            PyErr_Clear();
+        }
+        return;
+    }
+    lock_watch(w);
+    Py_BEGIN_ALLOW_THREADS
+    watch_fail(w, PYCCL_FAIL_TIMEOUT, 0, "%s", reason);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_unlock(&w->mu);
+    c->comm = NULL;
 }
 
 /* ---------------- waiting with the GIL released ---------------- */
@@ -950,6 +997,9 @@ typedef struct {
         cudaStream_t stream;
     } rows_small[8], *rows;
     Py_ssize_t nrows;
+    /* the first of the call's communicators (in their order) whose watch
+     * had failed before the call: its failure is raised, nothing enqueued */
+    struct pyccl_watch *failed;
 } watch_set;
 
 /* After the NCCL calls outside a group, every watch locked: fail each as
@@ -1022,8 +1072,8 @@ watch_set_free(watch_set *g)
     }
 }
 
-/* -1 with an exception: out of memory, or a communicator with a watch
- * already failed (or not usable: pyccl_comm_alive). */
+/* -1 with MemoryError.  A communicator whose watch failed already is noted
+ * (g->failed), for the call to raise at its end as the door's begin would. */
 static int
 watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *tasks,
                Py_ssize_t n, pyccl_comm *const *comms, Py_ssize_t ncomms, int in_group)
@@ -1034,6 +1084,7 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *
     g->fresh = g->fresh_small;
     g->rows = g->rows_small;
     g->nrows = n;
+    g->failed = NULL;
     if (n > 8) {
         g->rows = PyMem_Calloc((size_t)n, sizeof *g->rows);
         if (g->rows == NULL) {
@@ -1059,9 +1110,8 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *
         if (w == NULL || seen) {
             continue;
         }
-        /* its failure first, as the door's begin would say it */
-        if (pyccl_comm_alive(st, op, comms[i]) < 0) {
-            return -1;
+        if (g->failed == NULL && failed_kind(w)) {
+            g->failed = w;
         }
         g->ws[g->n++] = w;
     }
@@ -1200,12 +1250,15 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
     /* the communicators first, then this thread's open group (refused
      * before anything is enqueued) */
     if (watch_set_fill(&g, st, op, tasks, n, comms, ncomms, in_group) < 0 ||
-        (o.refused = pyccl_group_join(comms, ncomms, 1)) < 0) {
+        (g.failed == NULL && (o.refused = pyccl_group_join(comms, ncomms, 1)) < 0)) {
         watch_set_free(&g);
         return -1;
     }
     struct pyccl_watch **ws = g.ws;
-    if (!o.refused) {
+    for (int j = 0; j < g.n; j++) {
+        o.which = ws[j] == g.failed ? j : o.which; /* raised first */
+    }
+    if (!o.refused && g.failed == NULL) {
         waiter wt;
         waiter_start(&wt, 1);
         o.got = acquire_all(&wt, ws, g.n, !in_group, &o.which);

@@ -951,7 +951,10 @@ def own_setup_behind_stuck_stream():
       first, whose NCCL calls must be watched as any call's);
     'abort': abort() from another thread 0.5 s into that set-up;
     'destroy': the own kernels were set up before the peer died, and the stuck work is on
-      the legacy stream, which destroy()'s release barrier uses."""
+      the legacy stream, which destroy()'s release barrier uses;
+    'untimed': a communicator without timeout (PYCCL_AR_TIMEOUT bounds the set-up), no
+      launch blocking: 'auto' sets up behind the stuck work until that bound, then the next
+      call raises the same failure."""
     _bounded(20)
     case = os.environ["FAKE_CASE"]
     rank = int(os.environ["FAKE_RANK"])
@@ -959,14 +962,19 @@ def own_setup_behind_stuck_stream():
         c = _own_kernels_ready(timeout=2.0)
     else:
         assert fake.cudaSetDevice(rank) == 0
-        c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank, timeout=2.0)
+        c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank,
+                               timeout=None if case == "untimed" else 2.0)
     put("peer_dead", 1)
     c.all_reduce(Array([1.0]), algo="nccl", stream=_rank_stream(0) if case == "destroy" else None)
-    put("launch_block", 1)
+    if case != "untimed":
+        put("launch_block", 1)
     _step(f"stuck work enqueued; own kernels {c.all_reduce_info['state']}")
     out = {}
-    if case in ("nccl", "auto"):
-        dt, err = timed(lambda: c.all_reduce(Array([1.0, 2.0]), algo=None if case == "auto" else "nccl"))
+    if case in ("nccl", "auto", "untimed"):
+        dt, err = timed(lambda: c.all_reduce(Array([1.0, 2.0]), algo=None if case != "nccl" else "nccl"))
+        if case == "untimed":
+            out["next"] = _outcome(timed(lambda: c.all_reduce(Array([1.0]), algo="nccl"))[1])
+            out["state"] = c.all_reduce_info["state"]
     elif case == "abort":
         def abort_later():
             time.sleep(0.5)

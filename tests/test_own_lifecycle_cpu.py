@@ -48,6 +48,20 @@ def test_first_call_behind_a_stuck_stream_times_out(peer_lib, tmp_path, algo):
         assert res["misuse"] == 0, res
 
 
+def test_set_up_past_ar_timeout_fails_a_communicator_without_timeout(peer_lib, tmp_path):
+    # no watch: the set-up's bound is PYCCL_AR_TIMEOUT; the door fails the communicator (a
+    # record of the failure made for it) and raises, and every later call raises the same
+    for rank, res in enumerate(run_ranks(peer_lib, "own_setup_behind_stuck_stream", tmp_path, "untimed",
+                                         PYCCL_AR_TIMEOUT="2")):
+        msg = (f"all_reduce: rank {rank} of 2 timed out after 2.0 s waiting for its peers (setting up "
+               "pyccl's all-reduce kernels); the communicator was aborted")
+        assert res["err"] == ["NcclTimeoutError", msg], res
+        assert 2.0 <= res["dt"] < 2.0 + 2.0, res
+        assert res["next"] == ["NcclTimeoutError", msg], res
+        assert res["state"] == "off", res
+        assert res["misuse"] == 0, res
+
+
 def test_abort_from_another_thread_ends_a_stuck_set_up(peer_lib, tmp_path):
     # abort() comes 0.5 s into the set-up: it gets through by itself, not only once the
     # watchdog gave up on the stuck call (the timeout + 1 s after the call began)
