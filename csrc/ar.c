@@ -236,10 +236,12 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
         if (pyccl_device_enter(a, f->device, &prev) != cudaSuccess) {
             r = ncclUnhandledCudaError;
         } else {
+            /* for the messages that end the kernels: published with their
+             * state (a thread that reads it READY reads this too) */
+            f->timeout_text = pyccl_secs(f->timeout);
             r = ar_setup(a, f, c, s);
         }
         pyccl_device_leave(a, f->device, prev);
-        f->timeout_text = pyccl_secs(f->timeout); /* for the messages that end them */
     }
     pthread_mutex_unlock(&f->setup_mu);
     Py_END_ALLOW_THREADS

@@ -114,8 +114,8 @@ pyccl_call_run(pyccl_state *st, const char *op, pyccl_comm *c, const pyccl_task 
                Py_ssize_t n, int redop, const pyccl_premul *premul)
 {
     /* The call begins: a communicator with a watch is checked by the watch's
-     * enqueue, first thing (its failure first, as pyccl_call_begin would:
-     * nothing runs between), the others here. */
+     * enqueue before it enqueues anything (its failure first, as
+     * pyccl_call_begin would: nothing runs between), the others here. */
     if (c->watch == NULL && pyccl_raise_unusable(op, c) < 0) {
         return -1;
     }
@@ -131,20 +131,25 @@ pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s,
 {
     /* never inside a pyccl.group(): the own kernels leave those to NCCL */
     if (c->watch == NULL && gave_up == NULL) {
-        return note_stream(c, s);
-    }
-    if (gave_up != NULL) {
-        /* failed now (the watch's record where c had none): the enqueue
-         * below finds the failure and raises it, enqueuing nothing */
-        pyccl_comm_time_out(st, c, stop, gave_up);
-        if (c->watch == NULL) {
-            return 0; /* no memory for the record: c stays as it was */
+        if (c->life == PYCCL_LIFE_USABLE) {
+            return note_stream(c, s);
         }
+    } else {
+        if (gave_up != NULL) {
+            /* failed now (the watch's record where c had none): the enqueue
+             * below finds the failure and raises it, enqueuing nothing */
+            pyccl_comm_time_out(st, c, stop, gave_up);
+            if (c->watch == NULL) {
+                return 0; /* no memory for the record: c stays as it was */
+            }
+        }
+        /* watched as an NCCL call's rows are: an event after it, with room
+         * made in the watch first, and a failure (before or now) raised */
+        const pyccl_task launched = {.coll = PYCCL_LAUNCHED, .comm = c->comm, .stream = s};
+        return pyccl_enqueue_timed(st, op, &launched, 1, ncclSum, NULL, &c, 1);
     }
-    /* watched as an NCCL call's rows are: an event after it, with room made
-     * in the watch first, and the watch's failure raised */
-    const pyccl_task launched = {.coll = PYCCL_LAUNCHED, .comm = c->comm, .stream = s};
-    return pyccl_enqueue_timed(st, op, &launched, 1, ncclSum, NULL, &c, 1);
+    /* destroyed, without a watch (what an own-kernel set-up can find) */
+    return pyccl_raise_unusable(op, c);
 }
 
 /* ---------------- destroy and abort ---------------- */

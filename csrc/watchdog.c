@@ -997,9 +997,11 @@ typedef struct {
         cudaStream_t stream;
     } rows_small[8], *rows;
     Py_ssize_t nrows;
-    /* the first of the call's communicators (in their order) whose watch
-     * had failed before the call: its failure is raised, nothing enqueued */
-    struct pyccl_watch *failed;
+    /* the first of the call's communicators (in their order) with a watch
+     * that had failed before the call, or that is not usable (destroy()
+     * begun by another thread while this one read its arguments): raised
+     * as the door's begin would, failure first, nothing enqueued */
+    pyccl_comm *bad;
 } watch_set;
 
 /* After the NCCL calls outside a group, every watch locked: fail each as
@@ -1072,8 +1074,9 @@ watch_set_free(watch_set *g)
     }
 }
 
-/* -1 with MemoryError.  A communicator whose watch failed already is noted
- * (g->failed), for the call to raise at its end as the door's begin would. */
+/* -1 with MemoryError.  The first communicator whose watch failed already,
+ * or that is not usable, is noted (g->bad), for the call to raise at its
+ * end as the door's begin would (pyccl_call_run leaves the check to this). */
 static int
 watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *tasks,
                Py_ssize_t n, pyccl_comm *const *comms, Py_ssize_t ncomms, int in_group)
@@ -1084,7 +1087,7 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *
     g->fresh = g->fresh_small;
     g->rows = g->rows_small;
     g->nrows = n;
-    g->failed = NULL;
+    g->bad = NULL;
     if (n > 8) {
         g->rows = PyMem_Calloc((size_t)n, sizeof *g->rows);
         if (g->rows == NULL) {
@@ -1110,8 +1113,10 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *
         if (w == NULL || seen) {
             continue;
         }
-        if (g->failed == NULL && failed_kind(w)) {
-            g->failed = w;
+        /* a watched communicator's handle goes only when it fails or is
+         * destroyed: no other state to look at */
+        if (g->bad == NULL && (failed_kind(w) || comms[i]->life != PYCCL_LIFE_USABLE)) {
+            g->bad = comms[i];
         }
         g->ws[g->n++] = w;
     }
@@ -1126,9 +1131,9 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *
         }
         g->fresh[j] = in_group && !group_has(g->ws[j]);
     }
-    /* Each row's watch, by its handle: once the communicators are found
-     * usable, a watched one's handle is its watch's (never replaced, only
-     * cleared when it fails) and differs from every other's. */
+    /* Each row's watch, by its handle: with every communicator usable (else
+     * nothing is enqueued), a watched one's handle is its watch's (never
+     * replaced, only cleared when it fails) and differs from every other's. */
     for (Py_ssize_t i = 0; i < n; i++) {
         g->rows[i].j = -1;
         g->rows[i].stream = tasks[i].stream;
@@ -1157,8 +1162,8 @@ typedef struct {
 static int
 all_well(const watch_set *g, const timed_outcome *o)
 {
-    int ok = !o->refused && o->got == 0 && o->polled == 0 && o->r == ncclSuccess &&
-             o->rec_err == cudaSuccess;
+    int ok = g->bad == NULL && !o->refused && o->got == 0 && o->polled == 0 &&
+             o->r == ncclSuccess && o->rec_err == cudaSuccess;
     for (int j = 0; ok && j < g->n; j++) {
         ok = !failed_kind(g->ws[j]);
     }
@@ -1195,6 +1200,11 @@ forget_failed(watch_set *g, const timed_outcome *o)
 static int
 raise_outcome(pyccl_state *st, const char *op, watch_set *g, const timed_outcome *o)
 {
+    if (g->bad != NULL) {
+        /* found before anything was enqueued, the GIL held since: raises */
+        (void)pyccl_comm_alive(st, op, g->bad);
+        return -1;
+    }
     int failed = forget_failed(g, o);
     if (failed >= 0) {
         return raise_failure(st, op, g->ws[failed]);
@@ -1250,15 +1260,12 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
     /* the communicators first, then this thread's open group (refused
      * before anything is enqueued) */
     if (watch_set_fill(&g, st, op, tasks, n, comms, ncomms, in_group) < 0 ||
-        (g.failed == NULL && (o.refused = pyccl_group_join(comms, ncomms, 1)) < 0)) {
+        (g.bad == NULL && (o.refused = pyccl_group_join(comms, ncomms, 1)) < 0)) {
         watch_set_free(&g);
         return -1;
     }
     struct pyccl_watch **ws = g.ws;
-    for (int j = 0; j < g.n; j++) {
-        o.which = ws[j] == g.failed ? j : o.which; /* raised first */
-    }
-    if (!o.refused && g.failed == NULL) {
+    if (!o.refused && g.bad == NULL) {
         waiter wt;
         waiter_start(&wt, 1);
         o.got = acquire_all(&wt, ws, g.n, !in_group, &o.which);

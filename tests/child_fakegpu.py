@@ -1568,6 +1568,49 @@ def _destroy_refusals(c):
             "or by another thread; destroy it afterwards"}
 
 
+def destroy_while_reading_arguments():
+    """Thread B destroys the communicator while thread A's call (op: broadcast, reduce,
+    all_gather; params timeout) reads its tensor: the tensor's __cuda_array_interface__
+    starts B and waits 0.3 s, while B's destroy() is held 1 s in deregistering.  A's call
+    thus begins with destroy() decided but not done: it raises, enqueuing nothing."""
+    import threading
+    p = _params()
+    put("reg_delay", 0.0)
+    put("dereg_delay", 0.0)
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=p["timeout"])
+    reg = c.register(Array([1.0] * 4))  # noqa: F841 - deregistered by destroy()
+    # held 1 s: with a timeout the deregister is in progress (polled, the watch's lock
+    # free); without, its call is (the communicator's lock held)
+    put("reg_delay" if p["timeout"] else "dereg_delay", 1.0)
+    out = {}
+
+    def destroy():
+        out["destroy"] = _outcome(timed(c.destroy)[1])
+
+    b = threading.Thread(target=destroy)
+
+    class Read(Array):
+        @property
+        def __cuda_array_interface__(self):
+            if not b.is_alive() and "destroy" not in out:
+                b.start()
+                time.sleep(0.3)
+            return self.cai
+
+        @__cuda_array_interface__.setter
+        def __cuda_array_interface__(self, value):
+            self.cai = value
+
+    a, other = Read([1.0, 2.0]), Array([0.0] * 4)
+    call = {"broadcast": lambda: c.broadcast(a, 0), "reduce": lambda: c.reduce(a, 0),
+            "all_gather": lambda: c.all_gather(a, other)}[p["op"]]
+    ops = get("ops")
+    out["call"] = _outcome(timed(call)[1])
+    _join([b])
+    out.update(enqueued=get("ops") - ops, destroyed=c.destroyed)
+    return out
+
+
 def destroy_beside():
     """Thread A repeats one call on a communicator (op: abort, premul, all_reduce, close,
     get_async_error) while thread B destroys it, retrying while destroy() says the

@@ -74,6 +74,18 @@ def test_destroy_beside_another_threads_call(lib, op, timeout):
         assert got["dereg_calls"] == got["registrations"], got
 
 
+@pytest.mark.parametrize("timeout", TIMEOUTS)
+@pytest.mark.parametrize("op", ["broadcast", "reduce", "all_gather"])
+def test_call_begun_while_another_thread_destroys(lib, op, timeout):
+    # the call's argument reading lets thread B's destroy() begin: the call then meets a
+    # communicator whose destroy() was decided and raises, as one after it would, enqueuing
+    # nothing (with a timeout, the watch's enqueue is the check)
+    got = run(lib, "destroy_while_reading_arguments", op=op, timeout=timeout)
+    assert got["call"] == ["RuntimeError", f"{op}: the communicator (rank 0 of 2) has been destroyed"], got
+    assert got["destroy"] is None and got["destroyed"], got
+    assert got["enqueued"] == 0, got
+
+
 # ---------------------------------------------------------------- an open pyccl.group()
 
 @pytest.mark.parametrize("timeout", TIMEOUTS)
