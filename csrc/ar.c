@@ -185,30 +185,38 @@ ar_of(pyccl_comm *c, const char *op)
  * (RuntimeError now if it was alive).  Else r: ncclInProgress, the peers did
  * not come within the timeout (`where`: during the set-up, or in a kernel):
  * c fails, its kernels that wait for peers give up, and the call raises
- * (NcclTimeoutError, or the failure before it); both through the door's
- * tracking of the call on stream s.  Any other result, the set-up's NCCL
- * error, raised with c still usable.  Always -1. */
+ * (NcclTimeoutError, or the failure before it).  Both through the door's
+ * tracking of the call on stream s, where c has a watch (a timeout, or the
+ * record that an abort() leaves), which finds the failure (or a destroy()
+ * begun) and raises it, tracking nothing.  Any other result, the set-up's
+ * NCCL error, raised with c still usable.  Always -1. */
 static int
 turn_off(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, int gone,
          ncclResult_t r, const char *where, cudaStream_t s)
 {
     f->state = AR_OFF;
-    if (gone || r == ncclInProgress) {
-        char msg[sizeof f->reason + 64];
-        if (gone) {
-            snprintf(msg, sizeof msg, "%s: %s", op, f->reason);
-        } else {
-            snprintf(msg, sizeof msg,
-                     "%s: rank %d of %d timed out after %s s waiting for its peers%s; the "
-                     "communicator was aborted",
-                     op, f->rank, f->nranks, f->timeout_text.s, where);
-        }
-        if (pyccl_call_track(st, op, c, s, gone ? NULL : f->host_err, gone ? NULL : msg) == 0) {
-            PyErr_SetString(PyExc_RuntimeError, msg); /* c was still usable */
-        }
+    char msg[sizeof f->reason + 64];
+    if (gone) {
+        snprintf(msg, sizeof msg, "%s: %s", op, f->reason);
+    } else {
+        snprintf(msg, sizeof msg,
+                 "%s: rank %d of %d timed out after %s s waiting for its peers%s; the "
+                 "communicator was aborted",
+                 op, f->rank, f->nranks, f->timeout_text.s, where);
+    }
+    int rc;
+    if (gone ? c->watch != NULL : r == ncclInProgress) {
+        rc = pyccl_call_track(st, op, c, s, gone ? NULL : f->host_err, gone ? NULL : msg);
+    } else if (gone) {
+        /* without a watch, c is gone only once destroyed (or not ready) */
+        rc = pyccl_raise_unusable(op, c);
+    } else {
+        pyccl_raise_nccl(st, op, r, f->last);
         return -1;
     }
-    pyccl_raise_nccl(st, op, r, f->last);
+    if (rc == 0) {
+        PyErr_SetString(PyExc_RuntimeError, msg); /* c was still usable */
+    }
     return -1;
 }
 

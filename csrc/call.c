@@ -131,25 +131,20 @@ pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s,
 {
     /* never inside a pyccl.group(): the own kernels leave those to NCCL */
     if (c->watch == NULL && gave_up == NULL) {
-        if (c->life == PYCCL_LIFE_USABLE) {
-            return note_stream(c, s);
-        }
-    } else {
-        if (gave_up != NULL) {
-            /* failed now (the watch's record where c had none): the enqueue
-             * below finds the failure and raises it, enqueuing nothing */
-            pyccl_comm_time_out(st, c, stop, gave_up);
-            if (c->watch == NULL) {
-                return 0; /* no memory for the record: c stays as it was */
-            }
-        }
-        /* watched as an NCCL call's rows are: an event after it, with room
-         * made in the watch first, and a failure (before or now) raised */
-        const pyccl_task launched = {.coll = PYCCL_LAUNCHED, .comm = c->comm, .stream = s};
-        return pyccl_enqueue_timed(st, op, &launched, 1, ncclSum, NULL, &c, 1);
+        return note_stream(c, s);
     }
-    /* destroyed, without a watch (what an own-kernel set-up can find) */
-    return pyccl_raise_unusable(op, c);
+    if (gave_up != NULL) {
+        /* failed now (the watch's record where c had none): the enqueue
+         * below finds the failure and raises it, enqueuing nothing */
+        pyccl_comm_time_out(st, c, stop, gave_up);
+        if (c->watch == NULL) {
+            return 0; /* no memory for the record: c stays as it was */
+        }
+    }
+    /* watched as an NCCL call's rows are: an event after it, with room made
+     * in the watch first, and a failure (before or now) raised */
+    const pyccl_task launched = {.coll = PYCCL_LAUNCHED, .comm = c->comm, .stream = s};
+    return pyccl_enqueue_timed(st, op, &launched, 1, ncclSum, NULL, &c, 1);
 }
 
 /* ---------------- destroy and abort ---------------- */

@@ -50,9 +50,7 @@ void pyccl_call_end_all(pyccl_comm *const *cs, Py_ssize_t n);
  * (`gave_up`: the whole message, as pyccl_comm_time_out's reason; `stop`:
  * their stop word): c fails for that timeout, and the watch's enqueue
  * raises its failure (the first one, an abort() before say), nothing
- * tracked.  With neither, after an own-kernel set-up that found c gone:
- * its failure or state raised alike.  -1 with an exception; 0 when c has
- * no failure to raise. */
+ * tracked.  -1 with an exception; 0 when c has no failure to raise. */
 int pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s,
                      int *stop, const char *gave_up);
 
