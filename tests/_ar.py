@@ -449,11 +449,15 @@ def ten_communicators(comm):
         assert c.all_reduce_info["state"] == "ready", c.all_reduce_info
         c.destroy()
 
+    # Measured only once every rank has destroyed: on distinct GPUs a peer imports NCCL's
+    # buffers of this GPU, and they come back when that peer's destroy() released them.
     use_and_destroy(new_comm(None), -1)
+    comm.barrier()
     torch.cuda.synchronize()
     before = torch.cuda.mem_get_info(d)[0]
     for i in range(10):
         use_and_destroy(new_comm(5.0 if i % 2 else None), i)
+    comm.barrier()
     torch.cuda.synchronize()
     return before, torch.cuda.mem_get_info(d)[0]
 
