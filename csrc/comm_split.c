@@ -35,6 +35,7 @@ split_watched(call_ctx *x, int color, int key)
         Py_END_ALLOW_THREADS
         return NULL;
     }
+    ((pyccl_comm *)child)->blocking = x->c->blocking;
     if (pyccl_watch_attach(x->st, "split", (pyccl_comm *)child, pyccl_comm_timeout(x->c)) < 0) {
         Py_DECREF(child);
         return NULL;
@@ -240,7 +241,8 @@ pyccl_comm_shrink(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
             api->ncclCommAbort(nc);
             Py_END_ALLOW_THREADS
         }
-        else if (pyccl_watch_attach(st, "shrink", (pyccl_comm *)res, pyccl_comm_timeout(c)) < 0) {
+        else if ((((pyccl_comm *)res)->blocking = c->blocking, 0) ||
+                 pyccl_watch_attach(st, "shrink", (pyccl_comm *)res, pyccl_comm_timeout(c)) < 0) {
             Py_CLEAR(res);
         }
         goto done;

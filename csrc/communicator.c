@@ -35,6 +35,7 @@ pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size, int device)
         return NULL;
     }
     pthread_mutex_init(&c->mu, NULL);
+    c->blocking = 1;
     c->comm = comm;
     c->rank = rank;
     c->size = size;
@@ -99,9 +100,9 @@ destroy_comm(pyccl_state *st, pyccl_comm *c, int may_raise)
 static PyObject *
 comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
           PyObject *uid_obj, PyObject *rank_obj, PyObject *device_obj,
-          PyObject *timeout_obj)
+          PyObject *timeout_obj, PyObject *blocking_obj)
 {
-    int nranks, rank, device = -1, ndev = 0, prev = -1;
+    int nranks, rank, device = -1, ndev = 0, prev = -1, blocking = -1;
     double timeout = 0.0;
     ncclUniqueId uid;
     /* "init_rank" is the drop-in's (torch.cuda.nccl's texts) */
@@ -115,6 +116,27 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
     }
     if (pyccl_read_timeout(op, timeout_obj, &timeout) < 0) {
         return NULL;
+    }
+    if (blocking_obj != NULL && blocking_obj != Py_None) {
+        if (!PyBool_Check(blocking_obj)) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: blocking must be True, False or None, got %.200s",
+                         op, Py_TYPE(blocking_obj)->tp_name);
+            return NULL;
+        }
+        blocking = blocking_obj == Py_True;
+    }
+    if (blocking == 0 && !(timeout > 0)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: blocking=False needs a timeout (a non-blocking communicator's "
+                     "calls are polled until their deadline); got timeout=None",
+                     op);
+        return NULL;
+    }
+    /* default: with a timeout, non-blocking (every host-side wait bounded);
+     * without one, blocking */
+    if (blocking < 0) {
+        blocking = !(timeout > 0);
     }
     if (nranks < 1) {
         PyErr_Format(PyExc_ValueError, "%s: world_size must be >= 1, got %d",
@@ -150,8 +172,9 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
     ncclResult_t r;
     char last[PYCCL_LAST_ERROR_SIZE] = "";
     if (timeout > 0) {
-        /* non-blocking, bounded by the timeout, interruptible */
-        if (pyccl_watch_init(st, op, &comm, nranks, &uid, rank, device, timeout) < 0) {
+        /* non-blocking: bounded by the timeout, interruptible */
+        if (pyccl_watch_init(st, op, &comm, nranks, &uid, rank, device, timeout,
+                             blocking) < 0) {
             return NULL;
         }
     }
@@ -188,6 +211,7 @@ comm_init(pyccl_state *st, const char *op, PyObject *nranks_obj,
         Py_END_ALLOW_THREADS
         return NULL;
     }
+    ((pyccl_comm *)c)->blocking = blocking;
     if (timeout > 0 && pyccl_watch_attach(st, op, (pyccl_comm *)c, timeout) < 0) {
         Py_DECREF(c);
         return NULL;
@@ -199,25 +223,25 @@ PyObject *
 pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
                 PyObject *rank)
 {
-    return comm_init(st, "init_rank", nranks, uid, rank, NULL, NULL);
+    return comm_init(st, "init_rank", nranks, uid, rank, NULL, NULL, NULL);
 }
 
 static PyObject *
 comm_tp_new(PyTypeObject *tp, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"world_size", "unique_id", "rank", "device",
-                             "timeout", NULL};
-    PyObject *n, *uid, *rank, *device = Py_None, *timeout = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|OO:Communicator",
+                             "timeout", "blocking", NULL};
+    PyObject *n, *uid, *rank, *device = Py_None, *timeout = Py_None, *blocking = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|OO$O:Communicator",
                                      kwlist, &n, &uid, &rank, &device,
-                                     &timeout)) {
+                                     &timeout, &blocking)) {
         return NULL;
     }
     pyccl_state *st = pyccl_state_of_type(tp);
     if (st == NULL) {
         return NULL;
     }
-    return comm_init(st, "Communicator", n, uid, rank, device, timeout);
+    return comm_init(st, "Communicator", n, uid, rank, device, timeout, blocking);
 }
 
 static void
@@ -354,6 +378,12 @@ comm_get_timeout(PyObject *self, void *Py_UNUSED(closure))
         return PyFloat_FromDouble(t);
     }
     Py_RETURN_NONE;
+}
+
+static PyObject *
+comm_get_blocking(PyObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(((pyccl_comm *)self)->blocking);
 }
 
 static PyObject *
@@ -623,6 +653,12 @@ static PyGetSetDef comm_getset[] = {
     {"timeout", comm_get_timeout, NULL,
      "The timeout in seconds (a float), or None: blocking NCCL semantics.",
      NULL},
+    {"blocking", comm_get_blocking, NULL,
+     "NCCL's mode of the handle: True (blocking; a timeout watches the GPU "
+     "work of every call, at the cost of an event) or False (non-blocking: "
+     "every host-side NCCL call is bounded by the timeout too, at NCCL's "
+     "cost of a thread per launch).",
+     NULL},
     {"all_reduce_info", comm_get_ar_info, NULL,
      "How all_reduce picks pyccl's own kernels on this communicator: state "
      "('not set up', 'ready', 'off'), reason, buffer_bytes, oneshot_max, "
@@ -651,15 +687,22 @@ static PyType_Slot comm_slots[] = {
     {Py_tp_getset, comm_getset},
     {Py_tp_members, comm_members},
     {Py_tp_doc,
-     "Communicator(world_size, unique_id, rank, device=None, timeout=None)\n--\n\n"
+     "Communicator(world_size, unique_id, rank, device=None, timeout=None, *, blocking=None)\n--\n\n"
      "One rank of an NCCL communicator on one CUDA device: device is an int, "
      "'cuda:N' or a torch.device ('cuda', torch.device('cuda') or None: the "
      "current one). Every rank passes the same unique_id.\n\n"
-     "timeout (seconds): NCCL non-blocking mode under pyccl's watchdog. The "
-     "init, and every collective's work on the GPU, must finish within it, "
-     "else the communicator is aborted and NcclTimeoutError raised (by the "
-     "call itself, or by the next call on it / comm.wait()). None: NCCL's "
-     "blocking mode, nothing watched (a lost peer can hang the others)."},
+     "timeout (seconds, or a datetime.timedelta): every collective's work on "
+     "the GPU must finish within it, else the communicator is aborted and "
+     "NcclTimeoutError raised (by the call itself, or by the next call on it "
+     "/ comm.wait()); pyccl's watchdog checks an event recorded after each "
+     "call. None: nothing watched (a lost peer can hang the others).\n\n"
+     "blocking: NCCL's mode of the handle. With a timeout the default is "
+     "False (non-blocking): the init and every host-side NCCL call (a "
+     "connection, a split, a registration) are bounded by the timeout too, "
+     "at NCCL's cost of a thread per launch (about 100 us of host time per "
+     "call). True: each call costs what an untimed one does plus the event; "
+     "a peer that never joins hangs the init, as without a timeout. Without "
+     "a timeout: blocking (False is refused)."},
     {0, NULL},
 };
 

@@ -269,6 +269,10 @@ typedef struct {
      * then nothing below costs anything per call. */
     struct pyccl_watch *watch;
     double timeout;      /* seconds, 0 for none; kept after destroy() */
+    /* NCCL's config.blocking of `comm` (1 without a timeout; with one, the
+     * user's choice: 0 bounds every host-side NCCL call too, at NCCL's cost
+     * of a thread per launch) */
+    int blocking;
     /* Without a watch: the streams it was used on, for wait() (which records
      * an event on each then).  last_stream makes noting one a compare. */
     cudaStream_t last_stream;

@@ -62,11 +62,14 @@ int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);
 /* Fill in rank and size of a communicator created inside a group (NCCL
  * knows them only once the group ended). */
 int pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c);
-/* ncclCommInitRankConfig (non-blocking) on `device`, polled until done;
- * aborted and NcclTimeoutError after `timeout` s, KeyboardInterrupt on ^C. */
+/* ncclCommInitRankConfig on `device` with config.blocking = `blocking`:
+ * non-blocking, polled until done, aborted and NcclTimeoutError after
+ * `timeout` s, KeyboardInterrupt on ^C; blocking, one call with the GIL
+ * released (NCCL gives no way to bound it: no handle exists until it
+ * returns). */
 int pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out,
                      int nranks, const ncclUniqueId *uid, int rank,
-                     int device, double timeout);
+                     int device, double timeout, int blocking);
 /* Give c (holding a non-blocking handle) its watch; aborts the handle and
  * returns -1 on failure. */
 int pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,

@@ -38,6 +38,12 @@ struct pyccl_watch {
     ncclComm_t revoked;
     int revoke_result;        /* what ncclCommRevoke returned (-1: not called) */
     int keep_failed;          /* revoke rather than abort (PYCCL_KEEP_FAILED, default 1) */
+    /* NCCL's config.blocking of the handle.  A blocking handle is never
+     * touched while a thread is inside an NCCL call on it: NCCL's abort
+     * would free it under that call (a non-blocking handle's abort joins
+     * NCCL's own thread first).  So a call stuck on the host there (a launch
+     * behind a full queue) is not claimed: it returns when NCCL does. */
+    int blocking;
     int device, rank, size;
     double timeout;           /* 0: a record of a failed communicator only */
     pyccl_secs_text timeout_text; /* as messages write it (pyccl_secs) */

@@ -48,7 +48,8 @@ poll_comm(waiter *wt, const pyccl_api *a, ncclComm_t comm, double deadline,
 
 int
 pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out, int nranks,
-                 const ncclUniqueId *uid, int rank, int device, double timeout)
+                 const ncclUniqueId *uid, int rank, int device, double timeout,
+                 int blocking)
 {
     const pyccl_api *a = &st->api;
     if (a->ncclCommInitRankConfig == NULL || a->ncclCommGetAsyncError == NULL) {
@@ -59,7 +60,7 @@ pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out, int nranks,
         return -1;
     }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
+    config.blocking = blocking;
     ncclComm_t comm = NULL;
     ncclResult_t r, res = ncclSuccess;
     cudaError_t ce;
@@ -118,6 +119,7 @@ pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
     struct pyccl_watch *w = new_watch(st, c, c->comm, timeout);
     if (w != NULL) {
         w->timeout_text = pyccl_secs(timeout);
+        w->blocking = c->blocking;
     }
     if (w != NULL && register_watch(st, op, w) == 0) {
         c->watch = w;

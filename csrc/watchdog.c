@@ -298,6 +298,9 @@ watch_claim_call(struct pyccl_watch *w)
 {
     int64_t since = __atomic_load_n(&w->call_since, __ATOMIC_ACQUIRE);
     ncclComm_t comm = __atomic_load_n(&w->comm, __ATOMIC_ACQUIRE);
+    if (w->blocking) {
+        return 0; /* see struct pyccl_watch: the caller waits for the lock */
+    }
     if (since > 0 && comm != NULL &&
         __atomic_compare_exchange_n(&w->call_since, &since, -2, 0, __ATOMIC_ACQ_REL,
                                     __ATOMIC_ACQUIRE)) {
@@ -321,6 +324,9 @@ force_abort(struct pyccl_watch *w, int64_t now)
         return;
     }
     ncclComm_t comm = __atomic_load_n(&w->comm, __ATOMIC_ACQUIRE);
+    if (w->blocking) {
+        return; /* see struct pyccl_watch */
+    }
     if (__atomic_compare_exchange_n(&w->call_since, &since, -1, 0,
                                     __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE) &&
         comm != NULL) {
@@ -682,14 +688,32 @@ pyccl_read_timeout(const char *op, PyObject *obj, double *out)
     if (obj == NULL || obj == Py_None) {
         return 0;
     }
-    if (PyBool_Check(obj) || !(PyFloat_Check(obj) || PyLong_Check(obj))) {
+    PyObject *secs = NULL; /* a datetime.timedelta's total_seconds(), as torch takes */
+    if (!PyBool_Check(obj) && !PyFloat_Check(obj) && !PyLong_Check(obj)) {
+        PyObject *dt = PyImport_ImportModule("datetime");
+        PyObject *td = dt != NULL ? PyObject_GetAttrString(dt, "timedelta") : NULL;
+        int is_td = td != NULL ? PyObject_IsInstance(obj, td) : -1;
+        Py_XDECREF(td);
+        Py_XDECREF(dt);
+        if (is_td < 0) {
+            return -1;
+        }
+        if (is_td) {
+            secs = PyObject_CallMethod(obj, "total_seconds", NULL);
+            if (secs == NULL) {
+                return -1;
+            }
+        }
+    }
+    if (secs == NULL && (PyBool_Check(obj) || !(PyFloat_Check(obj) || PyLong_Check(obj)))) {
         PyErr_Format(PyExc_TypeError,
-                     "%s: timeout must be a number of seconds (int or float) "
-                     "or None, got %.200s",
+                     "%s: timeout must be a number of seconds (int or float), "
+                     "a datetime.timedelta or None, got %.200s",
                      op, Py_TYPE(obj)->tp_name);
         return -1;
     }
-    double v = PyFloat_AsDouble(obj);
+    double v = PyFloat_AsDouble(secs != NULL ? secs : obj);
+    Py_XDECREF(secs);
     if (v == -1.0 && PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
             return -1;

@@ -382,8 +382,11 @@ def exchange_unique_id(store, rank, size, group_name):
 
 def _new_communicator(size, uid, rank, timeout, device=None):
     need_gpu("pyccl backend")  # pyccl.CudaError in pyccl's words, not torch's internals
-    # device None: the current device, as the Communicator reads it
-    return _C.Communicator(size, uid, rank, device, timeout)
+    # device None: the current device, as the Communicator reads it.  Blocking, as torch's
+    # "nccl" backend: the group's timeout watches the GPU work of every call (an event each),
+    # and the unique id's exchange through the store, bounded by torch's timeout, has already
+    # found every rank; a non-blocking handle would cost NCCL's thread per launch on each call.
+    return _C.Communicator(size, uid, rank, device, timeout, blocking=True if timeout else None)
 
 
 def _cuda_index(dev):

@@ -126,8 +126,14 @@ def clean():
     assert get("concurrent") == 0, "two threads were inside one communicator"
 
 
+# FAKE_BLOCKING=1: the communicators these scenarios make with a timeout have a blocking
+# handle (the backend's kind), so the same behaviour is checked on both
+BLOCKING = True if os.environ.get("FAKE_BLOCKING") == "1" else None
+
+
 def new(world=2, rank=0, timeout=5.0):
-    return pyccl.Communicator(world, pyccl.unique_id(), rank, timeout=timeout)
+    return pyccl.Communicator(world, pyccl.unique_id(), rank, timeout=timeout,
+                              blocking=BLOCKING if timeout else None)
 
 
 # ---------------------------------------------------------------- scenarios
@@ -163,6 +169,35 @@ def init_then_collectives():
         _, err = timed(lambda: c.wait(*args))
         assert type(err) is RuntimeError and str(err) == \
             "wait: the communicator (rank 0 of 2) has been destroyed", repr(err)
+    clean()
+    return "ok"
+
+
+def blocking_kind():
+    """The handle's kind: blocking without a timeout, the user's choice with one (non-blocking
+    by default).  A blocking one is made in one call (no polling: the stand-in's non-blocking
+    init takes 0.2 s), watched all the same: a stuck collective times out and is aborted."""
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0)
+    assert c.blocking is True and c.timeout is None
+    c.destroy()
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=5.0)
+    assert c.blocking is False
+    c.destroy()
+    t0 = time.monotonic()
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=0.5, blocking=True)
+    assert time.monotonic() - t0 < 0.15, time.monotonic() - t0
+    assert c.blocking is True and c.timeout == 0.5
+    a = Array([1.0, 2.0, 3.0])
+    c.all_reduce(a)
+    c.wait()
+    put("peer_dead", 1)
+    c.all_reduce(a)
+    dt, err = timed(c.wait)
+    assert type(err) is pyccl.NcclTimeoutError and dt < 1.5, (dt, err)
+    assert c.destroyed
+    put("peer_dead", 0)
+    c.destroy()
+    assert get("aborts") == 1  # revoked at the timeout (kept for shrink()), aborted by destroy()
     clean()
     return "ok"
 
@@ -388,7 +423,7 @@ def wait_limit_not_aborted():
     assert get("aborts") == 0 and not c.destroyed
     c.wait()   # now it finishes
     for bad, exc, text in ((0, ValueError, "wait: timeout must be a finite number of seconds > 0, got 0"),
-                           ("1", TypeError, "wait: timeout must be a number of seconds (int or float) or None, got str")):
+                           ("1", TypeError, "wait: timeout must be a number of seconds (int or float), a datetime.timedelta or None, got str")):
         _, err = timed(lambda: c.wait(bad))
         assert type(err) is exc and str(err) == text, err
     _, err = timed(lambda: c.wait(timeout=1, x=2))

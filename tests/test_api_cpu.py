@@ -36,8 +36,8 @@ def test_method_signature(name):
 
 def test_constructor_and_properties():
     assert str(inspect.signature(pyccl.Communicator)) == \
-        "(world_size, unique_id, rank, device=None, timeout=None)"
-    for prop in ("rank", "size", "device", "handle", "destroyed", "timeout"):
+        "(world_size, unique_id, rank, device=None, timeout=None, *, blocking=None)"
+    for prop in ("rank", "size", "device", "handle", "destroyed", "timeout", "blocking"):
         # read-only attributes with a docstring (C getters or members)
         d = getattr(pyccl.Communicator, prop)
         assert inspect.isdatadescriptor(d) and d.__doc__, prop

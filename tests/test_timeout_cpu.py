@@ -49,8 +49,9 @@ def test_timeout_error_hierarchy():
 
 def test_signatures_and_docs():
     assert str(inspect.signature(pyccl.Communicator)) == \
-        "(world_size, unique_id, rank, device=None, timeout=None)"
-    assert "timeout" in pyccl.Communicator.__doc__
+        "(world_size, unique_id, rank, device=None, timeout=None, *, blocking=None)"
+    assert "timeout" in pyccl.Communicator.__doc__ and "blocking" in pyccl.Communicator.__doc__
+    assert "non-blocking" in pyccl.Communicator.blocking.__doc__
     assert str(inspect.signature(pyccl.Communicator.wait)) == "(self, /, timeout=None)"
     for name in ("abort", "wait", "get_async_error"):
         doc = getattr(pyccl.Communicator, name).__doc__
@@ -64,9 +65,9 @@ def test_signatures_and_docs():
 
 
 BAD_TIMEOUTS = [
-    ("5", TypeError, "timeout must be a number of seconds (int or float) or None, got str"),
-    (True, TypeError, "timeout must be a number of seconds (int or float) or None, got bool"),
-    ([5], TypeError, "timeout must be a number of seconds (int or float) or None, got list"),
+    ("5", TypeError, "timeout must be a number of seconds (int or float), a datetime.timedelta or None, got str"),
+    (True, TypeError, "timeout must be a number of seconds (int or float), a datetime.timedelta or None, got bool"),
+    ([5], TypeError, "timeout must be a number of seconds (int or float), a datetime.timedelta or None, got list"),
     (0, ValueError, "timeout must be a finite number of seconds > 0, got 0"),
     (-1.5, ValueError, "timeout must be a finite number of seconds > 0, got -1.5"),
     (float("nan"), ValueError, "timeout must be a finite number of seconds > 0, got nan"),
@@ -101,6 +102,19 @@ def test_read_timeout_accepts():
     assert pyccl._C._read_timeout("x", 5) == 5.0 and type(pyccl._C._read_timeout("x", 5)) is float
     assert pyccl._C._read_timeout("x", 0.25) == 0.25
     assert pyccl._C._read_timeout("x", 1e9) == 1e9
+    # datetime.timedelta, as torch.distributed takes it: its total_seconds()
+    import datetime
+    assert pyccl._C._read_timeout("x", datetime.timedelta(seconds=90, milliseconds=500)) == 90.5
+    assert pyccl._C._read_timeout("x", datetime.timedelta(days=1)) == 86400.0
+
+    class Later(datetime.timedelta):  # a subclass is one too
+        pass
+    assert pyccl._C._read_timeout("x", Later(seconds=2)) == 2.0
+    with raises(ValueError, "x: timeout must be a finite number of seconds > 0, got datetime.timedelta(0)"):
+        pyccl._C._read_timeout("x", datetime.timedelta(0))
+    with raises(ValueError, "Communicator: timeout must be a finite number of seconds > 0, "
+                            "got datetime.timedelta(days=-1, seconds=86399)"):
+        pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=datetime.timedelta(seconds=-1))
 
 
 def test_other_arguments_checked_as_before():
@@ -108,6 +122,29 @@ def test_other_arguments_checked_as_before():
         pyccl.Communicator(2, pyccl.unique_id(), 2, timeout=1)
     with raises(TypeError, "Communicator: rank must be an int, got str"):
         pyccl.Communicator(2, pyccl.unique_id(), "0", timeout="bad")
+
+
+def test_blocking_argument_checked():
+    uid = pyccl.unique_id()
+    with raises(TypeError, "Communicator: blocking must be True, False or None, got int"):
+        pyccl.Communicator(2, uid, 0, timeout=1, blocking=1)
+    with raises(ValueError, "Communicator: blocking=False needs a timeout (a non-blocking "
+                            "communicator's calls are polled until their deadline); got timeout=None"):
+        pyccl.Communicator(2, uid, 0, blocking=False)
+    with raises(TypeError, "Communicator() takes at most 5 positional arguments (6 given)"):
+        pyccl.Communicator(2, uid, 0, None, 1, True)  # keyword only
+
+
+def test_backend_communicators_are_blocking(monkeypatch):
+    """The "pyccl" backend's communicator: its group's timeout, on a blocking handle."""
+    import pyccl.distributed as pd
+    seen = []
+    monkeypatch.setattr(pd._C, "Communicator", lambda *a, **k: seen.append((a, k)) or "comm")
+    monkeypatch.setattr(pd, "need_gpu", lambda what: None)
+    assert pd._new_communicator(2, b"u", 1, 600.0, 3) == "comm"
+    assert pd._new_communicator(2, b"u", 1, None) == "comm"
+    assert seen == [((2, b"u", 1, 3, 600.0), {"blocking": True}),
+                    ((2, b"u", 1, None, None), {"blocking": None})]
 
 
 # ---------------------------------------------------------------- the fake GPU
@@ -159,6 +196,22 @@ def run_fake(lib, scenario, timeout=60):
     "names",                   # Communicator.name: unique, found while alive, gone with the object
 ])
 def test_fake_gpu(fakegpu, scenario):
+    run_fake(fakegpu, scenario)
+
+
+# The scenarios whose behaviour a blocking handle keeps (blocking=True with a timeout: the GPU
+# work of every call watched).  Not among them: the host-side waits that only a non-blocking
+# handle bounds (a hung init, connection, split or group end; a launch stuck behind a full queue,
+# which a blocking handle cannot be aborted under).
+BOTH_KINDS = ["graph_capture", "mixed_group", "wait_limit_not_aborted", "async_error",
+              "abort_from_thread", "drop_in", "two_comms_one_call", "threads_share_comm", "lifecycle",
+              "names", "collective_timeout", "watchdog_alone", "back_pressure", "destroy_stuck",
+              "exit_with_stuck_work", "blocking_kind"]
+
+
+@pytest.mark.parametrize("scenario", BOTH_KINDS)
+def test_fake_gpu_blocking_handle(fakegpu, scenario, monkeypatch):
+    monkeypatch.setenv("FAKE_BLOCKING", "1")
     run_fake(fakegpu, scenario)
 
 

@@ -4,6 +4,7 @@ one-shot and two-shot kernels (torch.ops.symm_mem), and a DDP training step on b
 
   python tools/peers_bench.py symm [-b 8] [-e 64M] [-f 4] [-n 100] [--dtype float,bfloat16]
   python tools/peers_bench.py ddp [--steps 100] [--width 1024] [--layers 4] [--profile 15]
+  python tools/peers_bench.py timeout [-b 8] [-e 64M] [-f 8] [-n 200]
 
 symm: µs per call, CUDA events around -n back-to-back calls, median of 5 loops, maximum over
 ranks, eager and replayed from a CUDA graph; each size is checked against a float64 reference
@@ -13,6 +14,11 @@ MLP, median of 5 loops of --steps steps, maximum over ranks, the same seeds on b
 the host's time per step beside it (equal to it where the step is host-bound); --profile N adds
 rank 0's N busiest ops per backend; at 2 ranks the parameters after training must be bitwise
 equal between the two backends (both add the same two numbers).
+timeout: what a timeout costs, float32 sum in place, the same processes and tensors: a
+Communicator without and with timeout= (algo "auto" and "nccl"; with timeout= on a non-blocking
+handle, the default, and on a blocking one, "blk"), and dist.all_reduce on a
+"pyccl" and an "nccl" group; per call the GPU µs (CUDA events around -n calls) and the host µs
+(the same loop's wall time), median of 5 loops, rank 0.
 Prints one table; --json FILE writes the rows.
 """
 import argparse
@@ -200,6 +206,66 @@ def _ddp_worker(rank, world, port, backend, args, queue):
     dist.destroy_process_group()
 
 
+def _timeout_worker(rank, world, port, args, queue):
+    import pyccl
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    pg = dist.new_group(backend="pyccl")
+    uid = [pyccl.unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(uid, src=0)
+    untimed = pyccl.Communicator(world, uid[0], rank)
+    uid2 = [pyccl.unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(uid2, src=0)
+    timed = pyccl.Communicator(world, uid2[0], rank, timeout=600)
+    systems = {
+        "untimed auto": lambda t: untimed.all_reduce(t),
+        "untimed nccl": lambda t: untimed.all_reduce(t, algo="nccl"),
+        "timed auto": lambda t: timed.all_reduce(t),
+        "timed nccl": lambda t: timed.all_reduce(t, algo="nccl"),
+    }
+    blocking = None
+    if hasattr(timed, "blocking"):  # a timeout on a blocking handle (the backend's kind)
+        uid3 = [pyccl.unique_id() if rank == 0 else None]
+        dist.broadcast_object_list(uid3, src=0)
+        blocking = pyccl.Communicator(world, uid3[0], rank, timeout=600, blocking=True)
+        systems["timed blk auto"] = lambda t: blocking.all_reduce(t)
+        systems["timed blk nccl"] = lambda t: blocking.all_reduce(t, algo="nccl")
+    systems['dist "pyccl"'] = lambda t: dist.all_reduce(t, group=pg)
+    systems['dist "nccl"'] = lambda t: dist.all_reduce(t)
+    rows = []
+    for nbytes in _sizes(args.minbytes, args.maxbytes, args.stepfactor):
+        n = max(1, nbytes // 4)
+        t = torch.arange(n, dtype=torch.float32, device="cuda") % 7
+        row = {"bytes": nbytes}
+        for name, fn in systems.items():
+            for _ in range(5):
+                fn(t)
+            gpu, host = [], []
+            for _ in range(5):
+                dist.barrier()
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                h = time.perf_counter()
+                for _ in range(args.iters):
+                    fn(t)
+                h = time.perf_counter() - h
+                b.record()
+                b.synchronize()
+                gpu.append(a.elapsed_time(b) * 1000.0 / args.iters)
+                host.append(h * 1e6 / args.iters)
+            row[name] = (statistics.median(gpu), statistics.median(host))
+        rows.append(row)
+    untimed.destroy()
+    timed.destroy()
+    if blocking is not None:
+        blocking.destroy()
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
 def _port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -235,7 +301,7 @@ def _spawn(fn, world, *extra, deadline_s=600.0):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="tools/peers_bench.py", description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("symm", "ddp"))
+    p.add_argument("what", choices=("symm", "ddp", "timeout"))
     p.add_argument("-g", "--ngpus", type=int, default=None, help="ranks = GPUs (default: all)")
     p.add_argument("-b", "--minbytes", type=_size, default=8)
     p.add_argument("-e", "--maxbytes", type=_size, default=64 << 20)
@@ -258,7 +324,14 @@ def main(argv=None):
     for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                         ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(name, value)
-    if args.what == "symm":
+    if args.what == "timeout":
+        rows = _spawn(_timeout_worker, world, args)
+        names = [k for k in rows[0] if k != "bytes"]
+        print(f"all_reduce float32 sum in place, {world} ranks, rank 0, GPU µs / host µs per call")
+        print(f"{'bytes':>10} " + " ".join(f"{k:>15}" for k in names))
+        for r in rows:
+            print(f"{r['bytes']:>10} " + " ".join(f"{r[k][0]:7.1f}/{r[k][1]:<7.1f}" for k in names))
+    elif args.what == "symm":
         rows = _spawn(_symm_worker, world, args)
         print(f"torch symm_mem all_reduce, {world} ranks, µs per call (max over ranks)")
         print(f"{'dtype':>8} {'bytes':>10} {'one_shot eager':>15} {'graph':>8} "
