@@ -3,7 +3,8 @@ which also holds PYCCL_EXPECT_GPUS and the split pass count).  Helper modules ar
 tests/_*.py files (stand-ins in _fakes.py); scripts run as child processes are tests/child_*.py."""
 import os
 
-# Lease rule of the GPU hosts, inherited by every child process: no NVLink multicast.
+# The suite's runs keep NVLink SHARP and multicast off unless set (pyccl and pyccl.bench leave
+# them to the user): every child process, benchmark runs and ranks included, inherits them.
 for _k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
     os.environ.setdefault(_k, "0" if _k == "NCCL_NVLS_ENABLE" else "1")
 
