@@ -1,5 +1,5 @@
-"""Fixtures, markers and hooks only: GPU counts and the skip marker (from _gpu_tier.py,
-which also holds PYCCL_EXPECT_GPUS and the split pass count).  Helper modules are the
+"""Fixtures, markers and hooks only: GPU counts, the skip marker and the `gpu` marker (from
+_gpu_tier.py, which also holds PYCCL_EXPECT_GPUS and the split pass count).  Helper modules are the
 tests/_*.py files (stand-ins in _fakes.py); scripts run as child processes are tests/child_*.py."""
 import os
 
@@ -10,5 +10,5 @@ for _k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISA
 
 # gpu_count/needs_gpus: tests import them from here; the hooks take effect by being named here
 from _gpu_tier import (bounded_in_process, gpu_count, needs_gpus, needs_ranks,  # noqa: F401
-                       ranks_share_gpus,
+                       pytest_collection_modifyitems, ranks_share_gpus,
                        pytest_runtest_makereport, pytest_sessionstart, pytest_terminal_summary)

@@ -265,6 +265,29 @@ def test_tools_test_sh_runs_the_paths_it_is_given_else_the_suite(tmp_path):
     assert test_sh("tests/test_b.py", "-k", "b").startswith("1 skipped in")
 
 
+def test_the_gpu_marker_selects_every_gpu_test_and_no_other():
+    """-m gpu collects the tests of *_gpu.py files and those marked needs_gpus/needs_ranks in
+    other files (read here from the source), -m "not gpu" the rest."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = ["tests/test_ops_gpu.py", "tests/test_ops_cpu.py", "tests/test_bad_input.py"]
+
+    def collect(*args):
+        r = run_bounded([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                         *args, *files], 300, cwd=root)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return {line for line in r.stdout.splitlines() if "::" in line}
+    every, gpu, cpu = collect(), collect("-m", "gpu"), collect("-m", "not gpu")
+    with open(os.path.join(root, "tests", "test_bad_input.py")) as f:
+        needs = set(re.findall(r"^@needs_(?:gpus|ranks)\(.*\)\n(?:@.*\n)*def (\w+)", f.read(), re.M))
+    assert len(needs) >= 9, needs
+    want = {n for n in every if n.startswith("tests/test_ops_gpu.py::")
+            or (n.startswith("tests/test_bad_input.py::") and n.split("::")[1].split("[")[0] in needs)}
+    assert gpu == want, sorted(gpu ^ want)
+    assert cpu == every - want, sorted(cpu ^ (every - want))
+    assert any(n.startswith("tests/test_ops_cpu.py::") for n in cpu)
+    assert any(n.startswith("tests/test_bad_input.py::") for n in cpu)
+
+
 def test_every_planted_fault_still_applies():
     # tools/mutate.sh plants each fault by replacing a text of the code; a refactor that changes
     # that text would make the fault a no-op (or the run an error) without anyone noticing.
