@@ -569,12 +569,12 @@ def test_importing_the_package_changes_no_environment_variable():
 
 
 def test_the_header_says_what_the_environment_sets_for_nvls():
-    assert cli.nvls_line({}) == ("# NVLS/multicast: NCCL default (NCCL_NVLS_ENABLE, "
+    assert cli._nvls_line({}) == ("# NVLS/multicast: NCCL default (NCCL_NVLS_ENABLE, "
                                  "TORCH_SYMM_MEM_DISABLE_MULTICAST, NVSHMEM_DISABLE_NVLS unset)")
-    assert cli.nvls_line({"NCCL_NVLS_ENABLE": "1", "OTHER": "x"}) == (
+    assert cli._nvls_line({"NCCL_NVLS_ENABLE": "1", "OTHER": "x"}) == (
         "# NVLS/multicast: NCCL_NVLS_ENABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST unset "
         "NVSHMEM_DISABLE_NVLS unset")
-    assert cli.nvls_line(dict(zip(NVLS_VARS, ("0", "1", "1")))) == (
+    assert cli._nvls_line(dict(zip(NVLS_VARS, ("0", "1", "1")))) == (
         "# NVLS/multicast: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1")
 
 
@@ -1195,7 +1195,7 @@ def test_main_algos_on_one_gpu_says_the_own_kernels_are_left_out(monkeypatch, ca
     monkeypatch.setattr(runner, "run_algos", _fake_algos([]))
     assert cli.main(["-b", "8", "-e", "8", "--algos", "auto,nccl", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(cli.nvls_line() + "\n# 1 rank: pyccl's own kernels need 2 to 8 ranks; their "
+    assert out.startswith(cli._nvls_line() + "\n# 1 rank: pyccl's own kernels need 2 to 8 ranks; their "
                           "rows and columns are left out (auto is NCCL here)\n")
     assert "best-own/nccl" not in out  # no own algo asked for: no ratio column
 
@@ -1211,7 +1211,7 @@ def test_main_host_breakdown_prints_and_writes(monkeypatch, capsys, tmp_path):
     assert cli.main(["-g", "2", "--host-breakdown", "--no-progress", "--json",
                      str(tmp_path / "b.json"), "--csv", str(tmp_path / "b.csv")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out.pop(0) == cli.nvls_line()
+    assert out.pop(0) == cli._nvls_line()
     assert out[0].startswith("# eager host cost per call, 2 ranks, 400 calls a loop, median of 5, "
                              "max over ranks; torch ")
     assert out[1] == "# command: python -m pyccl.bench -g 2 --host-breakdown --no-progress --json " \
