@@ -1,17 +1,37 @@
 """Sphinx configuration of pyccl's documentation (Markdown pages through MyST, API from docstrings).
 
-Build: bash tools/docs.sh (or python3 -m sphinx -W --keep-going -b html docs <out>, with
-pyccl importable: built in place and on PYTHONPATH).  Importing pyccl needs no GPU.
+Build: bash tools/docs.sh (or python3 -m sphinx -W --keep-going -b html docs <out>), with pyccl
+importable: built in place in this checkout (python3 setup.py build_ext --inplace; documented
+first) or installed (pip install ., a wheel).  Importing pyccl needs no GPU.
 """
+import importlib.machinery
 import os
 import sys
 
 from docutils import nodes
 from sphinx.util.docutils import SphinxDirective
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+_CHECKOUT = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import pyccl  # noqa: E402  (fails here, with its reason, when the extension is not built)
+
+def _built_in_place(root):
+    """True where root/pyccl holds its extension (setup.py build_ext --inplace, an editable install)."""
+    return any(os.path.isfile(os.path.join(root, "pyccl", "_C" + suffix))
+               for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+
+
+if _built_in_place(_CHECKOUT):
+    sys.path.insert(0, _CHECKOUT)
+else:
+    # the sources without their extension must not shadow an installed pyccl: sphinx runs with
+    # the current folder first on sys.path, which is this checkout where tools/docs.sh runs
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _CHECKOUT]
+
+try:
+    import pyccl  # noqa: E402
+except ImportError as e:
+    raise ImportError(f"docs/conf.py: cannot import pyccl ({e}); build it in place (python3 setup.py "
+                      "build_ext --inplace) or install it (pip install .)") from e
 
 project = "pyccl"
 author = "the pyccl authors"

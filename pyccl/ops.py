@@ -50,9 +50,12 @@ def _redop(opname, op):
 
 
 def _assume_constant(fn):
-    # torch.compile evaluates the op's name while tracing instead of tracing into C
-    assume = getattr(getattr(torch, "compiler", None), "assume_constant_result", None)
-    return fn if assume is None else assume(fn)
+    # torch.compile evaluates the op's name while tracing instead of tracing into C.
+    # torch.compiler.assume_constant_result imports torch._dynamo (about a second) only to set
+    # this mark on fn; set it here so that importing pyccl leaves the compiler unloaded
+    # (tests/test_ops_cpu.py checks the mark is the one torch's function sets).
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 @_assume_constant

@@ -1,6 +1,10 @@
 """pytest plugin (loaded by conftest.py): how many GPUs this machine has, the
-skip marker for too few, PYCCL_EXPECT_GPUS, and the pass count split into
-pyccl behaviour and benchmark tool.
+skip marker for too few, the `gpu` marker, PYCCL_EXPECT_GPUS, and the pass count
+split into pyccl behaviour and benchmark tool.
+
+The `gpu` marker (pyproject.toml) marks every GPU test: each test of a
+tests/*_gpu.py file and each test elsewhere that needs GPUs (needs_gpus or
+needs_ranks), so `-m gpu` selects the GPU tier and `-m "not gpu"` the CPU tier.
 
 PYCCL_EXPECT_GPUS=N says "this machine has N usable GPUs" (tools/gpu-check.sh
 sets it from nvidia-smi).  With it:
@@ -70,8 +74,24 @@ def ranks_share_gpus(world):
     return gpu_count() < world
 
 
+_NEEDS = re.compile(r"needs (\d+) CUDA GPU")
+
+
+def is_gpu_test(item):
+    """True for a test of a *_gpu.py file, or one that needs_gpus/needs_ranks marks."""
+    if item.path.name.endswith("_gpu.py"):
+        return True
+    return any(_NEEDS.match(str(m.kwargs.get("reason", ""))) for m in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if is_gpu_test(item):
+            item.add_marker(pytest.mark.gpu)
+
+
 def _skip_allowed(reason, expect):
-    m = re.search(r"needs (\d+) CUDA GPU", reason)
+    m = _NEEDS.search(reason)
     if m and int(m.group(1)) > expect:
         return True
     return "this machine has a GPU" in reason  # a test of the no-GPU path only

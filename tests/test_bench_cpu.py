@@ -542,22 +542,82 @@ def test_module_entry_point_without_gpu():
     assert p.stderr.strip() == "pyccl.bench: no CUDA GPU found" and "Traceback" not in p.stderr
 
 
-def test_multicast_is_off_in_every_process_unless_set():
-    """Importing the package sets the variables (children inherit them); explicit values stay."""
-    code = ("import importlib.util, os, sys; d = sys.argv[1]; "
-            "s = importlib.util.spec_from_file_location('b', d + '/__init__.py', "
-            "submodule_search_locations=[d]); m = importlib.util.module_from_spec(s); "
-            "sys.modules['b'] = m; s.loader.exec_module(m); "
-            "print(*[os.environ.get(k) for k in ('NCCL_NVLS_ENABLE', "
-            "'TORCH_SYMM_MEM_DISABLE_MULTICAST', 'NVSHMEM_DISABLE_NVLS')])")
-    env = {k: v for k, v in os.environ.items() if k not in (
-        "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")}
-    p = subprocess.run([sys.executable, "-c", code, str(BENCH_DIR)], capture_output=True,
-                       text=True, env=env, timeout=120)
-    assert p.stdout.split() == ["0", "1", "1"], p.stderr
-    p = subprocess.run([sys.executable, "-c", code, str(BENCH_DIR)], capture_output=True,
-                       text=True, env=dict(env, NVSHMEM_DISABLE_NVLS="7"), timeout=120)
-    assert p.stdout.split() == ["0", "1", "7"], p.stderr
+NVLS_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+
+
+def test_importing_the_package_changes_no_environment_variable():
+    """NCCL's settings are the user's: importing pyccl.bench (all of its modules) sets nothing,
+    with the NVLS variables unset or set."""
+    code = ("import importlib, importlib.util, os, sys\n"
+            "before = dict(os.environ)\n"
+            "try:\n"
+            "    import pyccl.bench as b\n"
+            "except ImportError:  # the extension not built: the package from its files\n"
+            "    d = sys.argv[1]\n"
+            "    s = importlib.util.spec_from_file_location('b', d + '/__init__.py', "
+            "submodule_search_locations=[d])\n"
+            "    b = importlib.util.module_from_spec(s); sys.modules['b'] = b; s.loader.exec_module(b)\n"
+            "for m in ('algos', 'cli', 'data', 'drivers', 'report', 'runner', 'sizes', 'spawn'):\n"
+            "    importlib.import_module(b.__name__ + '.' + m)\n"
+            "print(dict(os.environ) == before, *[os.environ.get(k) for k in sys.argv[2:]])\n")
+    env = {k: v for k, v in os.environ.items() if k not in NVLS_VARS}
+    for extra, want in (({}, ["True", "None", "None", "None"]),
+                        ({"NVSHMEM_DISABLE_NVLS": "7"}, ["True", "None", "None", "7"])):
+        p = subprocess.run([sys.executable, "-c", code, str(BENCH_DIR), *NVLS_VARS], capture_output=True,
+                           text=True, env=dict(env, **extra), timeout=120)
+        assert p.stdout.split() == want, p.stderr
+
+
+def test_the_header_says_what_the_environment_sets_for_nvls():
+    assert cli._nvls_line({}) == ("# NVLS/multicast: NCCL default (NCCL_NVLS_ENABLE, "
+                                 "TORCH_SYMM_MEM_DISABLE_MULTICAST, NVSHMEM_DISABLE_NVLS unset)")
+    assert cli._nvls_line({"NCCL_NVLS_ENABLE": "1", "OTHER": "x"}) == (
+        "# NVLS/multicast: NCCL_NVLS_ENABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST unset "
+        "NVSHMEM_DISABLE_NVLS unset")
+    assert cli._nvls_line(dict(zip(NVLS_VARS, ("0", "1", "1")))) == (
+        "# NVLS/multicast: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1")
+
+
+@pytest.mark.parametrize("no_nvls", [False, True], ids=["environment", "no-nvls"])
+def test_no_nvls_sets_the_variables_for_the_run_and_the_header_says_so(no_nvls, monkeypatch, capsys, tmp_path):
+    """Without --no-nvls the run keeps the environment's values (here: unset, and one set by the
+    user); with it, the three are set before the ranks start (they inherit os.environ), the
+    header's first line and the JSON configuration say so."""
+    for k in NVLS_VARS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
+    monkeypatch.setattr(runner, "cuda_device_count", lambda: 2)
+    seen = []
+    fake = _fake_sweep()
+
+    def run_sweep(system, n, cfg, *callbacks):
+        seen.append([os.environ.get(k) for k in NVLS_VARS])
+        return fake(system, n, cfg, *callbacks)
+    monkeypatch.setattr(runner, "run_sweep", run_sweep)
+    argv = ["-b", "1K", "-e", "1K", "--no-progress", "--json", str(tmp_path / "r.json")]
+    assert cli.main(argv + ["--no-nvls"] * no_nvls) == 0
+    want = ["0", "1", "1"] if no_nvls else [None, "0", None]
+    assert seen == [want]
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == ("# NVLS/multicast: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 "
+                     "NVSHMEM_DISABLE_NVLS=1" if no_nvls else
+                     "# NVLS/multicast: NCCL_NVLS_ENABLE unset TORCH_SYMM_MEM_DISABLE_MULTICAST=0 "
+                     "NVSHMEM_DISABLE_NVLS unset")
+    config = R.read_json(tmp_path / "r.json")[0]
+    assert config["nvls"] == dict(zip(NVLS_VARS, want))
+
+
+def test_the_test_harness_turns_nvls_off_for_the_processes_it_spawns():
+    """The suite's own runs keep NVLink SHARP and multicast off (tests/conftest.py, as tools/*.sh
+    do), unless set: the benchmark runs and ranks the tests spawn inherit os.environ."""
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); import conftest; "
+            "print(*[os.environ.get(k) for k in sys.argv[2:]])")
+    env = {k: v for k, v in os.environ.items() if k not in NVLS_VARS}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    for extra, want in (({}, ["0", "1", "1"]), ({"NCCL_NVLS_ENABLE": "1"}, ["1", "1", "1"])):
+        p = subprocess.run([sys.executable, "-c", code, tests, *NVLS_VARS], capture_output=True,
+                           text=True, env=dict(env, **extra), timeout=120)
+        assert p.stdout.split() == want, p.stderr
 
 
 # ---- the multi-process runner, on CPU through gloo ---------------------------------------------
@@ -1135,8 +1195,8 @@ def test_main_algos_on_one_gpu_says_the_own_kernels_are_left_out(monkeypatch, ca
     monkeypatch.setattr(runner, "run_algos", _fake_algos([]))
     assert cli.main(["-b", "8", "-e", "8", "--algos", "auto,nccl", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("# 1 rank: pyccl's own kernels need 2 to 8 ranks; their rows and "
-                          "columns are left out (auto is NCCL here)\n")
+    assert out.startswith(cli._nvls_line() + "\n# 1 rank: pyccl's own kernels need 2 to 8 ranks; their "
+                          "rows and columns are left out (auto is NCCL here)\n")
     assert "best-own/nccl" not in out  # no own algo asked for: no ratio column
 
 
@@ -1151,6 +1211,7 @@ def test_main_host_breakdown_prints_and_writes(monkeypatch, capsys, tmp_path):
     assert cli.main(["-g", "2", "--host-breakdown", "--no-progress", "--json",
                      str(tmp_path / "b.json"), "--csv", str(tmp_path / "b.csv")]) == 0
     out = capsys.readouterr().out.splitlines()
+    assert out.pop(0) == cli._nvls_line()
     assert out[0].startswith("# eager host cost per call, 2 ranks, 400 calls a loop, median of 5, "
                              "max over ranks; torch ")
     assert out[1] == "# command: python -m pyccl.bench -g 2 --host-breakdown --no-progress --json " \

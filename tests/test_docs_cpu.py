@@ -1,5 +1,6 @@
-"""Every public name of pyccl has a docstring (what `help()` and the API reference show), and
-every environment variable pyccl reads is in docs/environment.md.
+"""Every public name of pyccl has a docstring (what `help()` and the API reference show),
+every environment variable pyccl reads is in docs/environment.md, and the documentation build
+(docs/conf.py) imports the checkout's pyccl where it is built, else the installed one.
 
 Walks pyccl's top-level names, the public functions and classes of its modules
 (pyccl.nccl, pyccl.ops, pyccl.distributed, pyccl.launch, pyccl.memory, pyccl.bench),
@@ -11,6 +12,8 @@ import importlib
 import inspect
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -116,3 +119,38 @@ def test_every_environment_variable_is_documented():
         page = f.read()
     missing = sorted(n for n in names if f"`{n}`" not in page)
     assert not missing, f"docs/environment.md does not describe {missing}"
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["built-in-place", "installed"])
+def test_the_docs_import_the_checkout_where_built_else_the_installed_pyccl(tmp_path, built):
+    """docs/conf.py, run as tools/docs.sh runs sphinx (from the checkout, which is first on
+    sys.path): a checkout whose pyccl has its extension built is the one documented; one without
+    (after `pip install .`) must not shadow the installed pyccl (whose import would fail with
+    "cannot import name '_C' from partially initialized module 'pyccl'")."""
+    import importlib.machinery
+    checkout, site = tmp_path / "checkout", tmp_path / "site"
+    (checkout / "docs").mkdir(parents=True)
+    (checkout / "pyccl").mkdir()
+    (site / "pyccl").mkdir(parents=True)
+    with open(os.path.join(_REPO, "docs", "conf.py"), encoding="utf-8") as f:
+        (checkout / "docs" / "conf.py").write_text(f.read())
+    (checkout / "pyccl" / "__init__.py").write_text(
+        "__version__ = 'checkout'\n" if built else
+        "raise ImportError(\"cannot import name '_C' from partially initialized module 'pyccl'\")\n")
+    if built:
+        (checkout / "pyccl" / ("_C" + importlib.machinery.EXTENSION_SUFFIXES[0])).write_text("")
+    (site / "pyccl" / "__init__.py").write_text("__version__ = 'installed'\n")
+    code = ("import runpy, sys, types\n"
+            "try:\n"
+            "    import docutils.nodes, sphinx.util.docutils\n"
+            "except ImportError:  # without Sphinx: the two names conf.py takes from it\n"
+            "    for name in ('docutils', 'docutils.nodes', 'sphinx', 'sphinx.util', 'sphinx.util.docutils'):\n"
+            "        sys.modules[name] = types.ModuleType(name)\n"
+            "    sys.modules['docutils'].nodes = sys.modules['docutils.nodes']\n"
+            "    sys.modules['sphinx.util.docutils'].SphinxDirective = object\n"
+            "sys.path.insert(0, '')  # python -m sphinx: the current folder first\n"
+            "print(runpy.run_path('docs/conf.py')['release'])\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=str(checkout), capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(site)), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["checkout" if built else "installed"]

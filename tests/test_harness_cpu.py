@@ -236,6 +236,58 @@ def test_an_in_process_hang_ends_pytest_with_stacks(tmp_path):
     assert r.returncode != 0 and "Timeout" in r.stderr and "test_hangs" in r.stderr, (r.returncode, r.stderr[-2000:])
 
 
+def test_tools_test_sh_runs_the_paths_it_is_given_else_the_suite(tmp_path):
+    """tools/test.sh hands its arguments to pytest: paths run only those, options alone the whole
+    suite (pyproject.toml's testpaths).  Run on a copy of the script, the project's pytest
+    settings and two test files (its set-up step stubbed)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tests").mkdir()
+    with open(os.path.join(root, "tools", "test.sh")) as f:
+        (tmp_path / "tools" / "test.sh").write_text(f.read())
+    (tmp_path / "tools" / "setup.sh").write_text("true\n")
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        text = f.read()
+    (tmp_path / "pyproject.toml").write_text(text[text.index("[tool.pytest.ini_options]"):])
+    (tmp_path / "tests" / "test_a.py").write_text("def test_a1():\n    pass\n\n\ndef test_a2():\n    pass\n")
+    (tmp_path / "tests" / "test_b.py").write_text("import pytest\n\n\ndef test_b():\n    pytest.skip('b')\n")
+    env = dict(os.environ, PYTHON=sys.executable)
+
+    def test_sh(*args):
+        r = run_bounded(["bash", str(tmp_path / "tools" / "test.sh"), *args], 120, env=env, cwd="/")
+        assert r.returncode in (0, 5), r.stdout + r.stderr
+        return r.stdout.strip().splitlines()[-1]
+    assert test_sh().startswith("2 passed, 1 skipped in")
+    assert test_sh("tests/test_a.py").startswith("2 passed in")
+    assert test_sh("tests/test_a.py::test_a2", "-rs").startswith("1 passed in")
+    assert test_sh("-rs").startswith("2 passed, 1 skipped in")
+    assert test_sh("-k", "a1 or b").startswith("1 passed, 1 skipped, 1 deselected in")
+    assert test_sh("tests/test_b.py", "-k", "b").startswith("1 skipped in")
+
+
+def test_the_gpu_marker_selects_every_gpu_test_and_no_other():
+    """-m gpu collects the tests of *_gpu.py files and those marked needs_gpus/needs_ranks in
+    other files (read here from the source), -m "not gpu" the rest."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = ["tests/test_ops_gpu.py", "tests/test_ops_cpu.py", "tests/test_bad_input.py"]
+
+    def collect(*args):
+        r = run_bounded([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                         *args, *files], 300, cwd=root)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return {line for line in r.stdout.splitlines() if "::" in line}
+    every, gpu, cpu = collect(), collect("-m", "gpu"), collect("-m", "not gpu")
+    with open(os.path.join(root, "tests", "test_bad_input.py")) as f:
+        needs = set(re.findall(r"^@needs_(?:gpus|ranks)\(.*\)\n(?:@.*\n)*def (\w+)", f.read(), re.M))
+    assert len(needs) >= 9, needs
+    want = {n for n in every if n.startswith("tests/test_ops_gpu.py::")
+            or (n.startswith("tests/test_bad_input.py::") and n.split("::")[1].split("[")[0] in needs)}
+    assert gpu == want, sorted(gpu ^ want)
+    assert cpu == every - want, sorted(cpu ^ (every - want))
+    assert any(n.startswith("tests/test_ops_cpu.py::") for n in cpu)
+    assert any(n.startswith("tests/test_bad_input.py::") for n in cpu)
+
+
 def test_every_planted_fault_still_applies():
     # tools/mutate.sh plants each fault by replacing a text of the code; a refactor that changes
     # that text would make the fault a no-op (or the run an error) without anyone noticing.

@@ -9,6 +9,8 @@ The communicator behind the group is a stand-in on host tensors that plays rank 
 differs from its input (all_gather repeats it, reduce_scatter scales a part of it, ...).
 """
 import datetime
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -217,6 +219,35 @@ def test_compiled_op_spellings(group):
         assert torch.equal(g, w)
     assert comm.log == [("all_reduce", pyccl.MAX), ("all_reduce", pyccl.PROD), ("all_reduce", pyccl.MIN),
                         ("reduce_scatter", pyccl.SUM)]
+
+
+def test_the_op_name_carries_torchs_constant_mark():
+    """What makes an op's name a compile-time constant (ops._op_name, set by pyccl so that importing
+    it leaves torch's compiler unloaded) is what torch.compiler.assume_constant_result sets."""
+    def by_torch(opname, op):
+        pass
+
+    def by_pyccl(opname, op):
+        pass
+    assert torch.compiler.assume_constant_result(by_torch) is by_torch
+    assert ops._assume_constant(by_pyccl) is by_pyccl
+    assert vars(by_pyccl) == vars(by_torch) == {"_dynamo_marked_constant": True}
+    assert vars(ops._op_name) == vars(by_torch)
+
+
+def test_importing_pyccl_leaves_torchs_compiler_unloaded():
+    """`import pyccl` (its ops included) loads neither torch's compiler nor sympy: they load at the
+    first torch.compile, as for any torch program."""
+    code = ("import sys, torch\n"
+            "before = set(sys.modules)\n"
+            "import pyccl, pyccl.ops\n"
+            "heavy = ('torch._dynamo', 'torch._inductor', 'sympy')\n"
+            "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] == 'sympy' or m in heavy))\n"
+            "import torch._dynamo\n"
+            "print(torch.ops.pyccl.all_reduce.default.name())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["[]", "pyccl::all_reduce"], r.stdout
 
 
 def test_communicator_is_a_compile_time_constant_per_group(group, monkeypatch):

@@ -50,6 +50,22 @@ examples:
 """
 
 
+# what --no-nvls sets: NCCL's NVLink SHARP (NVLS) algorithms, torch's symmetric-memory
+# multicast and NVSHMEM's NVLS off
+_NO_NVLS = (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+           ("NVSHMEM_DISABLE_NVLS", "1"))
+
+
+def _nvls_line(environ=None):
+    """The header line saying what the environment sets for NVLink SHARP / multicast."""
+    environ = os.environ if environ is None else environ
+    names = [k for k, _ in _NO_NVLS]
+    if not any(k in environ for k in names):
+        return f"# NVLS/multicast: NCCL default ({', '.join(names)} unset)"
+    return "# NVLS/multicast: " + " ".join(
+        f"{k}={environ[k]}" if k in environ else f"{k} unset" for k in names)
+
+
 def _typed(fn, what):
     def parse(text):
         try:
@@ -146,6 +162,10 @@ def build_parser():
                                     "and placement; --algos: per size, algo and timing)")
     a("--plot", metavar="FILE.png", help="plot time and busbw against size; --algos: time per "
                                          "call per timing; --host-breakdown: bars (needs matplotlib)")
+    a("--no-nvls", action="store_true",
+      help="NVLink SHARP and multicast off for this run and its processes: sets "
+           + ", ".join(f"{k}={v}" for k, v in _NO_NVLS) + " (default: the environment's "
+           "values, NCCL's defaults where unset; the header says which)")
     a("--no-progress", action="store_true", help="no progress line on stderr")
     return p
 
@@ -384,6 +404,8 @@ def main(argv=None):
         cfg = make_config(args)
     except ValueError as e:
         parser.error(str(e))
+    if args.no_nvls:  # before anything loads NCCL; the spawned processes inherit it
+        os.environ.update(_NO_NVLS)
     os.environ["PYCCL_BENCH_ALGO"] = cfg["algo"]  # read by the spawned pyccl processes
     avail = runner.cuda_device_count()
     if avail == 0:
@@ -407,6 +429,7 @@ def main(argv=None):
     primary = "pyccl" if args.api == "comm" else "pyccl.nccl"
     progress = _Progress(not args.no_progress)
     printer = _Printer(cfg, sys.stdout, progress)
+    printer.emit(_nvls_line())
     if cfg["mode"] in ("algos", "breakdown"):
         argv = sys.argv[1:] if argv is None else argv
         return _own_kernels(args, cfg, n, progress, printer, "python -m pyccl.bench " + " ".join(argv))
@@ -495,7 +518,8 @@ def _write_files(args, cfg, n, systems, results, host, algo_results=(), breakdow
     if args.json:
         import torch
         config = dict(cfg, ngpus=n, systems=systems, api=args.api, torch=torch.__version__,
-                      hostname=socket.gethostname())
+                      hostname=socket.gethostname(),
+                      nvls={k: os.environ.get(k) for k, _ in _NO_NVLS})
         report.write_json(args.json, config, results, host, algo_results, breakdown)
     records = results or host or algo_results or breakdown
     if args.csv and records:
