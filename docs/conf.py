@@ -4,6 +4,7 @@ Build: bash tools/docs.sh (or python3 -m sphinx -W --keep-going -b html docs <ou
 pyccl importable: built in place and on PYTHONPATH).  Importing pyccl needs no GPU.
 """
 import os
+import re
 import sys
 
 from docutils import nodes
@@ -51,6 +52,15 @@ class BenchHelp(SphinxDirective):
         return [block]
 
 
+def named_op_default(app, what, name, obj, options, signature, return_annotation):
+    """pyccl's ops are plain ints (SUM is 0), so Python reports a default of `op=0`: the
+    reference shows the name that the guides and the docstrings use."""
+    if signature:
+        signature = re.sub(r"\bop=0\b", "op=SUM", signature)
+    return signature, return_annotation
+
+
 def setup(app):
     app.add_directive("bench-help", BenchHelp)
+    app.connect("autodoc-process-signature", named_op_default)
     return {"parallel_read_safe": True}
