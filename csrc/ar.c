@@ -96,8 +96,8 @@ log_once(pyccl_ar *f)
         return;
     }
     f->logged = 1;
-    PySys_FormatStderr("pyccl: rank %d of %d uses NCCL for all_reduce: %s\n", f->rank,
-                       f->nranks, f->reason);
+    pyccl_log(PYCCL_LOG_WARNING, "rank %d of %d uses NCCL for all_reduce: %s", f->rank,
+              f->nranks, f->reason);
 }
 static int
 kernel_type(int dtype_row_nccl)

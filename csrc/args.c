@@ -109,15 +109,32 @@ pyccl_read_unique_id(const char *op, int torch_text, PyObject *uid, ncclUniqueId
         return -1;
     }
     if (PyObject_GetBuffer(uid, &view, PyBUF_SIMPLE) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_BufferError)) {
+            return -1; /* the object's own buffer export raised: keep that */
+        }
+        /* a strided view (memoryview(b)[::2]) has no single run of bytes */
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "%s: unique_id must be bytes (from unique_id()), got a "
+                     "non-contiguous %.200s",
+                     op, Py_TYPE(uid)->tp_name);
         return -1;
     }
     if (view.len != NCCL_UNIQUE_ID_BYTES) {
-        /* the drop-in: torch's text (without torch's SystemError on Python
-         * >= 3.10); elsewhere the same words after "<op>: " */
-        PyErr_Format(PyExc_RuntimeError,
-                     "%s%sinvalid unique_id (expected %d bytes, got %zd)",
-                     torch_text ? "" : op, torch_text ? "" : ": ",
-                     NCCL_UNIQUE_ID_BYTES, view.len);
+        /* the drop-in: torch.cuda.nccl.init_rank's RuntimeError (a
+         * TORCH_CHECK) and its words, without torch's SystemError on Python
+         * >= 3.10; elsewhere a ValueError naming op and the argument */
+        if (torch_text) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "invalid unique_id (expected %d bytes, got %zd)",
+                         NCCL_UNIQUE_ID_BYTES, view.len);
+        }
+        else {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: unique_id has %zd bytes, expected %d (from "
+                         "unique_id())",
+                         op, view.len, NCCL_UNIQUE_ID_BYTES);
+        }
         PyBuffer_Release(&view);
         return -1;
     }

@@ -48,9 +48,11 @@ int pyccl_read_redop(pyccl_state *st, const char *op, PyObject *obj, int flags,
  * (None, "cuda", torch.device("cuda")).  -1 with TypeError / ValueError
  * naming op and what. */
 int pyccl_read_device(const char *op, const char *what, PyObject *obj, int *device);
-/* A unique id as bytes (any buffer but str) of NCCL_UNIQUE_ID_BYTES; a
- * wrong length is RuntimeError "<op>: invalid unique_id (...)", without
- * "<op>: " where torch_text is set (the drop-in keeps torch.cuda.nccl's). */
+/* A unique id as bytes (any contiguous buffer but str) of
+ * NCCL_UNIQUE_ID_BYTES; a wrong length is ValueError "<op>: unique_id has N
+ * bytes, expected 128 (...)", or where torch_text is set (the drop-in keeps
+ * torch.cuda.nccl's) RuntimeError "invalid unique_id (...)"; any other
+ * object TypeError naming op. */
 int pyccl_read_unique_id(const char *op, int torch_text, PyObject *uid, ncclUniqueId *out);
 
 #pragma GCC visibility pop

@@ -212,11 +212,36 @@ read_op(call_ctx *x, PyObject *obj, const pyccl_tensor *t, int type,
     if (got <= 0) {
         return got;
     }
+    /* pyccl.premul_sum made the scalar a float; an object of the user's own
+     * with a premul_scalar attribute may hold anything */
     double v = PyFloat_AsDouble(scalar);
-    Py_DECREF(scalar);
     if (v == -1.0 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyObject *bits = PyLong_Check(scalar) ? PyObject_CallMethod(scalar, "bit_length", NULL)
+                                                  : NULL;
+            if (bits != NULL) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: op.premul_scalar is an int of %S bits, too large for a float",
+                             x->op, bits);
+                Py_DECREF(bits);
+            }
+            else if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s: op.premul_scalar (a %.200s) is too large for a float", x->op,
+                             Py_TYPE(scalar)->tp_name);
+            }
+        }
+        else if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "%s: op.premul_scalar must be a real number, got %.200s",
+                         x->op, Py_TYPE(scalar)->tp_name);
+        }
+        Py_DECREF(scalar);
         return -1;
     }
+    Py_DECREF(scalar);
     /* An integer dtype is scaled by an integer: a fraction, NaN or a value
      * out of the dtype's range would be truncated (or undefined in C). */
     long long lo = 0;
@@ -393,7 +418,7 @@ pyccl_comm_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
          same_or_apart(&x, &o, &t) < 0)) {
         return NULL;
     }
-    if ((type = pyccl_reduce_type(x.st, x.op, &t)) < 0 ||
+    if ((type = pyccl_reduce_type(x.st, x.op, "tensor", &t)) < 0 ||
         ops_stream(&x, a[3], &s) < 0 ||
         pyccl_read_algo(x.op, a[4], &algo) < 0 ||
         read_op(&x, a[1], &t, type, &redop, &made) < 0) {
@@ -469,7 +494,7 @@ rooted(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     if (is_reduce) {
-        if ((type = pyccl_reduce_type(x.st, op, &t)) < 0) {
+        if ((type = pyccl_reduce_type(x.st, op, "tensor", &t)) < 0) {
             return NULL;
         }
         count = (size_t)t.numel;
@@ -604,7 +629,7 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
     if (slot_or_apart(&x, "output", &out, "input", &in, list) < 0) {
         goto done;
     }
-    if ((type = pyccl_reduce_type(x.st, x.op, &out)) < 0 ||
+    if ((type = pyccl_reduce_type(x.st, x.op, "output", &out)) < 0 ||
         read_op(&x, a[2], &out, type, &redop, &made) < 0) {
         goto done;
     }
@@ -766,7 +791,7 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
         PyList_SET_ITEM(flats, i, v);
         PyList_SET_ITEM(sizes, i, numel);
     }
-    if (pyccl_reduce_type(x.st, op, &first) < 0 || (torch = PyImport_ImportModule("torch")) == NULL ||
+    if (pyccl_reduce_type(x.st, op, "tensors[0]", &first) < 0 || (torch = PyImport_ImportModule("torch")) == NULL ||
         (flat = PyObject_CallMethod(torch, "cat", "O", flats)) == NULL) {
         goto done;
     }

@@ -179,23 +179,39 @@ pyccl_comm_shrink(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                      c->size);
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(a[0], "shrink: exclude must be a sequence of ranks");
-    if (seq == NULL) {
+    /* Read by iteration, never sized by len(): a __len__ that lies (or a
+     * length hint of 2**62) must not decide an allocation.  A valid exclude
+     * holds distinct ranks other than this one, so the checks below refuse
+     * it before it passes c->size items, and an endless iterator ends there. */
+    PyObject *it = PyObject_GetIter(a[0]);
+    if (it == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "shrink: exclude must be a sequence of ranks, got %.200s",
+                         Py_TYPE(a[0])->tp_name);
+        }
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    int *ex = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof *ex);
+    int *ex = PyMem_Calloc((size_t)c->size, sizeof *ex);
     if (ex == NULL) {
-        Py_DECREF(seq);
+        Py_DECREF(it);
         return PyErr_NoMemory();
     }
     PyObject *res = NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    Py_ssize_t n = 0;
+    for (PyObject *item; (item = PyIter_Next(it)) != NULL; n++) {
         char what[48];
-        snprintf(what, sizeof what, "exclude[%zd]", i);
-        if (pyccl_read_int("shrink", what, PySequence_Fast_GET_ITEM(seq, i), &ex[i]) < 0) {
+        snprintf(what, sizeof what, "exclude[%zd]", n);
+        int r = n < c->size ? pyccl_read_int("shrink", what, item, &ex[n]) : -1;
+        Py_DECREF(item);
+        if (r < 0) {
+            if (!PyErr_Occurred()) { /* not reached: the checks below come first */
+                PyErr_Format(PyExc_ValueError, "shrink: exclude has more than %d ranks",
+                             c->size);
+            }
             goto done;
         }
+        Py_ssize_t i = n;
         if (ex[i] < 0 || ex[i] >= c->size) {
             PyErr_Format(PyExc_ValueError,
                          "shrink: exclude[%zd] is %d, out of range for %d ranks (ranks are 0..%d)",
@@ -214,6 +230,9 @@ pyccl_comm_shrink(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                          "shrink()", c->rank);
             goto done;
         }
+    }
+    if (PyErr_Occurred()) { /* the iterator's own exception */
+        goto done;
     }
     const pyccl_api *api = &st->api;
     if (pyccl_need_nccl(st, "shrink", (const void *)api->ncclCommShrink, "ncclCommShrink",
@@ -277,6 +296,6 @@ pyccl_comm_shrink(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     }
 done:
     PyMem_Free(ex);
-    Py_DECREF(seq);
+    Py_DECREF(it);
     return res;
 }

@@ -5,7 +5,8 @@
  * .last_error (ncclGetLastError, NCCL's own explanation); CudaError has .code
  * and .error_string.  Both subclass RuntimeError, which is what torch raises.
  * NcclTimeoutError (a communicator created with timeout= gave up on its
- * peers) is an NcclError and also a TimeoutError; it adds .timeout. */
+ * peers) is an NcclError and also a TimeoutError; it adds .timeout.  Notes
+ * that are no errors go to the "pyccl" logger (pyccl_log). */
 #include "errors.h"
 
 #include <stdarg.h>
@@ -230,4 +231,28 @@ pyccl_raise_timeout(pyccl_state *st, const char *op, double limit, const char *f
     vsnprintf(reason, sizeof reason, fmt, ap);
     va_end(ap);
     return pyccl_raise_failure(st, op, PYCCL_FAIL_TIMEOUT, 0, reason, limit);
+}
+
+void
+pyccl_log(int level, const char *fmt, ...)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    va_list ap;
+    va_start(ap, fmt);
+    PyObject *msg = PyUnicode_FromFormatV(fmt, ap);
+    va_end(ap);
+    /* logging is imported here, at the first note, not at pyccl's import */
+    PyObject *logging = msg ? PyImport_ImportModule("logging") : NULL;
+    PyObject *logger = logging ? PyObject_CallMethod(logging, "getLogger", "s", "pyccl") : NULL;
+    /* "%s": the text is the record's argument, never its format */
+    PyObject *r = logger ? PyObject_CallMethod(logger, "log", "isO", level, "%s", msg) : NULL;
+    if (r == NULL) {
+        PyErr_WriteUnraisable(msg);
+    }
+    Py_XDECREF(r);
+    Py_XDECREF(logger);
+    Py_XDECREF(logging);
+    Py_XDECREF(msg);
+    PyErr_Restore(type, value, tb);
 }

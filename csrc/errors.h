@@ -55,4 +55,12 @@ int pyccl_raise_failure(pyccl_state *st, const char *op, int kind, int code,
 int pyccl_raise_timeout(pyccl_state *st, const char *op, double limit,
                         const char *fmt, ...);
 
+/* A note for the user (not an error): a record of the "pyccl" logger, so
+ * users filter it as they do torch's (logging.getLogger("pyccl")); without
+ * logging configured, Python prints WARNING and above on stderr.  Needs the
+ * GIL; an exception being raised is kept; a failure of logging itself is
+ * printed as unraisable, never raised. */
+enum { PYCCL_LOG_INFO = 20, PYCCL_LOG_WARNING = 30 }; /* logging.INFO, .WARNING */
+void pyccl_log(int level, const char *fmt, ...);
+
 #endif /* PYCCL_ERRORS_H */

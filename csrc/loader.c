@@ -6,9 +6,14 @@
  * communicators are interchangeable with torch's library state).  So the
  * libraries already in the process are taken first (RTLD_NOLOAD); only when
  * torch did not load them are the candidate paths from pyccl/_libs.py tried. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* dlinfo */
+#endif
 #include "loader.h"
 
 #include <dlfcn.h>
+#include <link.h>
+#include <stdlib.h>
 #include <string.h>
 
 static const char *const nccl_sonames[] = {"libnccl.so.2", "libnccl.so", NULL};
@@ -59,23 +64,58 @@ open_first(const char *const *sonames, PyObject *candidates, PyObject *tried)
     return h;
 }
 
+/* Where open_first looked, for the message: the sonames among the libraries
+ * already loaded, the candidate paths, then the loader's search path. */
 static int
-raise_not_found(const char *op, const char *what, const char *hint,
-                PyObject *tried)
+raise_not_found(const char *op, const char *what, const char *const *sonames,
+                PyObject *candidates, const char *hint, PyObject *tried)
 {
     if (PyErr_Occurred()) {
         return -1;
     }
     PyObject *sep = PyUnicode_FromString("; ");
     PyObject *joined = sep ? PyUnicode_Join(sep, tried) : NULL;
+    PyObject *comma = PyUnicode_FromString(", ");
+    PyObject *paths = NULL;
+    if (comma != NULL && candidates != NULL && PyList_GET_SIZE(candidates) > 0) {
+        paths = PyUnicode_Join(comma, candidates);
+    }
+    else if (comma != NULL) {
+        paths = PyUnicode_FromString("none");
+    }
     Py_XDECREF(sep);
-    if (joined == NULL) {
+    Py_XDECREF(comma);
+    if (joined == NULL || paths == NULL) {
+        Py_XDECREF(joined);
+        Py_XDECREF(paths);
         return -1;
     }
-    PyErr_Format(PyExc_RuntimeError, "%s: cannot load %s (%s). Tried: %U",
-                 op, what, hint, joined);
+    char names[128] = "";
+    for (const char *const *n = sonames; *n; n++) {
+        size_t used = strlen(names);
+        PyOS_snprintf(names + used, sizeof names - used, "%s%s", used ? ", " : "", *n);
+    }
+    const char *ld = getenv("LD_LIBRARY_PATH");
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: cannot load %s (%s). Looked for %s among the libraries "
+                 "already loaded (torch's), at the candidate paths (%U), then "
+                 "through the dynamic loader's search path (LD_LIBRARY_PATH=%s, "
+                 "ld.so.cache). Tried: %U",
+                 op, what, hint, names, paths, ld && *ld ? ld : "unset", joined);
     Py_DECREF(joined);
+    Py_DECREF(paths);
     return -1;
+}
+
+/* The file a dlopen handle came from, for messages ("?" when unknown). */
+static const char *
+handle_path(void *h)
+{
+    struct link_map *lm = NULL;
+    if (dlinfo(h, RTLD_DI_LINKMAP, &lm) == 0 && lm != NULL && lm->l_name && lm->l_name[0]) {
+        return lm->l_name;
+    }
+    return "?";
 }
 
 int
@@ -91,29 +131,66 @@ pyccl_load(pyccl_state *st, const char *op)
     }
     void *nccl = open_first(nccl_sonames, st->nccl_candidates, tried);
     if (nccl == NULL) {
-        raise_not_found(op, "NCCL",
+        raise_not_found(op, "NCCL", nccl_sonames, st->nccl_candidates,
                         "install nvidia-nccl-cu13 or set PYCCL_NCCL_LIBRARY",
                         tried);
         goto error;
     }
     void *cudart = open_first(cudart_sonames, st->cudart_candidates, tried);
     if (cudart == NULL) {
-        raise_not_found(op, "the CUDA runtime",
+        raise_not_found(op, "the CUDA runtime", cudart_sonames, st->cudart_candidates,
                         "install torch with CUDA, nvidia-cuda-runtime, or set "
                         "PYCCL_CUDART_LIBRARY",
                         tried);
         goto error;
     }
     /* Resolve into a local table and publish it whole, so a failure leaves
-     * st->api untouched and the next call tries again. */
+     * st->api untouched and the next call tries again.  Every NCCL since 2.3
+     * has ncclGetVersion and every CUDA runtime cudaGetDeviceCount: a library
+     * without them is not what it was taken for (a wrong PYCCL_NCCL_LIBRARY),
+     * which is a different fix from a too old NCCL. */
     pyccl_api t;
     memset(&t, 0, sizeof t);
-#define PYCCL_RESOLVE(name, handle, required)                                 \
+    int version = 0;
+    *(void **)(&t.ncclGetVersion) = dlsym(nccl, "ncclGetVersion");
+    if (t.ncclGetVersion == NULL) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: %s is not NCCL: it has no ncclGetVersion (set "
+                     "PYCCL_NCCL_LIBRARY to a libnccl.so.2, or unset it)",
+                     op, handle_path(nccl));
+        goto error;
+    }
+    if (dlsym(cudart, "cudaGetDeviceCount") == NULL) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: %s is not the CUDA runtime: it has no cudaGetDeviceCount "
+                     "(set PYCCL_CUDART_LIBRARY to a libcudart.so, or unset it)",
+                     op, handle_path(cudart));
+        goto error;
+    }
+    ncclResult_t r = t.ncclGetVersion(&version);
+    if (r != ncclSuccess) {
+        PyErr_Format(PyExc_RuntimeError, "%s: ncclGetVersion of %s failed (%d)", op,
+                     handle_path(nccl), (int)r);
+        goto error;
+    }
+    /* codes since 2.9: major * 10000 + minor * 100 + patch; before, * 1000 */
+    int major = version >= 10000 ? version / 10000 : version / 1000;
+    int minor = version >= 10000 ? version / 100 % 100 : version / 100 % 10;
+    int patch = version % 100;
+#define PYCCL_RESOLVE(name, handle, required)                            \
     *(void **)(&t.name) = dlsym(handle, #name);                               \
     if (required && t.name == NULL) {                                         \
-        PyErr_Format(PyExc_RuntimeError,                                      \
-                     "%s: the loaded library lacks %s (too old for pyccl)",   \
-                     op, #name);                                              \
+        if (handle == nccl) {                                                 \
+            PyErr_Format(PyExc_RuntimeError,                                  \
+                         "%s: the NCCL at %s (%d.%d.%d) lacks %s; pyccl "     \
+                         "needs NCCL >= 2.7",                                 \
+                         op, handle_path(handle), major, minor, patch, #name); \
+        }                                                                     \
+        else {                                                                \
+            PyErr_Format(PyExc_RuntimeError,                                  \
+                         "%s: the CUDA runtime at %s lacks %s (too old for "  \
+                         "pyccl)", op, handle_path(handle), #name);           \
+        }                                                                     \
         goto error;                                                           \
     }
 #define PYCCL_NCCL_REQ(name) PYCCL_RESOLVE(name, nccl, 1)
@@ -129,13 +206,6 @@ pyccl_load(pyccl_state *st, const char *op)
 #undef PYCCL_NCCL_OPT
 #undef PYCCL_CUDART_REQ
 #undef PYCCL_RESOLVE
-    int version = 0;
-    ncclResult_t r = t.ncclGetVersion(&version);
-    if (r != ncclSuccess) {
-        PyErr_Format(PyExc_RuntimeError, "%s: ncclGetVersion failed (%d)", op,
-                     (int)r);
-        goto error;
-    }
     t.nccl_version = version;
     t.nccl_handle = nccl;
     t.cudart_handle = cudart;

@@ -404,7 +404,7 @@ read_type_and_streams(nccl_call *x)
         return -1;
     }
     if (x->d->reduces) {
-        x->type = pyccl_reduce_type(st, op, &tin[0]);
+        x->type = pyccl_reduce_type(st, op, NULL, &tin[0]);
         if (x->type < 0) {
             return -1;
         }

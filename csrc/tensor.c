@@ -135,22 +135,6 @@ call0(PyObject *obj, PyObject *name)
 /* Read an int-returning method or attribute (for stream attributes, which
  * are torch's own); -1 on error with exception. */
 static int
-read_i64(PyObject *obj, PyObject *name, int method, int64_t *out)
-{
-    PyObject *v = method ? call0(obj, name) : PyObject_GetAttr(obj, name);
-    if (v == NULL) {
-        return -1;
-    }
-    long long x = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    if (x == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    *out = (int64_t)x;
-    return 0;
-}
-
-static int
 read_bool(PyObject *obj, PyObject *name, int method)
 {
     PyObject *v = method ? call0(obj, name) : PyObject_GetAttr(obj, name);
@@ -422,7 +406,8 @@ pyccl_dtype_name(const pyccl_tensor *t)
 }
 
 int
-pyccl_reduce_type(pyccl_state *st, const char *op, const pyccl_tensor *t)
+pyccl_reduce_type(pyccl_state *st, const char *op, const char *what,
+                  const pyccl_tensor *t)
 {
     if (t->dtype >= 0) {
         const pyccl_dtype_info *d = &pyccl_dtype_table[t->dtype];
@@ -443,13 +428,24 @@ pyccl_reduce_type(pyccl_state *st, const char *op, const pyccl_tensor *t)
                          op);
             return -1;
         }
+    }
+    if (what == NULL) {
         /* torch's text, so pyccl.nccl fails the way torch.cuda.nccl does */
         PyErr_Format(PyExc_RuntimeError, "Unconvertible NCCL type %s",
-                     d->scalar_name);
+                     t->dtype >= 0 ? pyccl_dtype_table[t->dtype].scalar_name
+                                   : t->dtype_name);
         return -1;
     }
-    PyErr_Format(PyExc_RuntimeError, "Unconvertible NCCL type %s",
-                 t->dtype_name);
+    /* TypeError, as torch.distributed's NCCL backend raises for a dtype it
+     * cannot reduce */
+    PyObject *name = pyccl_dtype_name(t);
+    if (name != NULL) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: %s has dtype %U, which NCCL cannot reduce (the "
+                     "moves, such as broadcast and all_gather, take any dtype)",
+                     op, what, name);
+        Py_DECREF(name);
+    }
     return -1;
 }
 
@@ -499,6 +495,80 @@ pyccl_check_overlap(const char *op, const char *a_what, const pyccl_tensor *a,
     return -1;
 }
 
+/* A stream's attribute `name` (label ".cuda_stream" or ".device_index") as
+ * an int in [lo, hi], hi -1 meaning 2**64-1.  A stream subclass's property
+ * is user code: what it raises is passed on with a note naming op and the
+ * attribute (PEP 678, where Python has it); a missing attribute, a value
+ * that is no int or one out of range is TypeError / ValueError
+ * "<op>: <what><label> ...". */
+static int
+read_stream_attr(PyObject *stream, PyObject *name, const char *op,
+                 const char *what, const char *label, long long lo,
+                 long long hi, const char *expect, int64_t *out)
+{
+    PyObject *v = PyObject_GetAttr(stream, name);
+    if (v == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "%s: %s (a %.200s) has no attribute %s, which a "
+                         "torch.cuda.Stream has",
+                         op, what, Py_TYPE(stream)->tp_name, label + 1);
+            return -1;
+        }
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        PyObject *note = PyUnicode_FromFormat("%s: raised while reading %s%s",
+                                              op, what, label);
+        if (note != NULL && value != NULL && PyObject_HasAttrString(value, "add_note")) {
+            PyObject *r = PyObject_CallMethod(value, "add_note", "O", note);
+            Py_XDECREF(r);
+        }
+        PyErr_Clear(); /* a note that cannot be added is no reason to lose the exception */
+        Py_XDECREF(note);
+        PyErr_Restore(type, value, tb);
+        return -1;
+    }
+    PyObject *i = PyLong_Check(v) ? Py_NewRef(v) : NULL;
+    if (i == NULL && !PyBool_Check(v) && PyIndex_Check(v)) {
+        i = PyNumber_Index(v); /* numpy ints; their own __index__ may raise */
+        if (i == NULL) {
+            Py_DECREF(v);
+            return -1;
+        }
+    }
+    if (i == NULL || PyBool_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s%s is a %.200s, expected an int",
+                     op, what, label, Py_TYPE(v)->tp_name);
+        Py_XDECREF(i);
+        Py_DECREF(v);
+        return -1;
+    }
+    Py_DECREF(v);
+    int bad;
+    if (hi == -1) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(i);
+        bad = u == (unsigned long long)-1 && PyErr_Occurred();
+        if (bad) {
+            PyErr_Clear(); /* negative or past 64 bits */
+        }
+        *out = (int64_t)u;
+    }
+    else {
+        int overflow;
+        long long x = PyLong_AsLongLongAndOverflow(i, &overflow);
+        bad = overflow || x < lo || x > hi;
+        *out = (int64_t)x;
+    }
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "%s: %s%s is %S, expected %s", op, what,
+                     label, i, expect);
+    }
+    Py_DECREF(i);
+    return bad ? -1 : 0;
+}
+
 int
 pyccl_stream(pyccl_state *st, const char *op, const char *what,
              PyObject *stream, int device, const char *owner,
@@ -535,7 +605,9 @@ pyccl_stream(pyccl_state *st, const char *op, const char *what,
         return -1;
     }
     int64_t sdev;
-    if (read_i64(stream, st->s_device_index, 0, &sdev) < 0) {
+    if (read_stream_attr(stream, st->s_device_index, op, what, ".device_index",
+                         0, INT32_MAX, "a CUDA device index (0 to 2147483647)",
+                         &sdev) < 0) {
         return -1;
     }
     if (sdev != device) {
@@ -544,10 +616,11 @@ pyccl_stream(pyccl_state *st, const char *op, const char *what,
                      op, what, (long long)sdev, owner, device);
         return -1;
     }
-    if (read_i64(stream, st->s_cuda_stream, 0, &raw) < 0) {
+    if (read_stream_attr(stream, st->s_cuda_stream, op, what, ".cuda_stream",
+                         0, -1, "a CUDA stream handle (0 to 2**64-1)", &raw) < 0) {
         return -1;
     }
-    *out = (cudaStream_t)(intptr_t)raw;
+    *out = (cudaStream_t)(uintptr_t)(uint64_t)raw;
     return 0;
 }
 

@@ -35,8 +35,12 @@ int pyccl_check_tensor(pyccl_state *st, const char *op, const char *what,
  * Communicator API's messages ("<op>: <what> ..."). */
 int pyccl_read_array(pyccl_state *st, const char *op, const char *what,
                      PyObject *obj, pyccl_tensor *t);
-/* NCCL type to reduce t with, or -1 with RuntimeError (op names the call). */
-int pyccl_reduce_type(pyccl_state *st, const char *op, const pyccl_tensor *t);
+/* NCCL type to reduce t (the argument `what`) with, or -1 with TypeError
+ * "<op>: <what> has dtype D, which NCCL cannot reduce" (RuntimeError for
+ * torch.bool, and for fp8 on an NCCL without it); what NULL: the drop-in,
+ * which keeps torch.cuda.nccl's RuntimeError "Unconvertible NCCL type X". */
+int pyccl_reduce_type(pyccl_state *st, const char *op, const char *what,
+                      const pyccl_tensor *t);
 /* NCCL type and count that move t's bytes unchanged. */
 void pyccl_move_type(pyccl_state *st, const pyccl_tensor *t, int *type,
                      size_t *count, size_t numel);
@@ -54,7 +58,9 @@ int pyccl_check_overlap(const char *op, const char *a_what, const pyccl_tensor *
                         int64_t offset, const char *slot);
 /* The stream to enqueue on: `stream` (a torch.cuda.Stream or None) checked
  * against `device`, which belongs to `owner` (named in the error); None
- * means torch's current stream of that device. */
+ * means torch's current stream of that device.  Its device_index and
+ * cuda_stream must be ints in range: TypeError / ValueError naming op and
+ * what; an exception its own properties raise is passed on. */
 int pyccl_stream(pyccl_state *st, const char *op, const char *what,
                  PyObject *stream, int device, const char *owner,
                  cudaStream_t *out);

@@ -6,6 +6,7 @@ first) or installed (pip install ., a wheel).  Importing pyccl needs no GPU.
 """
 import importlib.machinery
 import os
+import re
 import sys
 
 from docutils import nodes
@@ -71,6 +72,15 @@ class BenchHelp(SphinxDirective):
         return [block]
 
 
+def named_op_default(app, what, name, obj, options, signature, return_annotation):
+    """pyccl's ops are plain ints (SUM is 0), so Python reports a default of `op=0`: the
+    reference shows the name that the guides and the docstrings use."""
+    if signature:
+        signature = re.sub(r"\bop=0\b", "op=SUM", signature)
+    return signature, return_annotation
+
+
 def setup(app):
     app.add_directive("bench-help", BenchHelp)
+    app.connect("autodoc-process-signature", named_op_default)
     return {"parallel_read_safe": True}

@@ -20,9 +20,20 @@ class premul_sum:
             self.premul_scalar = float(scalar)
         except (TypeError, ValueError):
             raise TypeError(f"premul_sum: scalar must be a real number, got {type(scalar).__name__}") from None
+        except OverflowError:
+            raise ValueError(f"premul_sum: scalar {_too_big(scalar)}") from None
 
     def __repr__(self):
         return f"pyccl.premul_sum({self.premul_scalar!r})"
+
+
+def _too_big(x):
+    """The end of the message for a number too large for a float.  An int's own decimal text
+    may run to thousands of digits (past what str() allows), so its size in bits stands in."""
+    room = "a float holds magnitudes up to about 1.8e308 (1024 bits)"
+    if isinstance(x, int):
+        return f"is {'a negative' if x < 0 else 'an'} int of {abs(x).bit_length()} bits; {room}"
+    return f"(a {type(x).__name__}) is too large for a float; {room}"
 
 
 @contextlib.contextmanager

@@ -148,6 +148,33 @@ class HostileStream(torch.cuda.Stream):
         return self.handle
 
 
+class BadStream(torch.cuda.Stream):
+    """A torch.cuda.Stream (as pyccl reads one) with device_index 0 and a handle, either
+    replaced by a value or a Dyn; None removes the attribute."""
+
+    def __init__(self, **over):
+        self.over = {"device_index": 0, "cuda_stream": 0x5555, **over}
+
+    def __getattr__(self, name):  # only for attributes not found the usual way
+        if name not in ("device_index", "cuda_stream") or self.__dict__["over"][name] is None:
+            raise AttributeError(f"'BadStream' object has no attribute '{name}'")
+        v = self.__dict__["over"][name]
+        return v.fn(self) if isinstance(v, Dyn) else v
+
+
+class LyingLen:
+    """A sequence of `items` (indexing, no __iter__) whose len() claims `claimed` items."""
+
+    def __init__(self, items, claimed):
+        self.items, self.claimed = list(items), claimed
+
+    def __len__(self):
+        return self.claimed
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
 class HostileOp:
     """An op argument like pyccl.premul_sum(x) whose scalar runs `action`."""
 
@@ -166,4 +193,5 @@ def comm(timeout=None, world=2, rank=0, device=None):
 
 NAMESPACE = dict(T=T, A=A, HostileError=HostileError, boom=boom, FreshDtype=FreshDtype, Dyn=Dyn, raising=raising,
                  fresh_dtype=fresh_dtype, then=then, HostileStream=HostileStream, HostileOp=HostileOp,
+                 BadStream=BadStream, LyingLen=LyingLen,
                  comm=comm, pyccl=pyccl, nccl=pyccl.nccl, torch=torch)

@@ -1258,7 +1258,7 @@ def bad_input():
         try:
             fn(*args, **kw)
         except BaseException as e:  # noqa: BLE001 - reported to the test
-            got = [type(e).__name__, str(e)]
+            got = [type(e).__name__, str(e)] + list(getattr(e, "__notes__", ()))
         after = _counts(snap)
         want = _refs_want(snap, before)
         after = [None if w is None else a for w, a in zip(want, after)]
@@ -1272,6 +1272,39 @@ def bad_input():
                           "usable": usable}
         ns.clear()
     return out
+
+
+def loader_messages():
+    """What the first GPU use says (RuntimeError) when NCCL is not found, when the library
+    given for it is not NCCL, and when it is an NCCL too old; then, given the stand-in, it
+    works.  JSON on stdin: the paths of a library without ncclGetVersion and of one whose
+    ncclGetVersion alone is there.  Missing first: a library loaded later would be found."""
+    paths = json.loads(sys.stdin.read())
+    out = {}
+    for key, candidates in (("missing", []), ("not_nccl", [paths["not_nccl"]]), ("old", [paths["old"]])):
+        pyccl._C._set_library_candidates(candidates, [LIB])
+        try:
+            pyccl.unique_id()
+            out[key] = None
+        except RuntimeError as e:
+            out[key] = [type(e).__name__, str(e)]
+    pyccl._C._set_library_candidates([LIB], [LIB])
+    out["then"] = len(pyccl.unique_id())
+    return out
+
+
+def note_through_logging():
+    """no_peer_access with a handler on the "pyccl" logger: the note is a record there."""
+    import logging
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append([record.name, record.levelname, record.getMessage()])
+    logging.getLogger("pyccl").addHandler(Keep())
+    res = no_peer_access()
+    res["records"] = records
+    return res
 
 
 def fuzz():
@@ -1503,7 +1536,7 @@ def shrink_healthy():
                 ([0, -1], ValueError, "shrink: exclude[1] is -1, out of range for 4 ranks (ranks are "
                                       "0..3)"),
                 ([3, 3], ValueError, "shrink: rank 3 is in exclude twice"),
-                (5, TypeError, "shrink: exclude must be a sequence of ranks")):
+                (5, TypeError, "shrink: exclude must be a sequence of ranks, got int")):
             _expect_exc(exc, text, c.shrink, arg)
         assert get("shrinks") == shrinks, "NCCL called for a refused shrink"
         c2 = c.shrink([0])  # rank 1 becomes rank 0 of 3

@@ -251,6 +251,8 @@ def _cpu_cases():
         "init_rank: unique_id must be bytes (from unique_id()), got str")
     add("unique_id_int", "nccl", lambda h: nccl.init_rank(1, 5, 0), TypeError,
         "init_rank: unique_id must be bytes (from unique_id()), got int")
+    add("unique_id_non_contiguous", "nccl", lambda h: nccl.init_rank(1, memoryview(bytes(256))[::2], 0),
+        TypeError, "init_rank: unique_id must be bytes (from unique_id()), got a non-contiguous memoryview")
     add("init_rank_world_0", "nccl", lambda h: nccl.init_rank(0, nccl.unique_id(), 0), ValueError,
         "init_rank: world_size must be >= 1, got 0")
     add("init_rank_world_str", "nccl", lambda h: nccl.init_rank("2", nccl.unique_id(), 0), TypeError,
@@ -280,14 +282,18 @@ def _cpu_cases():
         "Communicator: device must be a CUDA device ('cuda:N'), got 'cpu'")
     add("device_negative", "comm", lambda h: pyccl.init_rank(1, uid, 0, device=-2), ValueError,
         "Communicator: device must be >= 0, got -2")
-    add("unique_id_short", "comm", lambda h: pyccl.Communicator(1, b"x" * 5, 0), RuntimeError,
-        "Communicator: invalid unique_id (expected 128 bytes, got 5)")
+    add("unique_id_short", "comm", lambda h: pyccl.Communicator(1, b"x" * 5, 0), ValueError,
+        "Communicator: unique_id has 5 bytes, expected 128 (from unique_id())")
+    add("unique_id_of_1_byte", "comm", lambda h: pyccl.init_rank(2, b"x", 0), ValueError,
+        "Communicator: unique_id has 1 bytes, expected 128 (from unique_id())")
+    add("unique_id_non_contiguous", "comm", lambda h: pyccl.Communicator(1, memoryview(bytes(256))[::2], 0),
+        TypeError, "Communicator: unique_id must be bytes (from unique_id()), got a non-contiguous memoryview")
     add("unique_id_str", "comm", lambda h: pyccl.Communicator(1, "u" * 128, 0), TypeError,
         "Communicator: unique_id must be bytes (from unique_id()), got str")
     add("init_ranks_lengths", "comm", lambda h: pyccl.init_ranks(2, uid, [0, 1], [0]), ValueError,
         "init_ranks: ranks and devices must be non-empty and of one length, got 2 and 1")
-    add("init_ranks_unique_id", "comm", lambda h: pyccl.init_ranks(2, b"abc", [0], [0]), RuntimeError,
-        "init_ranks: invalid unique_id (expected 128 bytes, got 3)")
+    add("init_ranks_unique_id", "comm", lambda h: pyccl.init_ranks(2, b"abc", [0], [0]), ValueError,
+        "init_ranks: unique_id has 3 bytes, expected 128 (from unique_id())")
     add("init_ranks_rank_twice", "comm", lambda h: pyccl.init_ranks(2, uid, [1, 1], [0, 1]), ValueError,
         "init_ranks: rank 1 is listed twice (ranks[0] and ranks[1])")
     add("init_ranks_rank_out_of_range", "comm", lambda h: pyccl.init_ranks(2, uid, [0, 5], [0, 1]), ValueError,
@@ -306,6 +312,11 @@ def _cpu_cases():
         "premul_sum: scalar must be a real number, got str")
     add("premul_sum_object", "comm", lambda h: pyccl.premul_sum(object()), TypeError,
         "premul_sum: scalar must be a real number, got object")
+    add("premul_sum_2^2000", "comm", lambda h: pyccl.premul_sum(2 ** 2000), ValueError,
+        "premul_sum: scalar is an int of 2001 bits; a float holds magnitudes up to about 1.8e308 (1024 bits)")
+    add("premul_sum_-2^5000", "comm", lambda h: pyccl.premul_sum(-(2 ** 5000)), ValueError,
+        "premul_sum: scalar is a negative int of 5001 bits; a float holds magnitudes up to about 1.8e308 "
+        "(1024 bits)")
     # pyccl.empty (registered memory): checked before any GPU is touched
     add("empty_negative_dim", "comm", lambda h: pyccl.empty((3, -1)), ValueError,
         "empty: shape must not hold negative sizes, got (3, -1)")
@@ -586,9 +597,12 @@ class StandIn(NamedTuple):
     code: str
     exc: Any            # exception class name, or None: the call must succeed
     msg: Any
+    notes: tuple = ()   # the exception's PEP 678 notes (pyccl's note on a user exception it passes on)
 
 
 GONE = "the communicator (rank 0 of 2) has been destroyed"
+NO_REDUCE = "which NCCL cannot reduce (the moves, such as broadcast and all_gather, take any dtype)"
+STREAM_HANDLE = "expected a CUDA stream handle (0 to 2**64-1)"
 ABORTED = "the communicator (rank 0 of 2) has been aborted"
 HUGE_F32 = "has 4611686018427387904 elements; times the item size 4 that overflows a 64-bit count"
 HUGE_N = "has 4611686018427387904 elements; times the world size 2 that overflows a 64-bit count"
@@ -596,13 +610,77 @@ DEV = "expected a CUDA device index (0 to 2147483647)"
 STAND_IN_CASES = [
     # 1. a dtype object that is new on every read
     StandIn("dtype_fresh-all_reduce", "comm", "fn, args = c.all_reduce, (T(dtype=fresh_dtype()),)",
-            "RuntimeError", "Unconvertible NCCL type FreshDtype"),
+            "TypeError", f"all_reduce: tensor has dtype FreshDtype, {NO_REDUCE}"),
     StandIn("dtype_fresh-broadcast_out", "comm",
             "fn, args, kw = c.broadcast, (T(dtype=fresh_dtype()), 0), {'out': T(dtype=fresh_dtype(8))}",
             "TypeError", "broadcast: out has dtype FreshDtype but tensor has FreshDtype"),
     StandIn("dtype_fresh-moves", "comm", "fn, args = c.broadcast, (T(dtype=fresh_dtype()), 0)", None, None),
     StandIn("dtype_fresh-comms", "nccl", "fn, args, kw = nccl.broadcast, ([T(dtype=fresh_dtype())],), {'comms': [c]}",
             None, None),
+    # 1b. dtypes NCCL cannot reduce: the method and the argument named (the drop-in keeps torch's text)
+    StandIn("dtype_int16-all_reduce", "comm", "fn, args = c.all_reduce, (T(dtype=torch.int16),)",
+            "TypeError", f"all_reduce: tensor has dtype torch.int16, {NO_REDUCE}"),
+    StandIn("dtype_complex64-reduce", "comm", "fn, args = c.reduce, (T(dtype=torch.complex64), 0)",
+            "TypeError", f"reduce: tensor has dtype torch.complex64, {NO_REDUCE}"),
+    StandIn("dtype_uint16-reduce_scatter", "comm",
+            "fn, args = c.reduce_scatter, (T(8, dtype=torch.uint16), T(dtype=torch.uint16))",
+            "TypeError", f"reduce_scatter: output has dtype torch.uint16, {NO_REDUCE}"),
+    StandIn("dtype_int16-all_reduce_coalesced", "comm",
+            "fn, args = c.all_reduce_coalesced, ([T(dtype=torch.int16), T(dtype=torch.int16)],)",
+            "TypeError", f"all_reduce_coalesced: tensors[0] has dtype torch.int16, {NO_REDUCE}"),
+    StandIn("dtype_int16_moves-broadcast", "comm", "fn, args = c.broadcast, (T(dtype=torch.int16), 0)", None, None),
+    StandIn("dtype_int16-comms", "nccl", "fn, args, kw = nccl.all_reduce, ([T(dtype=torch.int16)],), {'comms': [c]}",
+            "RuntimeError", "Unconvertible NCCL type Short"),
+    # 1c. stream objects whose attributes raise, are missing, or hold no int or one out of range
+    StandIn("stream_cuda_stream_raises-all_reduce", "comm",
+            "fn, args, kw = c.all_reduce, (T(),), {'stream': BadStream(cuda_stream=raising('cuda_stream'))}",
+            "HostileError", "cuda_stream", ("all_reduce: raised while reading stream.cuda_stream",)),
+    StandIn("stream_device_index_raises-comms", "nccl",
+            "fn, args, kw = nccl.broadcast, ([T()],), {'comms': [c], 'streams': [BadStream(device_index=raising())]}",
+            "HostileError", "attribute", ("broadcast: raised while reading streams[0].device_index",)),
+    StandIn("stream_cuda_stream_str-all_reduce", "comm",
+            "fn, args, kw = c.all_reduce, (T(),), {'stream': BadStream(cuda_stream='0x5555')}",
+            "TypeError", "all_reduce: stream.cuda_stream is a str, expected an int"),
+    StandIn("stream_cuda_stream_2_80-send", "comm",
+            "fn, args, kw = c.send, (T(), 1), {'stream': BadStream(cuda_stream=1 << 80)}",
+            "ValueError", f"send: stream.cuda_stream is 1208925819614629174706176, {STREAM_HANDLE}"),
+    StandIn("stream_cuda_stream_negative-broadcast", "comm",
+            "fn, args, kw = c.broadcast, (T(), 0), {'stream': BadStream(cuda_stream=-5)}",
+            "ValueError", f"broadcast: stream.cuda_stream is -5, {STREAM_HANDLE}"),
+    StandIn("stream_cuda_stream_float-barrier", "comm",
+            "fn, args, kw = c.barrier, (), {'stream': BadStream(cuda_stream=1.0)}",
+            "TypeError", "barrier: stream.cuda_stream is a float, expected an int"),
+    StandIn("stream_no_cuda_stream-all_gather", "comm",
+            "fn, args, kw = c.all_gather, (T(2), T()), {'stream': BadStream(cuda_stream=None)}",
+            "TypeError", "all_gather: stream (a BadStream) has no attribute cuda_stream, which a "
+                         "torch.cuda.Stream has"),
+    StandIn("stream_device_index_str-all_reduce", "comm",
+            "fn, args, kw = c.all_reduce, (T(),), {'stream': BadStream(device_index='0')}",
+            "TypeError", "all_reduce: stream.device_index is a str, expected an int"),
+    StandIn("stream_device_index_2_70-all_reduce", "comm",
+            "fn, args, kw = c.all_reduce, (T(),), {'stream': BadStream(device_index=1 << 70)}",
+            "ValueError", "all_reduce: stream.device_index is 1180591620717411303424, " + DEV),
+    StandIn("stream_device_index_negative-all_reduce", "comm",
+            "fn, args, kw = c.all_reduce, (T(),), {'stream': BadStream(device_index=-1)}",
+            "ValueError", "all_reduce: stream.device_index is -1, " + DEV),
+    StandIn("stream_cuda_stream_2_64-comms", "nccl",
+            "fn, args, kw = nccl.all_reduce, ([T()],), {'comms': [c], 'streams': [BadStream(cuda_stream=1 << 64)]}",
+            "ValueError", f"all_reduce: streams[0].cuda_stream is 18446744073709551616, {STREAM_HANDLE}"),
+    StandIn("stream_cuda_stream_2_64_minus_1-all_reduce", "comm",
+            "fn, args, kw = c.all_reduce, (T(),), {'stream': BadStream(cuda_stream=(1 << 64) - 1)}", None, None),
+    # 1d. a premul_sum-like op whose scalar is no float
+    StandIn("premul_scalar_2_2000-all_reduce", "comm", "fn, args = c.all_reduce, (T(), HostileOp(int, 2 ** 2000))",
+            "ValueError", "all_reduce: op.premul_scalar is an int of 2001 bits, too large for a float"),
+    StandIn("premul_scalar_str-all_reduce", "comm", "fn, args = c.all_reduce, (T(), HostileOp(int, '2'))",
+            "TypeError", "all_reduce: op.premul_scalar must be a real number, got str"),
+    # 1e. shrink(): exclude read by iteration, never sized by a len() that lies
+    StandIn("shrink_len_2_62", "comm", "fn, args = c.shrink, (LyingLen([], 1 << 62),)", None, None),
+    StandIn("shrink_len_2_62_self", "comm", "fn, args = c.shrink, (LyingLen([0], 1 << 62),)",
+            "ValueError", "shrink: this rank (0) is in exclude; only the ranks that remain call shrink()"),
+    StandIn("shrink_endless", "comm", "import itertools\nfn, args = c.shrink, (itertools.repeat(1),)",
+            "ValueError", "shrink: rank 1 is in exclude twice"),
+    StandIn("shrink_int", "comm", "fn, args = c.shrink, (5,)",
+            "TypeError", "shrink: exclude must be a sequence of ranks, got int"),
     # 2. the list emptied while it is checked (by an item's numel() or __cuda_array_interface__)
     StandIn("list_cleared-all_gather", "comm",
             "lst = []\nlst += [T(numel=then(lst.clear, 4)), T(3)]\nfn, args = c.all_gather, (T(), lst)",
@@ -719,10 +797,57 @@ def stand_in(tmp_path_factory):
 @pytest.mark.parametrize("case", STAND_IN_CASES, ids=_ids(STAND_IN_CASES))
 def test_stand_in_tier(case, stand_in):
     got = stand_in[f"{case.api}-{case.id}"]
-    want = None if case.exc is None else [case.exc, case.msg]
+    want = None if case.exc is None else [case.exc, case.msg, *case.notes]
     assert got["exc"] == want
     assert got["refs_ok"], got["refs"]
     assert got["usable"] == "ok"
+
+
+def _build_lib(out_dir, name, source):
+    """A one-file shared library built with Python's C compiler; None without one."""
+    import shlex
+    import shutil
+    import subprocess
+    import sysconfig
+    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    if shutil.which(cc[0]) is None:
+        return None
+    src, lib = out_dir / f"{name}.c", out_dir / f"lib{name}.so"
+    src.write_text(source)
+    r = subprocess.run(cc + ["-shared", "-fPIC", "-o", str(lib), str(src)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    return str(lib)
+
+
+def test_loader_messages(tmp_path):
+    """The first GPU use names what it looked for and where, and tells a library that is not
+    NCCL (a wrong PYCCL_NCCL_LIBRARY) from an NCCL too old; all RuntimeError, as torch's own
+    failures to reach CUDA at first use are."""
+    import json
+    import os
+    from _fakes import run_stand_in
+    not_nccl = _build_lib(tmp_path, "notnccl", "int not_nccl(void) { return 1; }\n")
+    old = _build_lib(tmp_path, "oldnccl", "int ncclGetVersion(int *v) { *v = 20603; return 0; }\n")
+    if not_nccl is None:
+        pytest.skip("no C compiler to build the stand-in libraries")
+    (tmp_path / "fakegpu").mkdir()
+    got = run_stand_in(tmp_path / "fakegpu", "loader_messages", stdin=json.dumps({"not_nccl": not_nccl, "old": old}))
+    assert got["not_nccl"] == ["RuntimeError", f"unique_id: {not_nccl} is not NCCL: it has no ncclGetVersion "
+                                               "(set PYCCL_NCCL_LIBRARY to a libnccl.so.2, or unset it)"]
+    assert got["old"] == ["RuntimeError", f"unique_id: the NCCL at {old} (2.6.3) lacks ncclGetUniqueId; "
+                                          "pyccl needs NCCL >= 2.7"]
+    assert got["then"] == 128
+    if got["missing"] is None:
+        pytest.skip("the dynamic loader's search path holds an NCCL here: not missing")
+    ld = os.environ.get("LD_LIBRARY_PATH") or "unset"
+    head, tried = got["missing"][1].split(" Tried: ")
+    assert got["missing"][0] == "RuntimeError"
+    assert head == ("unique_id: cannot load NCCL (install nvidia-nccl-cu13 or set PYCCL_NCCL_LIBRARY). Looked "
+                    "for libnccl.so.2, libnccl.so among the libraries already loaded (torch's), at the candidate "
+                    f"paths (none), then through the dynamic loader's search path (LD_LIBRARY_PATH={ld}, "
+                    "ld.so.cache).")
+    assert [t.split(":")[0] for t in tried.split("; ")] == ["libnccl.so.2", "libnccl.so"], tried
 
 
 # ====================================================================== GPU tier
@@ -882,10 +1007,10 @@ def _gpu_cases():
     add("bool-reduce_scatter", "comm",
         lambda g: g.comm.reduce_scatter(ones(2, dtype=torch.bool), ones(2, dtype=torch.bool)), RuntimeError,
         f"reduce_scatter: {BOOL}")
-    add("complex64", "comm", lambda g: g.comm.all_reduce(ones(2, dtype=torch.complex64)), RuntimeError,
-        "Unconvertible NCCL type ComplexFloat")
-    add("int16", "comm", lambda g: g.comm.reduce(ones(2, dtype=torch.int16), 0), RuntimeError,
-        "Unconvertible NCCL type Short")
+    add("complex64", "comm", lambda g: g.comm.all_reduce(ones(2, dtype=torch.complex64)), TypeError,
+        f"all_reduce: tensor has dtype torch.complex64, {NO_REDUCE}")
+    add("int16", "comm", lambda g: g.comm.reduce(ones(2, dtype=torch.int16), 0), TypeError,
+        f"reduce: tensor has dtype torch.int16, {NO_REDUCE}")
     add("premul_sum_fp8", "comm",
         lambda g: g.comm.all_reduce(ones(2, dtype=torch.float8_e5m2), op=pyccl.premul_sum(2)), TypeError,
         "all_reduce: premul_sum does not support torch.float8_e5m2")

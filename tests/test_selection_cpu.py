@@ -2,7 +2,8 @@
 
 A GPU that none of the compiled kernel images fits (say a T4, sm_75, with a build for
 sm_80 and newer) and a pair of GPUs without peer access (PCIe without P2P) must both give
-NCCL's all_reduce on every rank, with the reason in `all_reduce_info` and said once on stderr.
+NCCL's all_reduce on every rank, with the reason in `all_reduce_info` and said once, as a
+warning of the "pyccl" logger.
 The GPU machines here are all Hopper with NVLink, so this runs against the stand-in GPU
 library (tests/fakegpu/fakegpu.c built with FAKE_PEER_MEMORY): two processes, one per rank,
 whose NCCL all_gather/all_reduce go through files, and which also stands in for the driver
@@ -36,8 +37,22 @@ def test_unusable_own_kernels_give_nccl_with_the_reason_said_once(peer_lib, scen
         # NCCL's all_reduce (the stand-in's, across the two processes), three times:
         # (1+2, 2+2, 3+6) = (3, 4, 9), doubled twice
         assert res["values"] == [12.0, 16.0, 36.0], res
-        said = [line for line in err.splitlines() if line.startswith("pyccl:")]
-        assert said == [f"pyccl: rank {rank} of 2 uses NCCL for all_reduce: {res['reason']}"], err
+        # a record of the "pyccl" logger; without logging configured Python prints it alone
+        said = [line for line in err.splitlines() if "uses NCCL" in line]
+        assert said == [f"rank {rank} of 2 uses NCCL for all_reduce: {res['reason']}"], err
+
+
+def test_the_note_is_a_warning_of_the_pyccl_logger(peer_lib, tmp_path):
+    """Users filter it as they do torch's notes: logging.getLogger("pyccl")."""
+    for rank, (res, err) in enumerate(run_two_ranks(peer_lib, "note_through_logging", tmp_path)):
+        assert res["records"] == [["pyccl", "WARNING", f"rank {rank} of 2 uses NCCL for all_reduce: "
+                                                       f"{res['reason']}"]], res
+        assert "uses NCCL" not in err, err  # a handler took it: nothing on stderr besides
+
+
+def test_pyccl_quiet_still_silences_the_note(peer_lib, tmp_path):
+    for res, err in run_two_ranks(peer_lib, "note_through_logging", tmp_path, PYCCL_QUIET="1"):
+        assert res["records"] == [] and "uses NCCL" not in err, (res, err)
 
 
 def test_ranks_sharing_a_gpu_use_the_own_kernels_with_the_setting(peer_lib, tmp_path):
