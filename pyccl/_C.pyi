@@ -5,6 +5,7 @@ Tensors are typed as `Any`: pyccl reads torch tensors, and any object with the s
 attributes or a `__cuda_array_interface__`, without importing torch's types.
 """
 from collections.abc import Sequence
+from datetime import timedelta
 from types import TracebackType
 from typing import Any, Final, TypeAlias, final
 
@@ -16,6 +17,8 @@ _Stream: TypeAlias = Any  # a torch.cuda.Stream, or None: the tensor's device's 
 # or (Communicator methods) a pyccl.premul_sum
 _Op: TypeAlias = Any
 _Device: TypeAlias = Any  # an int, "cuda:N", "cuda" (current), a torch.device, or None (current)
+# seconds (an int or a float), a datetime.timedelta, or None (no timeout: NCCL's blocking mode)
+_Timeout: TypeAlias = float | timedelta | None
 
 SUM: Final[int]
 PROD: Final[int]
@@ -53,7 +56,7 @@ class Communicator:
         unique_id: bytes,
         rank: int,
         device: _Device = None,
-        timeout: float | None = None,
+        timeout: _Timeout = None,
         *,
         blocking: bool | None = None,
     ) -> Self: ...
@@ -106,7 +109,7 @@ class Communicator:
     def barrier(self, *, stream: _Stream = None) -> None: ...
     def split(self, color: int, key: int | None = None) -> Communicator | None: ...
     def shrink(self, exclude: Sequence[int]) -> Communicator: ...
-    def wait(self, timeout: float | None = None) -> None: ...
+    def wait(self, timeout: _Timeout = None) -> None: ...
     def abort(self) -> None: ...
     def destroy(self) -> None: ...
     def register(self, tensor: _Tensor, /) -> Registration: ...

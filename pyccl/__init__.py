@@ -17,6 +17,10 @@ Importing needs no GPU: GPU work raises pyccl.CudaError when none is there.
 Communicator(..., timeout=seconds) bounds every wait on peers: a lost peer
 makes the others raise pyccl.NcclTimeoutError instead of hanging.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 # torch first: it loads the libnccl and libcudart that pyccl must share
 # (one NCCL per process), which the C side then finds already in memory.
 import torch  # noqa: F401
@@ -46,8 +50,11 @@ from ._api import group, premul_sum  # noqa: E402
 
 _share_at_import()
 
+if TYPE_CHECKING:
+    import datetime
 
-def _has_torch_distributed():
+
+def _has_torch_distributed() -> bool:
     try:
         import torch.distributed
     except ImportError:  # a torch without it (or the CPU tests' stand-in torch)
@@ -63,7 +70,7 @@ if hasattr(getattr(torch, "library", None), "custom_op"):
     # registers torch.ops.pyccl.* (torch custom ops, for torch.compile)
     from . import ops  # noqa: E402,F401
 
-from ._version import __version__  # noqa: E402
+from ._version import __version__ as __version__  # noqa: E402  (re-exported)
 
 
 def unique_id() -> bytes:
@@ -71,7 +78,13 @@ def unique_id() -> bytes:
     return _C._nccl_unique_id()
 
 
-def init_rank(world_size: int, unique_id: bytes, rank: int, device=None, timeout=None) -> Communicator:
+def init_rank(
+    world_size: int,
+    unique_id: bytes,
+    rank: int,
+    device: int | str | torch.device | None = None,
+    timeout: float | datetime.timedelta | None = None,
+) -> Communicator:
     """Same as Communicator(world_size, unique_id, rank, device, timeout)."""
     return Communicator(world_size, unique_id, rank, device, timeout)
 

@@ -2,9 +2,15 @@
 use too (distributed.py), so they live here, below the package's __init__.py, which re-exports
 them.  Their `__module__` is "pyccl", where users find them.
 """
+from __future__ import annotations
+
 import contextlib
+from typing import TYPE_CHECKING, SupportsFloat, SupportsIndex
 
 from . import _C
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 
 class premul_sum:
@@ -12,7 +18,9 @@ class premul_sum:
 
     __slots__ = {"premul_scalar": "The factor (a float) each rank's input is multiplied by."}
 
-    def __init__(self, scalar):
+    premul_scalar: float
+
+    def __init__(self, scalar: SupportsFloat | SupportsIndex) -> None:
         # float() would also take a string such as "2": only numbers here.
         if isinstance(scalar, (str, bytes, bytearray)):
             raise TypeError(f"premul_sum: scalar must be a real number, got {type(scalar).__name__}")
@@ -23,7 +31,7 @@ class premul_sum:
         except OverflowError:
             raise ValueError(f"premul_sum: scalar {_too_big(scalar)}") from None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"pyccl.premul_sum({self.premul_scalar!r})"
 
 
@@ -37,7 +45,7 @@ def _too_big(x):
 
 
 @contextlib.contextmanager
-def group():
+def group() -> Iterator[None]:
     """Batch the calls inside into one NCCL group (ncclGroupStart/End).
 
     The group is ended even when the body raises.  Needed for send/recv pairs

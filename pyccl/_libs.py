@@ -5,21 +5,24 @@ paths matter only for a CPU-only torch or a script that uses pyccl before
 torch has touched CUDA.  Order: explicit override, pip's nvidia wheels,
 NCCL_HOME / CUDA_HOME, then the loader's own search path (tried by the C side).
 """
+from __future__ import annotations
+
 import importlib.util
 import os
 
 
-def _nvidia_dirs():
+def _nvidia_dirs() -> list[str]:
     spec = importlib.util.find_spec("nvidia")
-    return list(spec.submodule_search_locations) if spec else []
+    # (a plain module named nvidia, which has no search locations, holds no libraries)
+    return list(spec.submodule_search_locations or ()) if spec else []
 
 
-def _existing(paths):
+def _existing(paths: list[str | None]) -> list[str]:
     return [p for p in paths if p and os.path.isfile(p)]
 
 
-def nccl_candidates():
-    paths = [os.environ.get("PYCCL_NCCL_LIBRARY")]
+def nccl_candidates() -> list[str]:
+    paths: list[str | None] = [os.environ.get("PYCCL_NCCL_LIBRARY")]
     paths += [os.path.join(d, "nccl", "lib", "libnccl.so.2") for d in _nvidia_dirs()]
     for var in ("NCCL_HOME", "NCCL_ROOT"):
         root = os.environ.get(var)
@@ -28,8 +31,8 @@ def nccl_candidates():
     return _existing(paths)
 
 
-def cudart_candidates():
-    paths = [os.environ.get("PYCCL_CUDART_LIBRARY")]
+def cudart_candidates() -> list[str]:
+    paths: list[str | None] = [os.environ.get("PYCCL_CUDART_LIBRARY")]
     for d in _nvidia_dirs():
         paths.append(os.path.join(d, "cu13", "lib", "libcudart.so.13"))
         paths.append(os.path.join(d, "cuda_runtime", "lib", "libcudart.so.12"))

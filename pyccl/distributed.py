@@ -13,10 +13,13 @@ supported")`: there is no fallback to another backend.  A bitwise ReduceOp
 (BAND, BOR, BXOR), which NCCL cannot reduce with, is a ValueError, as with
 torch's NCCL backend.
 """
+from __future__ import annotations
+
 import collections
 import datetime
 import inspect
 import sys
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -25,17 +28,38 @@ from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, _create_work_
 from . import _C, _api
 from ._gpu import need_gpu
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
+    from types import FrameType
+
+    from torch._C._distributed_c10d import (
+        AllgatherOptions,
+        AllreduceCoalescedOptions,
+        AllToAllOptions,
+        BarrierOptions,
+        BroadcastOptions,
+        GatherOptions,
+        ReduceOptions,
+        ReduceScatterOptions,
+        ScatterOptions,
+        Store,
+        Work,
+        _DistributedBackendOptions,
+    )
+
+_T = TypeVar("_T")
+
 BACKEND_NAME = "pyccl"
 
 _RedOp = ReduceOp.RedOpType
 _PREMUL_SUM = _RedOp.PREMUL_SUM
 
 
-def _unsupported(what):
+def _unsupported(what: str) -> RuntimeError:
     return RuntimeError(f"pyccl backend: {what} is not supported")
 
 
-def reduce_op(opname, op):
+def reduce_op(opname: str, op: ReduceOp | ReduceOp.RedOpType) -> int | _api.premul_sum:
     """pyccl's op for torch's `op` (a ReduceOp or a ReduceOp.RedOpType) in operation `opname`.
 
     PREMUL_SUM (whose factor only torch's ReduceOp holds) is made a pyccl.premul_sum here; every
@@ -63,13 +87,13 @@ def reduce_op(opname, op):
     return _api.premul_sum(factor)
 
 
-def _one(opname, tensors):
+def _one(opname: str, tensors: Sequence[_T]) -> _T:
     if len(tensors) != 1:
         raise _unsupported(f"{opname} with {len(tensors)} tensors per process (one per process only)")
     return tensors[0]
 
 
-def _no_root_tensor(opname, opts):
+def _no_root_tensor(opname: str, opts: BroadcastOptions | ReduceOptions) -> None:
     if opts.rootTensor != 0:
         raise _unsupported(f"{opname} with rootTensor={opts.rootTensor} (one tensor per process only)")
 
@@ -83,7 +107,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
     renamed a method across versions both names are here.
     """
 
-    def __init__(self, comm, rank, size, group_name=""):
+    def __init__(self, comm: _C.Communicator, rank: int, size: int, group_name: str = "") -> None:
         super().__init__(rank, size)
         self._comm = comm
         self._group_name = group_name
@@ -92,41 +116,41 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         # and makes the waiter's current stream wait on it (NCCL's Work semantics).
         # Without a device (the CPU tier's stand-in communicator) it is a plain finished Future.
         self._devices = [] if device is None else [torch.device("cuda", device)]
-        self._device_id = None  # init_process_group(device_id=...)'s index, where one was given
+        self._device_id: int | None = None  # init_process_group(device_id=...)'s index, where one was given
 
     # ---- plumbing ----
     @property
-    def communicator(self):
+    def communicator(self) -> _C.Communicator:
         """The pyccl.Communicator behind this group (for its own API: algo=, wait(), get_async_error())."""
         return self._comm
 
-    def _work(self, value):
+    def _work(self, value: object) -> Work:
         fut = torch._C.Future(self._devices)
         fut.set_result(value)
         return _create_work_from_future(fut)
 
-    def name(self):
+    def name(self) -> str:
         """The backend's name, "pyccl"."""
         return BACKEND_NAME
 
-    def getBackendName(self):  # noqa: N802 (torch's name)
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         """The backend's name, "pyccl" (torch's spelling)."""
         return BACKEND_NAME
 
-    def _get_backend_name(self):
+    def _get_backend_name(self) -> str:
         """The backend's name, "pyccl" (torch's spelling)."""
         return BACKEND_NAME
 
     @property
-    def group_name(self):
+    def group_name(self) -> str:
         """The torch.distributed name of this group (the `group` argument of pyccl.ops)."""
         return self._group_name
 
-    def _set_group_name(self, name):
+    def _set_group_name(self, name: str) -> None:
         self._group_name = name
 
     @property
-    def _device_types(self):
+    def _device_types(self) -> list[torch.device]:
         # Python code asks this for the device of object collectives and barrier tensors.
         return [torch.device("cuda")]
 
@@ -135,11 +159,11 @@ class ProcessGroupPyccl(dist.ProcessGroup):
     supports_coalescing = False
     supports_time_estimate = False
 
-    def supports_tensor_alloc(self, device):
+    def supports_tensor_alloc(self, device: torch.device) -> bool:
         """False: this backend allocates no tensors for torch."""
         return False
 
-    def _get_backend(self, device):
+    def _get_backend(self, device: torch.device) -> ProcessGroupPyccl:
         # init_process_group(device_id=cuda:i) asks this with that device right after creating
         # the group, whose communicator went on cuda:i (_bound_device); a communicator on
         # another device (device_id not found by the creator) is refused here.
@@ -151,7 +175,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
                 "before init_process_group")
         return self
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         """destroy_process_group() calls this: destroy the communicator (a failed one too: its
         kept handle and memory go).
 
@@ -162,15 +186,19 @@ class ProcessGroupPyccl(dist.ProcessGroup):
             free_compiled_cuda_graphs()
         self._comm.destroy()  # a no-op once destroyed
 
-    def abort(self):
+    def abort(self) -> None:
         """dist.abort / torch's abort path: abort the communicator (Communicator.abort)."""
         self._comm.abort()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"ProcessGroupPyccl(rank={self.rank()}, size={self.size()}, group_name={self._group_name!r})"
 
     # ---- collectives ----
-    def allreduce(self, tensors, opts=None):
+    def allreduce(
+        self,
+        tensors: list[torch.Tensor] | torch.Tensor,
+        opts: AllreduceOptions | ReduceOp | ReduceOp.RedOpType | None = None,
+    ) -> Work:
         """dist.all_reduce: Communicator.all_reduce of the one tensor, in place."""
         # the hot path (dist.all_reduce, DDP's buckets): keep it to a few attribute reads
         if type(tensors) is not list and isinstance(tensors, torch.Tensor):  # pg.allreduce(tensor, op)
@@ -184,7 +212,7 @@ class ProcessGroupPyccl(dist.ProcessGroup):
                                                         if type(opts) is AllreduceOptions else opts))
         return self._work(tensors)
 
-    def allreduce_coalesced(self, tensors, opts=None):
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions | None = None) -> Work:
         """dist.all_reduce_coalesced: one all_reduce_coalesced (one dtype) or one NCCL group."""
         op = _C.SUM if opts is None else reduce_op("allreduce_coalesced", opts.reduceOp)
         if len({t.dtype for t in tensors}) <= 1:
@@ -195,7 +223,12 @@ class ProcessGroupPyccl(dist.ProcessGroup):
                     self._comm.all_reduce(t, op)
         return self._work(tensors)
 
-    def broadcast(self, tensors, opts=None):
+    @overload
+    def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None) -> Work: ...
+    @overload
+    def broadcast(self, tensors: torch.Tensor, opts: int) -> Work: ...
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> Work:
         """dist.broadcast: Communicator.broadcast of the one tensor from opts.rootRank."""
         if isinstance(tensors, torch.Tensor):  # pg.broadcast(tensor, root) overload
             root, tensors = opts, [tensors]
@@ -206,25 +239,31 @@ class ProcessGroupPyccl(dist.ProcessGroup):
         self._comm.broadcast(_one("broadcast", tensors), root)
         return self._work(tensors)
 
-    def reduce(self, tensors, opts):
+    def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions) -> Work:
         """dist.reduce: Communicator.reduce of the one tensor into opts.rootRank."""
         _no_root_tensor("reduce", opts)
         self._comm.reduce(_one("reduce", tensors), opts.rootRank, reduce_op("reduce", opts.reduceOp))
         return self._work(tensors)
 
-    def allgather(self, output_lists, input_tensors, opts=None):
+    def allgather(
+        self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+        opts: AllgatherOptions | None = None,
+    ) -> Work:
         """dist.all_gather: the one input into the list of `size` outputs."""
         self._comm.all_gather(_one("allgather", input_tensors), _one("allgather", output_lists))
         return self._work(output_lists)
 
-    def _allgather_base(self, output, input, opts=None):
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None) -> Work:
         """dist.all_gather_into_tensor: `input` from every rank into `output` (output first, as torch)."""
         self._comm.all_gather(input, output)
         return self._work([output])
 
     all_gather_single = _allgather_base  # torch >= 2.12's name
 
-    def _in_one_group(self, opname, outputs, inputs, what, call):
+    def _in_one_group(
+        self, opname: str, outputs: Sequence[Any], inputs: Sequence[Any], what: str,
+        call: Callable[[Any, Any], None],
+    ) -> Work:
         """call(input, output) for each pair, as one NCCL group; outputs and inputs pair up."""
         if len(outputs) != len(inputs):
             raise ValueError(f"pyccl backend: {opname}: {len(outputs)} {what} for {len(inputs)} inputs")
@@ -233,25 +272,35 @@ class ProcessGroupPyccl(dist.ProcessGroup):
                 call(inp, out)
         return self._work(outputs)
 
-    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+        opts: AllgatherOptions | None = None,
+    ) -> Work:
         """all_gather of each input into its output list, as one NCCL group."""
         return self._in_one_group("allgather_coalesced", output_lists, input_tensors, "output lists",
                                   self._comm.all_gather)
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions | None = None
+    ) -> Work:
         """all_gather_into_tensor of each pair, as one NCCL group."""
         return self._in_one_group("allgather_into_tensor_coalesced", outputs, inputs, "outputs",
                                   self._comm.all_gather)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    def reduce_scatter(self, output_tensors, input_lists, opts=None):
+    def reduce_scatter(
+        self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+        opts: ReduceScatterOptions | None = None,
+    ) -> Work:
         """dist.reduce_scatter: the list of `size` inputs reduced, part `rank` into the output."""
         op = _C.SUM if opts is None else reduce_op("reduce_scatter", opts.reduceOp)
         self._comm.reduce_scatter(_one("reduce_scatter", input_lists), _one("reduce_scatter", output_tensors), op)
         return self._work(output_tensors)
 
-    def _reduce_scatter_base(self, output, input, opts=None):
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions | None = None
+    ) -> Work:
         """dist.reduce_scatter_tensor: `input` reduced, part `rank` into `output` (output first)."""
         op = _C.SUM if opts is None else reduce_op("reduce_scatter_tensor", opts.reduceOp)
         self._comm.reduce_scatter(input, output, op)
@@ -259,7 +308,9 @@ class ProcessGroupPyccl(dist.ProcessGroup):
 
     reduce_scatter_single = _reduce_scatter_base
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions | None = None
+    ) -> Work:
         """reduce_scatter_tensor of each pair, as one NCCL group."""
         if len(outputs) != len(inputs):  # (before the op: the length is the first thing said wrong)
             raise ValueError(f"pyccl backend: reduce_scatter_tensor_coalesced: {len(outputs)} outputs for "
@@ -270,7 +321,10 @@ class ProcessGroupPyccl(dist.ProcessGroup):
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+    def alltoall_base(
+        self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+        input_split_sizes: list[int], opts: AllToAllOptions | None = None,
+    ) -> Work:
         """dist.all_to_all_single (output first, as torch); empty split lists mean equal parts."""
         # torch passes [] for "equal splits"
         self._comm.all_to_all_single(input, output, input_split_sizes or None, output_split_sizes or None)
@@ -278,7 +332,10 @@ class ProcessGroupPyccl(dist.ProcessGroup):
 
     all_to_all_single = alltoall_base
 
-    def alltoall(self, output_tensors, input_tensors, opts=None):
+    def alltoall(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+        opts: AllToAllOptions | None = None,
+    ) -> Work:
         """dist.all_to_all: input_tensors[j] to rank j, output_tensors[i] from rank i."""
         sizes = {t.numel() for t in input_tensors} | {t.numel() for t in output_tensors}
         if len(sizes) <= 1:  # equal chunks: NCCL's all_to_all through the Communicator
@@ -296,58 +353,62 @@ class ProcessGroupPyccl(dist.ProcessGroup):
                     self._comm.recv(out, peer)
         return self._work(output_tensors)
 
-    def send(self, tensors, dst, tag=0):
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
         """dist.send / isend: the one tensor to rank `dst` (NCCL has no tags: order matches)."""
         # NCCL has no tags (ProcessGroupNCCL ignores them too): messages match in call order.
         self._comm.send(_one("send", tensors), dst)
         return self._work(tensors)
 
-    def recv(self, tensors, src, tag=0):
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
         """dist.recv / irecv: into the one tensor from rank `src`."""
         self._comm.recv(_one("recv", tensors), src)
         return self._work(tensors)
 
-    def recv_anysource(self, tensors, tag=0):
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> NoReturn:
         """Not supported (NCCL needs the source): raises RuntimeError."""
         raise _unsupported("recv_anysource")
 
-    def gather(self, output_lists, input_tensors, opts):
+    def gather(
+        self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: GatherOptions
+    ) -> Work:
         """dist.gather: every rank's tensor into the root's output list."""
         outputs = _one("gather", output_lists) if output_lists else None
         self._comm.gather(_one("gather", input_tensors), outputs, opts.rootRank)
         return self._work(output_lists)
 
-    def scatter(self, output_tensors, input_lists, opts):
+    def scatter(
+        self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: ScatterOptions
+    ) -> Work:
         """dist.scatter: the root's input list, part r to rank r."""
         inputs = _one("scatter", input_lists) if input_lists else None
         self._comm.scatter(inputs, _one("scatter", output_tensors), opts.rootRank)
         return self._work(output_tensors)
 
-    def barrier(self, opts=None):
+    def barrier(self, opts: BarrierOptions | None = None) -> Work:
         """dist.barrier: Communicator.barrier (blocks the host until every rank arrived)."""
         self._comm.barrier()
         return self._work([])
 
-    def monitored_barrier(self, *args, **kwargs):
+    def monitored_barrier(self, *args: object, **kwargs: object) -> NoReturn:
         """Not supported: raises RuntimeError."""
         raise _unsupported("monitored_barrier")
 
-    def split_group(self, *args, **kwargs):
+    def split_group(self, *args: object, **kwargs: object) -> NoReturn:
         """Not supported (use dist.new_group or dist.new_subgroups): raises RuntimeError."""
         raise _unsupported("split_group (use dist.new_group or dist.new_subgroups)")
 
-    def merge_remote_group(self, *args, **kwargs):
+    def merge_remote_group(self, *args: object, **kwargs: object) -> NoReturn:
         """Not supported: raises RuntimeError."""
         raise _unsupported("merge_remote_group")
 
-    def _start_coalescing(self, *args, **kwargs):
+    def _start_coalescing(self, *args: object, **kwargs: object) -> NoReturn:
         raise _unsupported("_start_coalescing (torch's NCCL-style coalescing manager)")
 
-    def _end_coalescing(self, *args, **kwargs):
+    def _end_coalescing(self, *args: object, **kwargs: object) -> NoReturn:
         raise _unsupported("_end_coalescing (torch's NCCL-style coalescing manager)")
 
 
-def free_compiled_cuda_graphs():
+def free_compiled_cuda_graphs() -> None:
     """Free the CUDA graphs torch.compile(mode="reduce-overhead") recorded in this process, if any."""
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if trees is not None:
@@ -362,11 +423,11 @@ def free_compiled_cuda_graphs():
 _generation: "collections.Counter[str]" = collections.Counter()
 
 
-def _unique_id():
+def _unique_id() -> bytes:
     return _C._nccl_unique_id()
 
 
-def exchange_unique_id(store, rank, size, group_name):
+def exchange_unique_id(store: Store, rank: int, size: int, group_name: str) -> tuple[bytes, str | None]:
     """The unique id of this creation of group `group_name`: made on rank 0, read from `store` elsewhere."""
     gen = _generation[group_name]
     _generation[group_name] += 1
@@ -380,7 +441,9 @@ def exchange_unique_id(store, rank, size, group_name):
     return bytes(store.get(key)), None
 
 
-def _new_communicator(size, uid, rank, timeout, device=None):
+def _new_communicator(
+    size: int, uid: bytes, rank: int, timeout: float | None, device: int | None = None
+) -> _C.Communicator:
     need_gpu("pyccl backend")  # pyccl.CudaError in pyccl's words, not torch's internals
     # device None: the current device, as the Communicator reads it.  Blocking, as torch's
     # "nccl" backend: the group's timeout watches the GPU work of every call (an event each),
@@ -389,7 +452,7 @@ def _new_communicator(size, uid, rank, timeout, device=None):
     return _C.Communicator(size, uid, rank, device, timeout, blocking=True if timeout else None)
 
 
-def _cuda_index(dev):
+def _cuda_index(dev: Any) -> int | None:  # Any: whatever device_id= was given
     """The CUDA device index `dev` (a torch.device or an index, as device_id= takes) names, else None."""
     if isinstance(dev, int) and not isinstance(dev, bool) and dev >= 0:
         return dev
@@ -403,11 +466,11 @@ def _cuda_index(dev):
 _INIT_CODE = getattr(inspect.unwrap(dist.distributed_c10d.init_process_group), "__code__", None)
 
 
-def _init_call_device():
+def _init_call_device() -> int | None:
     """device_id= of the torch.distributed.init_process_group call that is making this group,
     read from that call's frame: torch up to 2.13 does not hand it to the creator.  None where
     no such call is running (new_group, a creator called directly) or it gave none."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _INIT_CODE:
             return _cuda_index(frame.f_locals.get("device_id"))
@@ -415,7 +478,7 @@ def _init_call_device():
     return None
 
 
-def _bound_device(opts):
+def _bound_device(opts: _DistributedBackendOptions) -> int | None:
     """The CUDA device index of init_process_group(device_id=...): where torch tells the creator
     (the group it made, opts.process_group, holds it as bound_device_id), else from that call's
     arguments; a group made later (new_group, DeviceMesh) goes where the default group's went.
@@ -434,7 +497,7 @@ def _bound_device(opts):
     return _init_call_device()
 
 
-def _seconds(timeout):
+def _seconds(timeout: float | datetime.timedelta | None) -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, datetime.timedelta):
@@ -442,7 +505,7 @@ def _seconds(timeout):
     return float(timeout)
 
 
-def create_process_group(opts, pg_options=None):
+def create_process_group(opts: _DistributedBackendOptions, pg_options: object = None) -> ProcessGroupPyccl:
     """The creator torch calls (extended API): a ProcessGroupPyccl of this rank."""
     if pg_options is not None:
         raise _unsupported(f"init_process_group/new_group with pg_options={pg_options!r} "
@@ -472,7 +535,10 @@ _SHRINK_PARTS = ("_prepare_shrink_target_group", "_validate_and_process_excluded
                  "_register_process_group")
 
 
-def _register_in_world(c10d, pg, backend_name, store, group_name, backend_config, rank_mapping):
+def _register_in_world(
+    c10d: Any, pg: ProcessGroupPyccl, backend_name: str, store: Store, group_name: str,
+    backend_config: object, rank_mapping: dict[int, int],
+) -> None:
     """torch's _register_pg_in_world (torch >= 2.12), or the same steps where it is missing."""
     register = getattr(c10d, "_register_pg_in_world", None)
     if register is not None:
@@ -490,7 +556,9 @@ def _register_in_world(c10d, pg, backend_name, store, group_name, backend_config
     world.pg_to_tag[pg] = tag
 
 
-def shrink_group(ranks_to_exclude, group=None):
+def shrink_group(
+    ranks_to_exclude: Iterable[int], group: dist.ProcessGroup | None = None
+) -> ProcessGroupPyccl:
     """torch.distributed.shrink_group for "pyccl" groups: a new group of the ranks not in
     `ranks_to_exclude` (ranks of `group`, default: the default group), renumbered in their
     order, over ``Communicator.shrink``.  Every remaining rank calls it, an excluded one does
@@ -529,7 +597,7 @@ def shrink_group(ranks_to_exclude, group=None):
     return new_pg
 
 
-def _register():
+def _register() -> None:
     if BACKEND_NAME in dist.Backend.backend_list:
         return
     # extended_api=True: the creator gets the group's name (group_id) with the store, rank, size

@@ -11,22 +11,28 @@
   than ranks); PYCCL_SHARE_GPUS=1 does it for init_from_env/init_from_mpi and,
   at import, for processes whose launcher names their local rank.
 """
+from __future__ import annotations
+
 import datetime
 import errno
 import itertools
 import os
 import socket
 import warnings
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import _C
 from ._gpu import need_gpu
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
 _generation = itertools.count()
 
 
-def _env_int(name, default=None):
+def _env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
     if value is None:
         if default is None:
@@ -48,11 +54,11 @@ _LOCAL_VARS = (("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
                ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"))
 
 
-def _sharing_asked():
+def _sharing_asked() -> bool:
     return os.environ.get("PYCCL_SHARE_GPUS", "") not in ("", "0")
 
 
-def _share_identity(local_rank, gpus):
+def _share_identity(local_rank: int, gpus: int) -> None:
     """Give this process the NCCL host identity of its 'layer' of ranks: ranks local_rank //
     gpus.  Ranks of one layer sit on distinct GPUs and keep NCCL's fast paths between them;
     ranks of different layers, which may share a GPU, look to NCCL like separate hosts (it
@@ -65,7 +71,7 @@ def _share_identity(local_rank, gpus):
     os.environ.setdefault("PYCCL_AR_SHARED_GPU", "1")
 
 
-def place_rank(local_rank, local_world):
+def place_rank(local_rank: int, local_world: int) -> int:
     """This process's GPU as rank `local_rank` of `local_world` ranks on this host: GPU
     local_rank % (GPUs), made the current device.  Returns its index.
 
@@ -90,7 +96,7 @@ def place_rank(local_rank, local_world):
     return local_rank % n
 
 
-def _launcher_local_rank():
+def _launcher_local_rank() -> tuple[int, int] | None:
     """(local rank, local rank count) as the launcher set them, or None."""
     for rank_var, size_var in _LOCAL_VARS:
         r, s = os.environ.get(rank_var), os.environ.get(size_var)
@@ -102,7 +108,7 @@ def _launcher_local_rank():
     return None
 
 
-def _share_at_import():
+def _share_at_import() -> None:
     """PYCCL_SHARE_GPUS=1, at `import pyccl`: where the launcher named this process's local
     rank and there are more local ranks than GPUs, its NCCL identity now, before any
     communicator (torch's "nccl" backend included) is made.  The device is left to the
@@ -117,23 +123,23 @@ def _share_at_import():
         _share_identity(local[0], n)
 
 
-def _pick_device(op, local_rank, local_world, device):
+def _pick_device(op: str, local_rank: int, local_world: int, device: int | str | torch.device | None) -> int:
     n = need_gpu(op)
-    device = _C._read_device(op, "device", device)  # the Communicator's reading; None: pick
-    if device is None:
+    index = _C._read_device(op, "device", device)  # the Communicator's reading; None: pick
+    if index is None:
         if _sharing_asked() and local_world > n:
             return place_rank(local_rank, local_world)
-        device = local_rank % n
-    torch.cuda.set_device(device)
-    return device
+        index = local_rank % n
+    torch.cuda.set_device(index)
+    return index
 
 
-def _listen_fd(addr, port):
+def _listen_fd(addr: str, port: int) -> int | None:
     """A socket listening on MASTER_ADDR:MASTER_PORT only, as a file descriptor
     for TCPStore's master_listen_fd (the store then owns it).  torch's own
     store listens on every interface; None (with a warning) when this host
     cannot bind MASTER_ADDR, e.g. an address behind NAT: then it does that."""
-    last = None
+    last: OSError | None = None
     for family, kind, proto, _, sockaddr in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM):
         s = socket.socket(family, kind, proto)
         try:
@@ -151,18 +157,22 @@ def _listen_fd(addr, port):
     return None
 
 
-def init_from_env(timeout=300.0, device=None):
+def init_from_env(
+    timeout: float | datetime.timedelta | None = 300.0,
+    device: int | str | torch.device | None = None,
+) -> _C.Communicator:
     """This process's Communicator of a torchrun-style job.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK (default: RANK), LOCAL_WORLD_SIZE (default:
     WORLD_SIZE), MASTER_ADDR and MASTER_PORT.  The device is LOCAL_RANK modulo the GPU
-    count; with PYCCL_SHARE_GPUS=1, ranks outnumbering GPUs share them (see place_rank).  `timeout` (seconds) bounds the wait for the unique id in the
+    count; with PYCCL_SHARE_GPUS=1, ranks outnumbering GPUs share them (see place_rank).
+    `timeout` (seconds, or a datetime.timedelta) bounds the wait for the unique id in the
     store and is the communicator's timeout (see Communicator): its init and
     every collective must finish within it, else pyccl.NcclTimeoutError.
     timeout=None: NCCL's blocking mode, unwatched (the store waits 300 s).
     `device`: an int, "cuda:N" or a torch.device (default: LOCAL_RANK modulo the GPU count).
     """
-    timeout = _C._read_timeout("init_from_env", timeout)
+    seconds = _C._read_timeout("init_from_env", timeout)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(f"init_from_env: environment variables {', '.join(missing)} are not set "
@@ -175,7 +185,7 @@ def init_from_env(timeout=300.0, device=None):
     port = _env_int("MASTER_PORT")
     if not 0 <= rank < world:
         raise ValueError(f"init_from_env: RANK={rank} is out of range for WORLD_SIZE={world}")
-    device = _pick_device("init_from_env", local_rank, local_world, device)
+    index = _pick_device("init_from_env", local_rank, local_world, device)
     from torch.distributed import TCPStore
 
     # Under torchrun the agent already serves a store on MASTER_PORT.
@@ -185,7 +195,7 @@ def init_from_env(timeout=300.0, device=None):
     fd = _listen_fd(addr, port) if is_master else None
     try:
         store = TCPStore(addr, port, world, is_master=is_master,
-                         timeout=datetime.timedelta(seconds=timeout or 300.0), wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=seconds or 300.0), wait_for_workers=False,
                          **({} if fd is None else {"master_listen_fd": fd}))
     except BaseException:
         if fd is not None:
@@ -202,16 +212,20 @@ def init_from_env(timeout=300.0, device=None):
         uid = store.get(key)
     # Every rank has read the id once NCCL's init returns (it needs all of
     # them), so the store can go with this frame.
-    return _C.Communicator(world, uid, rank, device, timeout)
+    return _C.Communicator(world, uid, rank, index, seconds)
 
 
-def init_from_mpi(comm=None, device=None, timeout=None):
+def init_from_mpi(
+    comm: Any = None,
+    device: int | str | torch.device | None = None,
+    timeout: float | datetime.timedelta | None = None,
+) -> _C.Communicator:
     """This process's Communicator, bootstrapped through mpi4py (MPI.COMM_WORLD by default).
 
     `timeout`: the communicator's (see Communicator); None: NCCL's blocking mode.
     `device`: an int, "cuda:N" or a torch.device (default: the node-local rank modulo the GPU count).
     """
-    timeout = _C._read_timeout("init_from_mpi", timeout)
+    seconds = _C._read_timeout("init_from_mpi", timeout)
     try:
         from mpi4py import MPI  # type: ignore[import-not-found,unused-ignore]
     except ImportError as e:
@@ -220,13 +234,18 @@ def init_from_mpi(comm=None, device=None, timeout=None):
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_world = local.Get_rank(), local.Get_size()
     local.Free()
-    device = _pick_device("init_from_mpi", local_rank, local_world, device)
+    index = _pick_device("init_from_mpi", local_rank, local_world, device)
     uid = _C._nccl_unique_id() if comm.Get_rank() == 0 else None
     uid = comm.bcast(uid, root=0)
-    return _C.Communicator(comm.Get_size(), uid, comm.Get_rank(), device, timeout)
+    return _C.Communicator(comm.Get_size(), uid, comm.Get_rank(), index, seconds)
 
 
-def init_ranks(world_size, unique_id, ranks, devices):
+def init_ranks(
+    world_size: int,
+    unique_id: bytes,
+    ranks: Iterable[int],
+    devices: Iterable[int | str | torch.device],
+) -> list[_C.Communicator]:
     """Several ranks in this process (one per device in `devices`), created together.
 
     Drive them together inside `with pyccl.group():`.

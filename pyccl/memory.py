@@ -3,16 +3,23 @@
 Both take their memory from ncclMemAlloc (cuMem-backed, NCCL >= 2.19), which
 Communicator.register_window needs; torch's default caching allocator uses cudaMalloc.
 """
+from __future__ import annotations
+
 import operator
 import threading
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from typing import Any, SupportsIndex
 
 from . import _C
 from ._gpu import need_gpu
 
 
-def _shape(shape):
+def _shape(shape: Any) -> tuple[int, ...]:  # Any: any object a user passed, checked here
     if isinstance(shape, bool):
         raise TypeError(f"empty: shape must be an int or a sequence of ints, got {shape!r}")
     try:
@@ -21,7 +28,7 @@ def _shape(shape):
         pass
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
         raise TypeError(f"empty: shape must be an int or a sequence of ints, got {type(shape).__name__}")
-    dims = []
+    dims: list[int] = []
     for d in shape:
         if isinstance(d, bool):
             raise TypeError(f"empty: shape must hold ints, got {d!r} in {tuple(shape)!r}")
@@ -32,7 +39,7 @@ def _shape(shape):
     return tuple(dims)
 
 
-def _need_numpy():
+def _need_numpy() -> None:
     # torch reads __cuda_array_interface__'s typestr through NumPy; checked before allocating,
     # as torch keeps a reference to the buffer when it fails later (the memory would leak)
     try:
@@ -42,7 +49,11 @@ def _need_numpy():
                            "(__cuda_array_interface__); pip install numpy") from None
 
 
-def empty(shape, dtype=torch.float32, device=None) -> torch.Tensor:
+def empty(
+    shape: SupportsIndex | Iterable[SupportsIndex],
+    dtype: torch.dtype = torch.float32,
+    device: int | str | torch.device | None = None,
+) -> torch.Tensor:
     """An uninitialised tensor whose memory comes from ncclMemAlloc.
 
     `shape`: an int or a sequence of ints (no element may be 0: NCCL allocates no empty
@@ -74,11 +85,11 @@ def empty(shape, dtype=torch.float32, device=None) -> torch.Tensor:
     return t.view(dtype).view(dims)
 
 
-_pool = None
+_pool: torch.cuda.MemPool | None = None
 _pool_lock = threading.Lock()
 
 
-def mem_pool():
+def mem_pool() -> torch.cuda.MemPool:
     """The process's torch.cuda.MemPool over ncclMemAlloc/ncclMemFree (made on first call).
 
         with torch.cuda.use_mem_pool(pyccl.mem_pool()):

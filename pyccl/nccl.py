@@ -9,12 +9,18 @@ bool is never reduced as bytes, communicators can be destroyed, NCCL errors
 raise pyccl.NcclError instead of aborting, and in the one-tensor-per-process
 form all_gather/reduce_scatter sizes use the communicator's rank count.
 """
+from __future__ import annotations
+
 import collections.abc
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import _C
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
 
 __all__ = ["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter"]
 
@@ -25,9 +31,9 @@ MIN = _C.MIN
 AVG = _C.AVG
 
 
-def is_available(tensors):
+def is_available(tensors: Iterable[torch.Tensor]) -> bool:
     """True when `tensors` can go to one call: dense, contiguous, CUDA, one per device."""
-    seen = set()
+    seen: set[int] = set()
     for t in tensors:
         if t.is_sparse or not t.is_contiguous() or not t.is_cuda:
             return False
@@ -38,7 +44,7 @@ def is_available(tensors):
     return True
 
 
-def version():
+def version() -> tuple[int, int, int] | tuple[int, int, int, str]:
     """(major, minor, patch) of the NCCL in this process, plus the suffix if it has one."""
     code = _C._nccl_version()
     if code >= 10000:  # NCCL >= 2.9 encodes X*10000 + Y*100 + Z
@@ -49,12 +55,12 @@ def version():
     return ver + (suffix,) if suffix else ver
 
 
-def unique_id():
+def unique_id() -> bytes:
     """A fresh ncclUniqueId as bytes (NCCL_UNIQUE_ID_BYTES long)."""
     return _C._nccl_unique_id()
 
 
-def init_rank(num_ranks, uid, rank):
+def init_rank(num_ranks: int, uid: bytes, rank: int) -> _C.Communicator:
     """This process's communicator of a `num_ranks` job, on the current device."""
     return _C._nccl_init_rank(num_ranks, uid, rank)
 
@@ -62,7 +68,13 @@ def init_rank(num_ranks, uid, rank):
 # The C bindings check `inputs` ("Inputs should be a collection of tensors"
 # and the rest of torch's texts), so these wrappers stay one call deep.
 
-def all_reduce(inputs, outputs=None, op=SUM, streams=None, comms=None):
+def all_reduce(
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor] | None = None,
+    op: int = SUM,
+    streams: Sequence[torch.cuda.Stream | None] | None = None,
+    comms: Sequence[_C.Communicator] | None = None,
+) -> None:
     """Reduce `inputs` (one tensor per device, or this rank's one tensor) into `outputs`.
 
     `outputs` defaults to `inputs` (in place); `op` is SUM, PROD, MAX, MIN or AVG.
@@ -72,7 +84,9 @@ def all_reduce(inputs, outputs=None, op=SUM, streams=None, comms=None):
     _C._nccl_all_reduce(inputs, inputs if outputs is None else outputs, op, streams, comms)
 
 
-def _root_output(outputs, root, comms):
+def _root_output(
+    outputs: Sequence[torch.Tensor], root: int, comms: Sequence[_C.Communicator] | None
+) -> torch.Tensor | None:
     """The entry of an output list that belongs to the root rank."""
     if comms is None:
         return outputs[root]
@@ -82,7 +96,16 @@ def _root_output(outputs, root, comms):
     return None
 
 
-def reduce(inputs, output=None, root=0, op=SUM, streams=None, comms=None, *, outputs=None):
+def reduce(
+    inputs: Sequence[torch.Tensor],
+    output: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    root: int = 0,
+    op: int = SUM,
+    streams: Sequence[torch.cuda.Stream | None] | None = None,
+    comms: Sequence[_C.Communicator] | None = None,
+    *,
+    outputs: Sequence[torch.Tensor] | None = None,
+) -> None:
     """Reduce `inputs` over the ranks into the root's `output` (default: the root's input).
 
     `outputs` (a list) is torch.cuda.nccl's deprecated form and warns.  Other arguments as
@@ -107,16 +130,32 @@ def reduce(inputs, output=None, root=0, op=SUM, streams=None, comms=None, *, out
     _C._nccl_reduce(inputs, output, root, op, streams, comms)
 
 
-def broadcast(inputs, root=0, streams=None, comms=None):
+def broadcast(
+    inputs: Sequence[torch.Tensor],
+    root: int = 0,
+    streams: Sequence[torch.cuda.Stream | None] | None = None,
+    comms: Sequence[_C.Communicator] | None = None,
+) -> None:
     """Copy rank `root`'s tensor into every other tensor of `inputs`, in place."""
     _C._nccl_broadcast(inputs, root, streams, comms)
 
 
-def all_gather(inputs, outputs, streams=None, comms=None):
+def all_gather(
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    streams: Sequence[torch.cuda.Stream | None] | None = None,
+    comms: Sequence[_C.Communicator] | None = None,
+) -> None:
     """Every rank's input, in rank order, into each of `outputs` (rank count x input elements)."""
     _C._nccl_all_gather(inputs, outputs, streams, comms)
 
 
-def reduce_scatter(inputs, outputs, op=SUM, streams=None, comms=None):
+def reduce_scatter(
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    op: int = SUM,
+    streams: Sequence[torch.cuda.Stream | None] | None = None,
+    comms: Sequence[_C.Communicator] | None = None,
+) -> None:
     """Reduce `inputs` (rank count x output elements) and give rank r part r in `outputs`."""
     _C._nccl_reduce_scatter(inputs, outputs, op, streams, comms)

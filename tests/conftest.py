@@ -9,6 +9,7 @@ for _k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISA
     os.environ.setdefault(_k, "0" if _k == "NCCL_NVLS_ENABLE" else "1")
 
 # gpu_count/needs_gpus: tests import them from here; the hooks take effect by being named here
-from _gpu_tier import (bounded_in_process, gpu_count, needs_gpus, needs_ranks,  # noqa: F401
+# (after the loop above, which the helpers' imports must see: E402)
+from _gpu_tier import (bounded_in_process, gpu_count, needs_gpus, needs_ranks,  # noqa: F401,E402
                        pytest_collection_modifyitems, ranks_share_gpus,
                        pytest_runtest_makereport, pytest_sessionstart, pytest_terminal_summary)

@@ -15,7 +15,7 @@ import torch
 import _ar as fa
 import _scenarios as sc
 from _ranks import _kill_group, run_ranks
-from conftest import gpu_count, needs_gpus, needs_ranks
+from conftest import gpu_count, needs_ranks
 
 W = max(2, min(gpu_count(), 8))
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -142,7 +142,7 @@ def test_init_from_mpi():
            sys.executable, os.path.join(ROOT, "tests", "child_mpi.py")]
     out = run_bounded(cmd, 180, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert sorted(l for l in out.stdout.splitlines() if l.startswith("mpi rank")) == \
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("mpi rank")) == \
         [f"mpi rank {r} ok" for r in range(W)]
 
 

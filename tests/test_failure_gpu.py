@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import gpu_count, needs_gpus, needs_ranks
+from conftest import gpu_count, needs_ranks
 from _ranks import run_ranks
 import _scenarios as sc
 

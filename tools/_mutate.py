@@ -263,8 +263,8 @@ def main():
         rc, out = run_tests(work, f["tests"], env, args.timeout)
         v = verdict(rc, out)
         last = out.strip().splitlines()[-1] if out.strip() else ""
-        failed = [l.split(" - ")[0].split("::", 1)[-1] for l in out.splitlines()
-                  if l.startswith(("FAILED ", "ERROR "))]
+        failed = [line.split(" - ")[0].split("::", 1)[-1] for line in out.splitlines()
+                  if line.startswith(("FAILED ", "ERROR "))]
         if failed:
             last = f"{last}; first failure {failed[0]}"
         rows.append((f, v, f"{last} ({time.monotonic() - t0:.0f} s)"))

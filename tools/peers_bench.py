@@ -110,8 +110,9 @@ def _symm_worker(rank, world, port, args, queue):
             ref = torch.stack([e.double() for e in every]).sum(0)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             kernels = {
-                "one_shot": lambda: torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", group, out),
-                "two_shot": lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group),
+                # (F821: pyflakes reads the `del buf, out` after the loop as coming first)
+                "one_shot": lambda: torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", group, out),  # noqa: F821
+                "two_shot": lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group),  # noqa: F821
             }
             for name, fn in kernels.items():
                 row = {"kernel": name, "dtype": dname, "bytes": n * esize}
