@@ -195,6 +195,32 @@ class BuildExt(build_ext):
         return out
 
 
+# Where docs/ can be read on the web, for the index page's links; empty while
+# pyccl has no public address.  README.md's relative links (docs/*.md) would not
+# resolve on the package index: the long description gets them absolute under
+# this address, or, while it is empty, as their text followed by the file's path
+# in the source distribution (which carries docs/).
+DOCS_URL = ""
+
+
+def _long_description():
+    import re
+
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+
+    def fix(m):
+        label, target = m.group(1), m.group(2)
+        if re.match(r"[a-z][a-z0-9+.-]*:|#", target):  # absolute, or an anchor of this page
+            return m.group(0)
+        if DOCS_URL:
+            return f"[{label}]({DOCS_URL.rstrip('/')}/{target})"
+        path = target.split("#")[0]
+        return label if label.strip("`") == path else f"{label} (`{path}`)"
+
+    return re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", fix, text)
+
+
 ext = Extension(
     "pyccl._C",
     sources=sorted(glob.glob("csrc/*.c")),
@@ -206,4 +232,5 @@ ext = Extension(
     libraries=["dl"],
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt},
+      long_description=_long_description(), long_description_content_type="text/markdown")
