@@ -3,8 +3,11 @@
 Nothing is linked but libdl: pyccl finds NCCL and the CUDA runtime at run time
 (the copies torch loaded), so one build works with every supported torch.
 Headers come from NCCL_HOME / CUDA_HOME, or from the nvidia-nccl-cu13 /
-nvidia-cuda-runtime / nvidia-cuda-crt wheels' include folders (an isolated
-build gets those from pyproject.toml's build-system.requires).
+nvidia-cuda-runtime / nvidia-cuda-crt / nvidia-cuda-cccl wheels' include
+folders (an isolated build gets those from pyproject.toml's
+build-system.requires).  nvcc, for pyccl's own kernels, comes from CUDA_HOME,
+/usr/local/cuda or PATH, else from the nvidia-cuda-nvcc and nvidia-nvvm wheels
+(build requirements too), so an isolated build needs no CUDA toolkit.
 
 Release builds carry no debug information and no run path: -g0 and the
 linker's -s, and the interpreter's own -rpath (from its LDSHARED) dropped.
@@ -68,6 +71,14 @@ def _include_dirs():
         wheels_first=False,
     )
     missing = []
+    # cuda_fp16.h (which nccl.h includes) includes <nv/target>: in a toolkit it sits in include/,
+    # in pip's CUDA 13 wheels in include/cccl/ (nvidia-cuda-cccl).
+    cccl_inc = None
+    if cuda_inc is not None and not _has(cuda_inc, ["nv/target"]):
+        cccl_inc = _find_include(["nv/target"], [], ["cu13/include/cccl"], [os.path.join(cuda_inc, "cccl")],
+                                 wheels_first=False)
+        if cccl_inc is None:
+            missing.append(f"nv/target (included by {cuda_inc}/cuda_fp16.h): pip install nvidia-cuda-cccl")
     if nccl_inc is None:
         missing.append("nccl.h: pip install nvidia-nccl-cu13 (or set NCCL_HOME to an NCCL install)")
     if cuda_inc is None:
@@ -77,7 +88,7 @@ def _include_dirs():
         sys.exit("pyccl build: headers not found.\n  " + "\n  ".join(missing) + "\n"
                  "pip's isolated builds (pip install ., python -m build) install these wheels "
                  "themselves; with --no-build-isolation they must be in the building Python.")
-    return [nccl_inc, cuda_inc]
+    return [nccl_inc, cuda_inc] + ([cccl_inc] if cccl_inc else [])
 
 
 def _debug_build():
@@ -104,10 +115,20 @@ KERNEL_DEPS = [KERNEL_SRC, "csrc/kernels/ar_abi.h"]
 
 
 def _nvcc():
+    """A toolkit's nvcc (CUDA_HOME, CUDA_PATH, /usr/local/cuda, PATH), else the
+    nvidia-cuda-nvcc wheel's, whose nvcc.profile finds cicc (nvidia-nvvm) and the
+    headers (nvidia-cuda-runtime, -crt, -cccl) in the same nvidia/cu13 folder."""
     for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if root and os.path.isfile(os.path.join(root, "bin", "nvcc")):
             return os.path.join(root, "bin", "nvcc")
-    return shutil.which("nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for base in _nvidia_dirs():
+        nvcc = os.path.join(base, "cu13", "bin", "nvcc")
+        if os.access(nvcc, os.X_OK) and os.path.isfile(os.path.join(base, "cu13", "nvvm", "bin", "cicc")):
+            return nvcc
+    return None
 
 
 class BuildExt(build_ext):
@@ -140,7 +161,8 @@ class BuildExt(build_ext):
         nvcc = _nvcc()
         required = os.environ.get("PYCCL_REQUIRE_KERNELS", "") not in ("", "0")
         if nvcc is None:
-            msg = "pyccl build: nvcc not found (CUDA_HOME, /usr/local/cuda, PATH): no own kernels"
+            msg = ("pyccl build: nvcc not found (CUDA_HOME, /usr/local/cuda, PATH, the nvidia-cuda-nvcc "
+                   "and nvidia-nvvm wheels): no own kernels")
             if required:
                 sys.exit(msg)
             print(msg, file=sys.stderr)
@@ -153,6 +175,7 @@ class BuildExt(build_ext):
         out = os.path.join(HERE, "build", "kernels", f"pyccl_allreduce-sm_{'_'.join(archs)}.fatbin")
         os.makedirs(os.path.dirname(out), exist_ok=True)
         if os.path.exists(out) and all(os.path.getmtime(out) > os.path.getmtime(d) for d in KERNEL_DEPS):
+            print(f"pyccl build: kernels for sm_{', sm_'.join(archs)} from an earlier build ({out})")
             return out
         cmd = [nvcc, "-O3", "-std=c++17", "-fatbin", "--threads", "0", "-Icsrc/kernels", "-o", out]
         for a in archs:
@@ -168,8 +191,34 @@ class BuildExt(build_ext):
                 sys.exit(msg)
             print(msg, file=sys.stderr)
             return None
-        print(f"pyccl build: kernels for sm_{', sm_'.join(archs)} in {time.time() - t0:.1f} s")
+        print(f"pyccl build: kernels for sm_{', sm_'.join(archs)} in {time.time() - t0:.1f} s ({nvcc})")
         return out
+
+
+# Where docs/ can be read on the web, for the index page's links; empty while
+# pyccl has no public address.  README.md's relative links (docs/*.md) would not
+# resolve on the package index: the long description gets them absolute under
+# this address, or, while it is empty, as their text followed by the file's path
+# in the source distribution (which carries docs/).
+DOCS_URL = ""
+
+
+def _long_description():
+    import re
+
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+
+    def fix(m):
+        label, target = m.group(1), m.group(2)
+        if re.match(r"[a-z][a-z0-9+.-]*:|#", target):  # absolute, or an anchor of this page
+            return m.group(0)
+        if DOCS_URL:
+            return f"[{label}]({DOCS_URL.rstrip('/')}/{target})"
+        path = target.split("#")[0]
+        return label if label.strip("`") == path else f"{label} (`{path}`)"
+
+    return re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", fix, text)
 
 
 ext = Extension(
@@ -183,4 +232,5 @@ ext = Extension(
     libraries=["dl"],
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt},
+      long_description=_long_description(), long_description_content_type="text/markdown")

@@ -604,6 +604,13 @@ def _register() -> None:
     # and timeout, so the group has its name from the start and the store key is per group.
     # devices as a list: a string would be iterated character by character (torch <= 2.13).
     dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True, devices=["cuda"])
+    # torch 2.15's init_process_group attaches its flight recorder to a group unless its backend
+    # records itself or the group has no device types.  Ours is a Python ProcessGroup with device
+    # types (_device_types) but no C++ backend, where the recorder reads the group's name, so
+    # init_process_group would raise "ProcessGroup name not set": the recorder leaves it alone.
+    self_recording = getattr(dist.distributed_c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    if isinstance(self_recording, set):
+        self_recording.add(BACKEND_NAME)
 
 
 if dist.is_available():

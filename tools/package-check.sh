@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The packaging check (no GPU needed): what a user of the published package gets.
-#   1. python -m build on a copy of the files git knows: the sdist, then a wheel
-#      built from that sdist, both in pip's isolated build environments (the
-#      headers come from build-system.requires, not from this Python).
+#   1. tools/build-wheels.sh on a copy of the files git knows, for this Python
+#      only: the sdist, then a wheel built from that sdist in pip's isolated
+#      build environment (headers and nvcc come from build-system.requires, not
+#      from this Python), compiled for glibc 2.28 and given its
+#      manylinux_2_28_x86_64 tag by auditwheel repair, which fails if the
+#      extension needs anything outside that policy; auditwheel show is printed.
 #   2. The sdist holds every tracked file of csrc/; the wheel's extension has no
-#      RPATH/RUNPATH and no debug information.
+#      RPATH/RUNPATH and no debug information, and embeds the own kernels.
 #   3. The wheel installed in a fresh venv with torch; pyccl imported from a
 #      folder outside the checkout: its version, then, with NCCL's wheel added,
 #      pyccl.nccl.version() and a unique id.
@@ -40,11 +43,11 @@ mkdir "$work/src"
 (cd "$repo" && git ls-files -z --cached --others --exclude-standard) |
   (cd "$repo" && xargs -0 cp --parents -t "$work/src" 2>/dev/null || true)  # a deleted file: skipped
 
-step "a venv with build" bash -c "'$py' -m venv '$work/tools' && '$work/tools/bin/pip' install build"
-step "python -m build (sdist, then a wheel from the sdist)" \
-  "$work/tools/bin/python" -m build --outdir "$work/dist" "$work/src"
+PYTHON="$py" PYCCL_WHEEL_PYTHONS="$py" TMPDIR="$work" bash "$repo/tools/build-wheels.sh" "$work/dist" \
+  >"$log" 2>&1 || { tail -60 "$log"; echo "package-check: tools/build-wheels.sh failed"; exit 1; }
+sed 's/^build-wheels: /package-check: /' "$log"
 sdist=$(ls "$work"/dist/*.tar.gz)
-wheel=$(ls "$work"/dist/*.whl)
+wheel=$(ls "$work"/dist/*manylinux_2_28_x86_64.whl)
 echo "package-check: $(basename "$sdist") $(stat -c %s "$sdist") B, $(basename "$wheel") $(stat -c %s "$wheel") B"
 
 # Every file of csrc/ that git knows is in the sdist (under its top folder).
@@ -54,6 +57,18 @@ missing=$(comm -23 <(cd "$repo" && git ls-files csrc | sort) \
 
 mkdir "$work/whl"
 "$py" -m zipfile -e "$wheel" "$work/whl"
+# The description the index page shows (README.md, through setup.py): no link relative to the
+# repository, which would not resolve there.
+"$py" - "$(ls "$work"/whl/*.dist-info/METADATA)" <<'EOF'
+import re
+import sys
+
+body = open(sys.argv[1], encoding="utf-8").read().split("\n\n", 1)[1]
+links = re.findall(r"\]\(([^)\s]+)\)", body)
+relative = [t for t in links if not re.match(r"[a-z][a-z0-9+.-]*:|#", t)]
+assert len(body) > 1000 and not relative, f"the wheel's description has relative links: {relative}"
+print(f"package-check: the description ({len(body)} characters, {len(links)} links) has no relative link")
+EOF
 so=$(ls "$work"/whl/pyccl/_C*.so)
 dyn=$(readelf -d "$so")
 if grep -E "RPATH|RUNPATH" <<<"$dyn"; then echo "package-check: the wheel's $(basename "$so") has a run path"; exit 1; fi
@@ -78,7 +93,8 @@ venv = os.path.realpath(sys.argv[1])
 where = os.path.realpath(pyccl.__file__)
 assert where.startswith(venv + os.sep), f"pyccl imported from {where}, not from the venv"
 assert pyccl.__version__ == md.version("pyccl-nccl"), (pyccl.__version__, md.version("pyccl-nccl"))
-print(f"package-check: import pyccl from {os.getcwd()}: {pyccl.__version__}, {where}")
+assert pyccl._C._ar_built(), "the wheel's extension was built without the own kernels"
+print(f"package-check: import pyccl from {os.getcwd()}: {pyccl.__version__}, {where}, own kernels compiled in")
 EOF
 step "$nccl_spec in the venv" "$work/venv/bin/pip" install "$nccl_spec"
 "$work/venv/bin/python" - "$nccl_spec" <<'EOF'
