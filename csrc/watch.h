@@ -55,6 +55,7 @@ struct pyccl_watch {
      * (monotonic ns); 0: none; -1: the watchdog gave up on that call and
      * aborted the handle (see force_abort). */
     int64_t call_since;
+    int claimable;            /* the call of call_since may be claimed (call_begin) */
     pending_event *q;         /* unfinished events, oldest first */
     int nq, capq;
     cudaEvent_t *pool;        /* finished events, for reuse */
@@ -86,7 +87,13 @@ typedef struct {
     int interruptible;
 } waiter;
 
-void call_begin(struct pyccl_watch *w);
+/* Around an NCCL/CUDA call that may block, under w->mu.  `claimable`: the
+ * call is one NCCL or CUDA call outside any NCCL group, which abort() or the
+ * watchdog may end by aborting the handle under it.  A call made of several
+ * (an NCCL group, a premul_sum op made and destroyed around it, a call
+ * joining a pyccl.group()) is never claimed: the handle would be gone
+ * between its calls, or be left in this thread's NCCL group. */
+void call_begin(struct pyccl_watch *w, int claimable);
 /* abort(), finding w's lock held: when the holder is inside an NCCL/CUDA
  * call (call_begin), claim that call and abort the handle without the lock,
  * so the call returns (its call_end finds the communicator aborted).  1 when

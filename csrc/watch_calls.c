@@ -235,7 +235,7 @@ hold(pyccl_comm *c, ncclComm_t *comm)
     *comm = w->comm;
     /* one call in NCCL, as an enqueue is: the watchdog claims it and aborts
      * the handle when it is stuck past the timeout and the grace */
-    call_begin(w);
+    call_begin(w, 1);
     return &w->mu;
 }
 

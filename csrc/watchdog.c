@@ -262,8 +262,9 @@ watch_fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...)
  * under w->mu.  call_end: 0, or 1 when the watchdog gave up on the call
  * meanwhile and aborted the handle (then w is failed, its handle gone). */
 void
-call_begin(struct pyccl_watch *w)
+call_begin(struct pyccl_watch *w, int claimable)
 {
+    __atomic_store_n(&w->claimable, claimable, __ATOMIC_RELAXED);
     __atomic_store_n(&w->call_since, now_ns(), __ATOMIC_RELEASE);
 }
 
@@ -298,8 +299,8 @@ watch_claim_call(struct pyccl_watch *w)
 {
     int64_t since = __atomic_load_n(&w->call_since, __ATOMIC_ACQUIRE);
     ncclComm_t comm = __atomic_load_n(&w->comm, __ATOMIC_ACQUIRE);
-    if (w->blocking) {
-        return 0; /* see struct pyccl_watch: the caller waits for the lock */
+    if (w->blocking || !__atomic_load_n(&w->claimable, __ATOMIC_RELAXED)) {
+        return 0; /* see struct pyccl_watch and call_begin: the caller waits for the lock */
     }
     if (since > 0 && comm != NULL &&
         __atomic_compare_exchange_n(&w->call_since, &since, -2, 0, __ATOMIC_ACQ_REL,
@@ -324,8 +325,8 @@ force_abort(struct pyccl_watch *w, int64_t now)
         return;
     }
     ncclComm_t comm = __atomic_load_n(&w->comm, __ATOMIC_ACQUIRE);
-    if (w->blocking) {
-        return; /* see struct pyccl_watch */
+    if (w->blocking || !__atomic_load_n(&w->claimable, __ATOMIC_RELAXED)) {
+        return; /* see struct pyccl_watch and call_begin */
     }
     if (__atomic_compare_exchange_n(&w->call_since, &since, -1, 0,
                                     __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE) &&
@@ -1071,7 +1072,7 @@ settle_watches(const pyccl_api *a, const char *op, const watch_set *g, ncclResul
                     dup |= g->rows[k].j == j && g->rows[k].stream == g->rows[i].stream;
                 }
                 if (!dup) {
-                    call_begin(w);
+                    call_begin(w, 1);
                     rec_err = watch_record(w, g->rows[i].stream, op);
                     if (call_end(w, op)) {
                         rec_err = cudaSuccess;
@@ -1294,8 +1295,10 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
         waiter_start(&wt, 1);
         o.got = acquire_all(&wt, ws, g.n, !in_group, &o.which);
         if (o.got == 0) {
+            /* one NCCL call, outside any group, is all a claim may end */
+            const int claimable = n == 1 && premul == NULL && !in_group;
             for (int j = 0; j < g.n; j++) {
-                call_begin(ws[j]);
+                call_begin(ws[j], claimable);
             }
             /* communicators without a watch in the same call are locked too
              * (NCCL refuses the group, but only at its end) */
@@ -1382,7 +1385,7 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
         for (int k = i; k < n && rec_err == cudaSuccess; k++) {
             if (g[k].w == w && w->comm != NULL &&
                 (r == ncclSuccess || r == ncclInProgress)) {
-                call_begin(w);
+                call_begin(w, 1);
                 rec_err = watch_record(w, g[k].stream, g[k].op);
                 if (call_end(w, g[k].op)) {
                     rec_err = cudaSuccess;

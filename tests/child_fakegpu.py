@@ -1636,6 +1636,76 @@ def _destroy_refusals(c):
             "or by another thread; destroy it afterwards"}
 
 
+def abort_beside():
+    """Thread A repeats a call made of several NCCL calls (op: all_gather into a list, a group
+    of broadcasts; premul, ncclRedOpCreatePreMulSum, the all_reduce, ncclRedOpDestroy; group,
+    two all_reduces in a pyccl.group()) on a communicator with a timeout (blocking as given)
+    while thread B aborts it: abort() never ends the handle between A's NCCL calls (the
+    stand-in counts any call on an aborted handle as misuse); A's errors only "has been
+    aborted", B's abort() returns."""
+    import random
+    p = _params()
+    rng = random.Random(p.get("seed", 2))
+    seen = {}
+    for k in range(p["tries"]):
+        c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=5.0, blocking=p["blocking"])
+        a, outs = Array([1.0, 2.0]), [Array([0.0, 0.0]), Array([0.0, 0.0])]
+        name = {"all_gather": "all_gather", "premul": "all_reduce", "group": "all_reduce"}[p["op"]]
+        allowed = {f"{name}: {_who(c)} has been aborted",
+                   # the group's end, once the abort came between its calls
+                   f"pyccl.group: {_who(c)} has been aborted"}
+
+        def group():
+            with pyccl.group():
+                c.all_reduce(a)
+                c.all_reduce(outs[0])
+
+        call = {"all_gather": lambda: c.all_gather(a, outs),
+                "premul": lambda: c.all_reduce(a, op=pyccl.premul_sum(0.5)),
+                "group": group}[p["op"]]
+        bad, done = [], threading.Event()
+
+        def thread_a():
+            while not done.is_set():
+                try:
+                    call()
+                except BaseException as e:  # noqa: BLE001 - checked
+                    key = f"{type(e).__name__}: {e}"
+                    seen[key] = seen.get(key, 0) + 1
+                    if not (isinstance(e, RuntimeError) and str(e) in allowed):
+                        bad.append(f"A: {key}")
+                    return
+                if p["op"] == "group":
+                    time.sleep(rng.uniform(0, 0.0003))  # a gap between groups: abort() must find one
+
+        in_group = (f"abort: {_who(c)} was used inside a pyccl.group() that has not ended; "
+                    "end the group first")
+
+        def thread_b():
+            time.sleep(rng.uniform(0, 0.003))
+            deadline = time.monotonic() + LIFE_JOIN / 2
+            while True:
+                try:
+                    c.abort()
+                    break
+                except BaseException as e:  # noqa: BLE001 - checked
+                    if not (type(e) is RuntimeError and str(e) == in_group) or time.monotonic() > deadline:
+                        bad.append(f"B: {type(e).__name__}: {e}")
+                        break
+                    time.sleep(rng.uniform(0, 0.0005))  # A's group is open: once it ended
+            done.set()
+
+        ts = [threading.Thread(target=thread_a, name="A"), threading.Thread(target=thread_b, name="B")]
+        for t in ts:
+            t.start()
+        _join(ts)
+        assert not bad, (k, bad)
+        assert c.destroyed
+        c.destroy()
+        clean()
+    return {"tries": p["tries"], "seen": seen}
+
+
 def destroy_while_reading_arguments():
     """Thread B destroys the communicator while thread A's call (op: broadcast, reduce,
     all_gather; params timeout) reads its tensor: the tensor's __cuda_array_interface__

@@ -86,6 +86,19 @@ def test_call_begun_while_another_thread_destroys(lib, op, timeout):
     assert got["enqueued"] == 0, got
 
 
+# ---------------------------------------------------------------- abort beside a call of several NCCL calls
+
+@pytest.mark.parametrize("blocking", [pytest.param(False, id="nonblocking"), pytest.param(True, id="blocking")])
+@pytest.mark.parametrize("op", ["all_gather", "premul", "group"])
+def test_abort_never_ends_the_handle_between_a_calls_nccl_calls(lib, op, blocking):
+    # all_gather into a list (a group of broadcasts), premul_sum (the op made and destroyed
+    # around the all_reduce), a pyccl.group() of two: abort() on another thread waits for the
+    # call's NCCL calls to end, never aborting the handle between them (misuse counted by
+    # the stand-in at exit); the call raises "has been aborted" or completes
+    got = run(lib, "abort_beside", op=op, blocking=blocking, tries=40)
+    assert got["tries"] == 40
+
+
 # ---------------------------------------------------------------- an open pyccl.group()
 
 @pytest.mark.parametrize("timeout", TIMEOUTS)
