@@ -451,7 +451,15 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
     }
     ncclResult_t e = ncclSuccess, r = ncclSuccess;
     if (w == NULL) {
-        r = a->ncclCommGetAsyncError(c->comm, &e);
+        /* under the communicator's lock, as every NCCL call on it (NCCL
+         * communicators are not thread-safe); the GIL, taken back with the
+         * lock, keeps destroy() and abort() off until the call returned,
+         * and either may have ended the handle while this thread waited */
+        pyccl_comm_lock(c);
+        if (c->watch == NULL && c->comm != NULL) {
+            r = a->ncclCommGetAsyncError(c->comm, &e);
+        }
+        pthread_mutex_unlock(&c->mu);
     }
     else {
         lock_watch(w);

@@ -1706,6 +1706,35 @@ def abort_beside():
     return {"tries": p["tries"], "seen": seen}
 
 
+def async_error_beside():
+    """get_async_error() on one thread while another enqueues on the same communicator
+    (timeout as given): never two threads inside NCCL at once (counted by the stand-in)."""
+    p = _params()
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=p["timeout"])
+    a = Array([1.0, 2.0])
+    bad, done = [], threading.Event()
+
+    def enqueue():
+        for _ in range(p["tries"]):
+            c.all_reduce(a, algo="nccl")
+        done.set()
+
+    def ask():
+        while not done.is_set():
+            got = c.get_async_error()
+            if got is not None:
+                bad.append(repr(got))
+
+    ts = [threading.Thread(target=enqueue, name="A"), threading.Thread(target=ask, name="B")]
+    for t in ts:
+        t.start()
+    _join(ts)
+    assert not bad, bad
+    c.destroy()
+    clean()
+    return {"tries": p["tries"], "concurrent": get("concurrent")}
+
+
 def destroy_while_reading_arguments():
     """Thread B destroys the communicator while thread A's call (op: broadcast, reduce,
     all_gather; params timeout) reads its tensor: the tensor's __cuda_array_interface__

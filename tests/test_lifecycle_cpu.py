@@ -99,6 +99,14 @@ def test_abort_never_ends_the_handle_between_a_calls_nccl_calls(lib, op, blockin
     assert got["tries"] == 40
 
 
+@pytest.mark.parametrize("timeout", TIMEOUTS)
+def test_get_async_error_beside_another_threads_calls(lib, timeout):
+    # get_async_error() takes the communicator's lock like every NCCL call on it: the
+    # stand-in counts no second thread inside NCCL (before, without a timeout, hundreds)
+    got = run(lib, "async_error_beside", timeout=timeout, tries=3000)
+    assert got == {"tries": 3000, "concurrent": 0}, got
+
+
 # ---------------------------------------------------------------- an open pyccl.group()
 
 @pytest.mark.parametrize("timeout", TIMEOUTS)
