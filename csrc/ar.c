@@ -137,17 +137,19 @@ read_settings(pyccl_ar *f, const pyccl_comm *c, const char *op)
     const char *to = getenv("PYCCL_AR_TIMEOUT");
     const double ct = c->timeout;
     f->timeout = ct;
-    if (ct <= 0 && to != NULL) {
+    if (ct <= 0 && to != NULL && *to != '\0') { /* blank: unset */
         char *end = NULL;
         double v = strtod(to, &end);
         /* the kernels count nanoseconds in 64 bits: up to a century */
         if (end == to || *end != '\0' || !(v > 0.0) || !(v < 3.0e9)) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s: PYCCL_AR_TIMEOUT must be a finite number of seconds > 0, got '%s'",
-                         op, to);
-            return -1;
+            /* not raised here: a setting of one rank would leave the others
+             * waiting in the set-up; the set-up turns the kernels off for all */
+            snprintf(f->bad_setting, sizeof f->bad_setting,
+                     "PYCCL_AR_TIMEOUT must be a finite number of seconds > 0, got '%.60s'", to);
         }
-        f->timeout = v;
+        else {
+            f->timeout = v;
+        }
     }
     /* with a watchdog, a second later than it: the watchdog fails the
      * communicator first, so a call that gave up is never mistaken for a

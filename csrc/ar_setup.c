@@ -906,6 +906,9 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
     if (off != NULL && *off != '\0' && strcmp(off, "0") != 0) {
         ok = 0;
         AR_WHY(f, "PYCCL_DISABLE_OWN_KERNELS is set");
+    } else if (f->bad_setting[0] != '\0') {
+        ok = 0;
+        AR_WHY(f, "%s", f->bad_setting);
     } else if (n < 2 || n > PYCCL_AR_MAX_RANKS) {
         ok = 0;
         AR_WHY(f, "the own kernels serve 2 to %d ranks, this communicator has %d",

@@ -79,6 +79,10 @@ typedef struct ar_marks ar_marks;
 typedef struct pyccl_ar {
     int state;
     char reason[400];
+    /* a PYCCL_AR_* setting of this rank that cannot be used (read_settings):
+     * the set-up's agreement turns the kernels off for every rank with it
+     * as the reason, rather than this rank raising while its peers wait */
+    char bad_setting[160];
     int logged;
     char *base;                         /* this rank's region (cudaMalloc) */
     char *peer[PYCCL_AR_MAX_RANKS];     /* every rank's region here; [rank] = base */

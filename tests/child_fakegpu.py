@@ -1177,16 +1177,24 @@ def own_setup_comm_gone_while_reading():
 
 
 def own_bad_ar_timeout():
-    """PYCCL_AR_TIMEOUT (set by the test) on a communicator without a timeout: what the
-    first all_reduce that would use the own kernels does, then NCCL's all_reduce."""
+    """PYCCL_AR_TIMEOUT (set by the test, FAKE_CASE "rank0": on rank 0 only) on a communicator
+    without a timeout: what the first all_reduce that would use the own kernels does (its
+    values), what all_reduce_info says, then NCCL's all_reduce."""
     _bounded(30)
     rank = int(os.environ["FAKE_RANK"])
+    value = os.environ.pop("PYCCL_AR_TIMEOUT", None)
+    if value is not None and (os.environ.get("FAKE_CASE") != "rank0" or rank == 0):
+        os.environ["PYCCL_AR_TIMEOUT"] = value
     assert fake.cudaSetDevice(rank) == 0
     c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank)
-    _, err = timed(lambda: c.all_reduce(Array([1.0 + rank, 2.0, 3.0 * (rank + 1)])))
+    a = Array([1.0 + rank, 2.0, 3.0 * (rank + 1)])
+    _, err = timed(lambda: c.all_reduce(a))
+    info = c.all_reduce_info
     b = Array([1.0 + rank, 2.0, 3.0 * (rank + 1)])
     _, err2 = timed(lambda: c.all_reduce(b, algo="nccl"))
-    out = {"first": _outcome(err), "nccl": _outcome(err2), "values": b.tolist()}
+    out = {"first": _outcome(err), "first_values": a.tolist(), "state": info["state"],
+           "reason": info["reason"], "timeout": info["timeout"], "nccl": _outcome(err2),
+           "values": b.tolist()}
     c.destroy()
     out["misuse"] = get("misuse")
     return out

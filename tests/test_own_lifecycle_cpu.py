@@ -142,12 +142,26 @@ def test_communicator_gone_while_reading_arguments_keeps_no_region(peer_lib, tmp
                        "misuse": 0}, res
 
 
-# 7c. PYCCL_AR_TIMEOUT is checked, not read with atof().
+# 7c. PYCCL_AR_TIMEOUT is checked, not read with atof(); a value that cannot be used, on every
+# rank or on one alone, turns the own kernels off for all (NCCL's all_reduce, the reason in
+# all_reduce_info) instead of one rank raising while its peer waits in the set-up; blank is unset.
 
+@pytest.mark.parametrize("where", ["both", "rank0"])
 @pytest.mark.parametrize("value", ["-1", "inf", "nan", "abc"])
-def test_bad_ar_timeout_is_refused(peer_lib, tmp_path, value):
-    for res in run_ranks(peer_lib, "own_bad_ar_timeout", tmp_path, PYCCL_AR_TIMEOUT=value):
-        assert res["first"] == ["ValueError", "all_reduce: PYCCL_AR_TIMEOUT must be a finite number of "
-                                f"seconds > 0, got '{value}'"], res
+def test_bad_ar_timeout_turns_the_kernels_off_on_every_rank(peer_lib, tmp_path, value, where):
+    bad = f"PYCCL_AR_TIMEOUT must be a finite number of seconds > 0, got '{value}'"
+    for rank, res in enumerate(run_ranks(peer_lib, "own_bad_ar_timeout", tmp_path, case=where,
+                                         PYCCL_AR_TIMEOUT=value)):
+        assert res["first"] is None and res["first_values"] == [3.0, 4.0, 9.0], res
+        assert res["state"] == "off", res
+        # the rank with the setting names it; a peer names that rank
+        assert res["reason"] == (bad if rank == 0 or where == "both" else "rank 0 cannot use them"), res
         assert res["nccl"] is None and res["values"] == [3.0, 4.0, 9.0], res
+        assert res["misuse"] == 0, res
+
+
+def test_blank_ar_timeout_is_unset(peer_lib, tmp_path):
+    for res in run_ranks(peer_lib, "own_bad_ar_timeout", tmp_path, PYCCL_AR_TIMEOUT=""):
+        assert res["first"] is None and res["first_values"] == [3.0, 4.0, 9.0], res
+        assert res["state"] == "ready" and res["timeout"] == 0.0, res  # 0: no deadline
         assert res["misuse"] == 0, res
