@@ -34,7 +34,7 @@ def bootstrap(world: int, rank: int) -> list[pyccl.Communicator]:
         pyccl.Communicator(world, uid, rank),
         pyccl.Communicator(world, uid, rank, "cuda:0", 30.0),
         pyccl.Communicator(world, uid, rank, device=torch.device("cuda", 0),
-                           timeout=datetime.timedelta(seconds=30)),
+                           timeout=datetime.timedelta(seconds=30), blocking=True),
         pyccl.init_rank(world, uid, rank),
         pyccl.init_rank(world, uid, rank, device=0, timeout=datetime.timedelta(minutes=1)),
         pyccl.init_rank(world, uid, rank, timeout=None),
@@ -57,6 +57,7 @@ def collectives(comm: pyccl.Communicator, x: torch.Tensor, parts: list[torch.Ten
     assert_type(comm.name, str)
     assert_type(comm.handle, int)
     assert_type(comm.timeout, float | None)
+    assert_type(comm.blocking, bool)
     assert_type(comm.destroyed, bool)
     assert_type(comm.all_reduce_info, dict[str, Any])
     comm.all_reduce(x)
