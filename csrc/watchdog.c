@@ -804,7 +804,13 @@ pyccl_comm_enter(pyccl_state *st, const char *op, pyccl_comm *c)
     (void)op;
     if (c->watch == NULL) {
         pyccl_comm_lock(c); /* abort() cannot change watch while it is held */
-        return 0;
+        if (c->watch == NULL && c->comm != NULL) {
+            return 0;
+        }
+        /* abort() (or destroy()) ended the handle while this thread waited
+         * for the lock: nothing for NCCL, and the lock taken is the one left */
+        pthread_mutex_unlock(&c->mu);
+        return c->watch != NULL ? pyccl_watch_check(st, op, c) : pyccl_raise_unusable(op, c);
     }
     lock_watch(c->watch); /* the caller's call is begun: destroy() waits */
     if (failed_kind(c->watch)) {

@@ -1743,6 +1743,54 @@ def async_error_beside():
     return {"tries": p["tries"], "concurrent": get("concurrent")}
 
 
+def close_beside_abort():
+    """A registration's close() on one thread while another aborts its communicator
+    (timeout as given): close() deregisters on the live handle or raises "has been
+    aborted"; never an NCCL call on the aborted handle (the stand-in refuses a NULL one
+    with its error 4, and counts a dead one as misuse), and the communicator's lock is
+    left free (a later destroy() returns)."""
+    import random
+    p = _params()
+    rng = random.Random(p.get("seed", 3))
+    seen = {}
+    for k in range(p["tries"]):
+        c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=p["timeout"])
+        regs = [c.register(Array([1.0, 2.0])), c.register(Array([3.0, 4.0]))]
+        allowed = {f"Registration.close: {_who(c)} has been aborted",
+                   f"abort: {_who(c)} is in use by another thread; abort it once that call returned"}
+        bad, delays = [], (rng.uniform(0, 0.0005), rng.uniform(0, 0.0005))
+        start = threading.Barrier(2, timeout=LIFE_JOIN)
+
+        def note(who, fn):
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - checked
+                key = f"{type(e).__name__}: {e}"
+                seen[key] = seen.get(key, 0) + 1
+                if not (type(e) is RuntimeError and str(e) in allowed):
+                    bad.append(f"{who}: {key}")
+
+        def closer():
+            start.wait()
+            time.sleep(delays[0])
+            for r in regs:
+                note("A", r.close)
+
+        def aborter():
+            start.wait()
+            time.sleep(delays[1])
+            note("B", c.abort)
+
+        ts = [threading.Thread(target=closer, name="A"), threading.Thread(target=aborter, name="B")]
+        for t in ts:
+            t.start()
+        _join(ts)
+        assert not bad, (k, bad)
+        c.destroy()  # returns: the lock is free, whatever happened
+        clean()
+    return {"tries": p["tries"], "seen": seen}
+
+
 def destroy_while_reading_arguments():
     """Thread B destroys the communicator while thread A's call (op: broadcast, reduce,
     all_gather; params timeout) reads its tensor: the tensor's __cuda_array_interface__

@@ -137,6 +137,15 @@ def test_registration_deregistered_once(lib, how, timeout):
     assert got["tries"] == 60
 
 
+@pytest.mark.parametrize("timeout", TIMEOUTS)
+def test_close_beside_abort(lib, timeout):
+    # a registration's close() racing abort() on another thread: deregistered on the live
+    # handle or "has been aborted", never NCCL's error for a NULL handle, and the
+    # communicator's lock left free
+    got = run(lib, "close_beside_abort", timeout=timeout, tries=300)
+    assert got["tries"] == 300
+
+
 # ---------------------------------------------------------------- premul_sum with algo=
 
 @pytest.mark.parametrize("timeout", TIMEOUTS)
