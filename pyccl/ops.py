@@ -35,9 +35,18 @@ it by itself.  There is no autograd formula: wrap an op in a
 torch.autograd.Function for training (a tensor-parallel layer's backward is
 usually the identity or the other collective, which only the model knows).
 """
+from typing import TYPE_CHECKING, Union
+
 import torch
 
 from . import _C
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, ReduceOp
+
+    # (no `from __future__ import annotations` here: torch.library reads the ops' annotations)
+    _Group = Union[_C.Communicator, ProcessGroup, str]
+    _Op = Union[str, int, ReduceOp]
 
 # torch's names of the reductions (as its functional collectives spell them) -> pyccl's
 REDUCE_OPS = {"sum": _C.SUM, "prod": _C.PROD, "min": _C.MIN, "max": _C.MAX, "avg": _C.AVG}
@@ -101,7 +110,7 @@ def _process_group(name):
         return None
 
 
-def communicator(opname, group):
+def communicator(opname: str, group: str) -> _C.Communicator:
     """The live pyccl.Communicator that `group` (a str) names, else ValueError naming `opname`."""
     if not isinstance(group, str):
         raise TypeError(f"pyccl.ops.{opname}: group must be a str (a Communicator's name or a "
@@ -127,7 +136,7 @@ def _backend_name(pg):
         return type(pg).__name__
 
 
-def group_name(group):
+def group_name(group: "_Group") -> str:
     """The `group` argument of torch.ops.pyccl.* for `group`: a pyccl.Communicator (its .name),
     a torch.distributed ProcessGroup on backend "pyccl" (its group_name), or a name (itself).
 
@@ -298,40 +307,40 @@ def _(input, group, group_size):
 
 # ---- what users call (eager or compiled) ----
 
-def all_reduce(tensor, group, op="sum"):
+def all_reduce(tensor: torch.Tensor, group: "_Group", op: "_Op" = "sum") -> torch.Tensor:
     """A new tensor: the reduction of `tensor` over the ranks of `group`."""
     return torch.ops.pyccl.all_reduce(tensor, _group("all_reduce", group), _name("all_reduce", op))
 
 
-def all_reduce_(tensor, group, op="sum"):
+def all_reduce_(tensor: torch.Tensor, group: "_Group", op: "_Op" = "sum") -> torch.Tensor:
     """Reduce `tensor` in place over the ranks of `group`; returns it."""
     torch.ops.pyccl.all_reduce_(tensor, _group("all_reduce_", group), _name("all_reduce_", op))
     return tensor
 
 
-def all_gather(tensor, group):
+def all_gather(tensor: torch.Tensor, group: "_Group") -> torch.Tensor:
     """A new tensor: every rank's `tensor`, concatenated along dim 0 in rank order."""
     return torch.ops.pyccl.all_gather(tensor, _group("all_gather", group), _size("all_gather", group))
 
 
-def reduce_scatter(tensor, group, op="sum"):
+def reduce_scatter(tensor: torch.Tensor, group: "_Group", op: "_Op" = "sum") -> torch.Tensor:
     """A new tensor: this rank's part (dim 0 split in size equal parts) of the reduction of `tensor`."""
     return torch.ops.pyccl.reduce_scatter(tensor, _group("reduce_scatter", group),
                                           _size("reduce_scatter", group), _name("reduce_scatter", op))
 
 
-def broadcast(tensor, group, root):
+def broadcast(tensor: torch.Tensor, group: "_Group", root: int) -> torch.Tensor:
     """A new tensor: rank `root`'s `tensor` (`tensor` itself is left as it is)."""
     return torch.ops.pyccl.broadcast(tensor, _group("broadcast", group), root)
 
 
-def broadcast_(tensor, group, root):
+def broadcast_(tensor: torch.Tensor, group: "_Group", root: int) -> torch.Tensor:
     """Overwrite `tensor` with rank `root`'s in place; returns it."""
     torch.ops.pyccl.broadcast_(tensor, _group("broadcast_", group), root)
     return tensor
 
 
-def all_to_all_single(tensor, group):
+def all_to_all_single(tensor: torch.Tensor, group: "_Group") -> torch.Tensor:
     """A new tensor whose part i (dim 0 split in size equal parts) is this rank's part of rank i's `tensor`."""
     return torch.ops.pyccl.all_to_all_single(tensor, _group("all_to_all_single", group),
                                              _size("all_to_all_single", group))

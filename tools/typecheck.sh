@@ -5,15 +5,18 @@
 #      PYCCL_TYPE_SCORE (default 95) percent, listing the names that lack types.
 #   2. `ruff check` over pyccl/, tests/, tools/ and examples/ with pyproject.toml's [tool.ruff].
 # Needs basedpyright or pyright (pip install basedpyright, or pyright with node) and ruff.
-# Environment: PYTHON (default python3), PYRIGHT (the checker's command; default basedpyright
-# where installed, else pyright), PYCCL_TYPE_SCORE.
+# Environment: PYTHON (default python3), PYRIGHT (the checker's command; default PYTHON's
+# basedpyright module where installed for it, else basedpyright or pyright on PATH), PYCCL_TYPE_SCORE.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd -P)"
 cd "$repo"
 py="${PYTHON:-python3}"
 min="${PYCCL_TYPE_SCORE:-95}"
+# (PYTHON's own basedpyright first: `$PYTHON -m pip install basedpyright` need not put it on PATH)
 if [ -n "${PYRIGHT:-}" ]; then
   checker="$PYRIGHT"
+elif "$py" -m basedpyright --version >/dev/null 2>&1; then
+  checker="$py -m basedpyright"
 elif command -v basedpyright >/dev/null; then
   checker=basedpyright
 elif command -v pyright >/dev/null; then
@@ -29,7 +32,8 @@ fi
 report="$(mktemp "${TMPDIR:-/tmp}/pyccl-verifytypes.XXXXXX")"
 trap 'rm -f "$report"' EXIT
 # (exit 1 means "some names lack types": the score below decides)
-PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$checker" --verifytypes pyccl --ignoreexternal \
+# ($checker unquoted: it may be a command with arguments, "$py -m basedpyright")
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" $checker --verifytypes pyccl --ignoreexternal \
   --outputjson > "$report" || [ $? = 1 ]
 status=0
 "$py" - "$report" "$min" "$repo" "$checker" <<'EOF' || status=1

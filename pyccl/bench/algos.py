@@ -10,8 +10,16 @@ of an eager call goes, from a Python call of a no-op up to the 8-byte all_reduce
 launch floors through ctypes. Each message to the parent carries one rank's loops of one
 measurement; the parent takes the median over loops of the maximum over ranks.
 """
+from __future__ import annotations
+
 import os
 import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .drivers import _PycclComm
+    from .runner import _Reporter
 
 OWN = ("oneshot", "twoshot")
 ALGOS = ("auto", "nccl") + OWN
@@ -19,7 +27,7 @@ ALGOS = ("auto", "nccl") + OWN
 GRADS = [(1 << (8 + k % 8)) + k for k in range(100)]
 
 
-def algo_iters(cfg, size):
+def algo_iters(cfg: Mapping[str, Any], size: int) -> int:
     """Calls per loop: -n up to 1 MiB, a tenth of it (at least 5) above, as the sweep always did."""
     return cfg["iters"] if size <= (1 << 20) else max(5, cfg["iters"] // 10)
 
@@ -82,7 +90,7 @@ def _set_up(comm, dev):
     comm.all_reduce(torch.ones(4, device=dev), algo="oneshot")  # set up the own kernels
 
 
-def algo_sweep(drv, cfg, out):
+def algo_sweep(drv: _PycclComm, cfg: Mapping[str, Any], out: _Reporter) -> None:
     import torch
     comm, rank, n = drv.comm, drv.rank, drv.nranks
     dev = f"cuda:{comm.device}"
@@ -180,7 +188,7 @@ def _time_host(fn, calls, repeats, sync):
     return host, gpu
 
 
-def host_breakdown(drv, cfg, out):
+def host_breakdown(drv: _PycclComm, cfg: Mapping[str, Any], out: _Reporter) -> None:
     import ctypes
 
     import torch

@@ -15,6 +15,8 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Sequence
+from typing import Any
 
 from . import algos
 from . import report
@@ -76,7 +78,7 @@ def _typed(fn, what):
     return parse
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of `python -m pyccl.bench` (its --help is the flag reference)."""
     p = argparse.ArgumentParser(
         prog="python -m pyccl.bench", epilog=_EPILOG,
@@ -253,7 +255,7 @@ def _mode(args):
     return ("algos" if flag == "--algos" else "breakdown"), flag
 
 
-def make_config(args):
+def make_config(args: argparse.Namespace) -> dict[str, Any]:
     """Validated plain-dict configuration handed to the runner (and to child processes)."""
     for short, long in _REFUSED:
         if getattr(args, long) is not None:
@@ -396,7 +398,7 @@ class _Printer:
         self.emit(report.format_summary(results))
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark with command-line arguments `argv` (default: sys.argv[1:]); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)

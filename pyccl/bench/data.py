@@ -14,7 +14,7 @@ one range serves every op and world size of a test, with signed values where the
 """
 import torch
 
-from .sizes import DTYPES, REDUCTIONS
+from .sizes import DTYPES, REDUCTIONS, CollCounts
 
 _M32 = 0xFFFFFFFF
 # Largest integer N such that 0..N are all exact in the type (and, for ints, the max value).
@@ -25,9 +25,10 @@ _INT_BITS = {"int8": 8, "uint8": 8, "int32": 32, "int64": 64}
 _POW2_MAX = {"half": 15, "bfloat16": 127, "float": 127, "double": 1023}  # 2**k stays finite
 _CAP = 1 << 20
 CHUNK = 1 << 22
+_Device = torch.device | str | int
 
 
-def value_range(dtype, op, nranks, rank):
+def value_range(dtype: str, op: str, nranks: int, rank: int) -> tuple[int, int]:
     """Inclusive (lo, hi) of rank's input values; op is 'none' for data movement."""
     exact = EXACT[dtype]
     if op in ("sum", "avg"):
@@ -39,7 +40,7 @@ def value_range(dtype, op, nranks, rank):
     return 0, min(exact, _CAP)
 
 
-def _hash(rank, idx, seed):
+def _hash(rank: int | torch.Tensor, idx: torch.Tensor, seed: int) -> torch.Tensor:
     """32-bit mix of (rank, index, seed); every product stays below 2**63."""
     x = (idx * 0x9E3779B1 + rank * 0x85EBCA77 + seed * 0x27D4EB2F + 0x165667B1) & _M32
     x = x ^ (x >> 16)
@@ -49,22 +50,23 @@ def _hash(rank, idx, seed):
     return x ^ (x >> 16)
 
 
-def gen(rank, idx, seed, lo, hi):
+def gen(rank: int | torch.Tensor, idx: torch.Tensor, seed: int, lo: int, hi: int) -> torch.Tensor:
     """int64 values in [lo, hi] for element indices idx (tensor) of rank (int or tensor)."""
     return lo + _hash(rank, idx, seed) % (hi - lo + 1)
 
 
-def _range_idx(start, stop, device):
+def _range_idx(start: int, stop: int, device: _Device) -> torch.Tensor:
     return torch.arange(start, stop, dtype=torch.int64, device=device)
 
 
-def input_values(coll, rank, nranks, dtype, op, seed, start, stop, device="cpu"):
+def input_values(coll: str, rank: int, nranks: int, dtype: str, op: str, seed: int, start: int, stop: int,
+                 device: _Device = "cpu") -> torch.Tensor:
     """Rank's input buffer elements [start, stop) as int64."""
     lo, hi = value_range(dtype, op if coll in REDUCTIONS else "none", nranks, rank)
     return gen(rank, _range_idx(start, stop, device), seed, lo, hi)
 
 
-def wrap(values, dtype):
+def wrap(values: torch.Tensor, dtype: str) -> torch.Tensor:
     """Reduce int64 results modulo the integer type, as the GPU's fixed-width arithmetic does."""
     bits = _INT_BITS.get(dtype)
     if bits is None or bits == 64:
@@ -76,7 +78,7 @@ def wrap(values, dtype):
     return values
 
 
-def _combine(op, parts, dtype, nranks):
+def _combine(op: str, parts: list[torch.Tensor], dtype: str, nranks: int) -> torch.Tensor:
     stack = torch.stack(parts)
     if op == "sum":
         out = stack.sum(0)
@@ -95,7 +97,8 @@ def _combine(op, parts, dtype, nranks):
     return wrap(out, dtype)
 
 
-def expected_values(coll, rank, nranks, count, dtype, op, root, seed, start, stop, device="cpu"):
+def expected_values(coll: str, rank: int, nranks: int, count: int, dtype: str, op: str, root: int, seed: int,
+                    start: int, stop: int, device: _Device = "cpu") -> torch.Tensor | None:
     """Expected output elements [start, stop) of rank, or None where nothing is defined.
 
     count is the per-call count (nccl-tests' paramcount); output lengths are count, or
@@ -121,14 +124,15 @@ def expected_values(coll, rank, nranks, count, dtype, op, root, seed, start, sto
     raise ValueError(f"unknown collective {coll!r}")
 
 
-def avg_tolerance(dtype, nranks):
+def avg_tolerance(dtype: str, nranks: int) -> float:
     """Allowed relative error of a floating avg: NCCL may pre-multiply each input by 1/n and round
     it, then round at each of n - 1 additions (each at most half an ulp of the nonnegative
     result); doubled for an implementation that reduces in fp32 and rounds once more."""
     return (nranks + 1) * torch.finfo(getattr(torch, DTYPES[dtype][0])).eps
 
 
-def fill(buf, coll, rank, nranks, dtype, op, seed, chunk=CHUNK):
+def fill(buf: torch.Tensor, coll: str, rank: int, nranks: int, dtype: str, op: str, seed: int,
+         chunk: int = CHUNK) -> None:
     """Write rank's input values into buf (a 1-D tensor), chunk by chunk to bound scratch memory."""
     n = buf.numel()
     for a in range(0, n, chunk):
@@ -136,7 +140,8 @@ def fill(buf, coll, rank, nranks, dtype, op, seed, chunk=CHUNK):
         buf[a:b].copy_(input_values(coll, rank, nranks, dtype, op, seed, a, b, buf.device))
 
 
-def count_wrong(out, coll, rank, nranks, count, dtype, op, root, seed, chunk=CHUNK):
+def count_wrong(out: torch.Tensor, coll: str, rank: int, nranks: int, count: int, dtype: str, op: str,
+                root: int, seed: int, chunk: int = CHUNK) -> int:
     """Number of elements of out that differ from the expected result (0 where none is defined)."""
     n, wrong = out.numel(), 0
     tol = avg_tolerance(dtype, nranks) if (op == "avg" and dtype in FLOATS) else None
@@ -160,7 +165,8 @@ def count_wrong(out, coll, rank, nranks, count, dtype, op, root, seed, chunk=CHU
     return wrong
 
 
-def views(coll, placement, send, recv, counts, rank):
+def views(coll: str, placement: str, send: torch.Tensor, recv: torch.Tensor, counts: CollCounts,
+          rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input, output) tensors of one call; in-place slices both out of recv as nccl-tests does."""
     if placement == "out-of-place":
         return send[:counts.sendcount], recv[:counts.recvcount]
@@ -182,11 +188,11 @@ _TEST_EXACT = {
 }
 
 
-def dtype_name(dtype):
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def test_range(dtype, op, world):
+def test_range(dtype: torch.dtype, op: int, world: int) -> tuple[int, int]:
     """Inclusive (lo, hi) of every rank's values for a reduction `op` over `world` ranks of a
     torch dtype: sums, products and averages of `world` such values stay exact."""
     limit = _TEST_EXACT[dtype_name(dtype)]
@@ -203,19 +209,19 @@ def test_range(dtype, op, world):
     return lo, m
 
 
-def rank_values(rank, count, dtype, op, world, seed=0):
+def rank_values(rank: int, count: int, dtype: torch.dtype, op: int, world: int, seed: int = 0) -> torch.Tensor:
     """float64 values of one rank's buffer of `count` elements: gen() over test_range."""
     lo, hi = test_range(dtype, op, world)
     return gen(rank, torch.arange(count, dtype=torch.int64), seed, lo, hi).to(torch.float64)
 
 
-def to_dtype(values, dtype):
+def to_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype.is_floating_point and values.dtype == torch.float64 and dtype.itemsize == 1:
         return values.to(torch.float32).to(dtype)
     return values.to(dtype)
 
 
-def reduce_ref(values, op, dtype):
+def reduce_ref(values: list[torch.Tensor] | tuple[torch.Tensor, ...], op: int, dtype: torch.dtype) -> torch.Tensor:
     """float64 reference of a reduction over a list of per-rank float64 tensors."""
     stack = torch.stack(values)
     if op == SUM:
@@ -234,7 +240,7 @@ def reduce_ref(values, op, dtype):
     return to_dtype(r, dtype)
 
 
-def same_bits(a, b):
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality of two tensors of one dtype (works for fp8 too)."""
     a = a.detach().cpu().contiguous()
     b = b.detach().cpu().contiguous()

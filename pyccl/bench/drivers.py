@@ -6,11 +6,23 @@ A driver knows its process's devices and ranks, builds a zero-argument callable 
 device description. pyccl, torch.distributed and torch.cuda.nccl are imported in the
 constructors, so this module loads without a GPU or pyccl's extension.
 """
+from __future__ import annotations
+
 import os
 import socket
 import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from . import sizes
+
+if TYPE_CHECKING:
+    from multiprocessing.synchronize import Barrier
+    from types import ModuleType
+
+    import torch
+
+    import pyccl
 
 DIST_PYCCL = "torch.distributed:pyccl"  # torch.distributed on pyccl's backend
 PER_RANK = ("pyccl", "torch.distributed", DIST_PYCCL)
@@ -27,7 +39,8 @@ CPU_LISTS_SYSTEM = "lists-cpu"
 ONE_PROCESS = SINGLE + (CPU_LISTS_SYSTEM,)  # one process drives every rank
 
 
-def make_driver(system, rank, nranks, rendezvous, barrier, timeout):
+def make_driver(system: str, rank: int | None, nranks: int, rendezvous: bytes | int | None,
+                barrier: Barrier | None, timeout: float) -> _Driver:
     """rank is None for the one process of a SINGLE system; rendezvous is the pyccl unique id
     or the loopback port of torch.distributed's TCP store."""
     if system == "pyccl":
@@ -48,58 +61,68 @@ def make_driver(system, rank, nranks, rendezvous, barrier, timeout):
 
 
 class _Driver:
-    can_graph, uses_cuda = True, True
+    can_graph: bool = True
+    uses_cuda: bool = True
+    devices: list[int]
+    ranks: list[int]
+    nranks: int
+    timeout: float
 
-    def __init__(self, devices, nranks, barrier, timeout, ranks=None):
+    def __init__(self, devices: list[int], nranks: int, barrier: Barrier | None, timeout: float,
+                 ranks: Sequence[int] | None = None) -> None:
         if self.uses_cuda:  # before any communicator: "current device" means this rank's GPU
             import torch
             torch.cuda.set_device(devices[0])
         self.devices, self.ranks, self.nranks = devices, list(devices if ranks is None else ranks), nranks
         self._barrier, self.timeout = barrier, timeout
 
-    def sync(self):
+    def sync(self) -> None:
         import torch
         for d in self.devices:
             torch.cuda.synchronize(d)
 
-    def barrier(self):
+    def barrier(self) -> None:
         if self._barrier is not None:
             self._barrier.wait(self.timeout)
 
-    def streams(self):
+    def streams(self) -> Sequence[torch.cuda.Stream | None]:
         import torch
         return [torch.cuda.current_stream(d) for d in self.devices]
 
-    def event(self):
+    def event(self) -> torch.cuda.Event:
         import torch
         return torch.cuda.Event(enable_timing=True)
 
-    def place(self, dev):
+    def place(self, dev: int) -> torch.device:
         import torch
         return torch.device("cuda", dev)
 
-    def describe(self, rank, dev):
+    def describe(self, rank: int, dev: int) -> str:
         import torch
         p = torch.cuda.get_device_properties(dev)
         return "#  Rank %2d Group %2d Pid %6d on %10s device %2d [0x%02x] %s" % (
             rank, 0, os.getpid(), socket.gethostname(), dev, getattr(p, "pci_bus_id", 0), p.name)
 
-    def close(self):
+    def close(self) -> None:
         pass
 
 
 class _PycclComm(_Driver):
     """pyccl's per-rank API: one Communicator per process."""
+    comm: pyccl.Communicator
+    pyccl: ModuleType  # the module, for its constants and pyccl.group
+    rank: int
 
-    def __init__(self, rank, nranks, uid, barrier, timeout):
+    def __init__(self, rank: int, nranks: int, uid: bytes, barrier: Barrier | None, timeout: float) -> None:
         import pyccl
         dev = pyccl.place_rank(rank, nranks)  # ranks beyond the GPU count share them
         super().__init__([dev], nranks, barrier, timeout, ranks=[rank])
         self.pyccl, self.rank = pyccl, rank
         self.comm = pyccl.Communicator(nranks, uid, rank, device=dev)
-        self.ops = {name: getattr(pyccl, name.upper()) for name in sizes.OPS}
+        self.ops: dict[str, int] = {name: getattr(pyccl, name.upper()) for name in sizes.OPS}
 
-    def build(self, coll, placement, op, root, bufs):
+    def build(self, coll: str, placement: str, op: str, root: int,
+              bufs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], object] | None:
         (inp, out), = bufs
         c, o, ip = self.comm, self.ops.get(op), placement == "in-place"
         if coll == "all_reduce":
@@ -140,7 +163,7 @@ class _PycclComm(_Driver):
             return None if ip else (lambda: c.all_to_all(inp, out))  # nccl-tests has no in-place
         raise ValueError(coll)
 
-    def close(self):
+    def close(self) -> None:
         self.comm.destroy()
 
 

@@ -7,9 +7,12 @@ Everything here is pure (no CUDA); the runner hands in per-rank timings and wron
 import csv
 import dataclasses
 import json
+import os
 import statistics
 import typing
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar, overload
 
 from . import sizes
 
@@ -72,7 +75,14 @@ class BreakdownResult:
     gpu_us: float
 
 
-def aggregate_times(per_rank, mode=3):
+# one record of any kind, as write_csv/read_csv take them
+_Record = Result | HostResult | AlgoResult | BreakdownResult
+_R = TypeVar("_R", Result, HostResult, AlgoResult, BreakdownResult)
+_Path = typing.Union[str, "os.PathLike[str]"]
+_P = TypeVar("_P", bound=_Path)
+
+
+def aggregate_times(per_rank: Sequence[Sequence[float]], mode: int = 3) -> float:
     """per_rank[r][loop] seconds -> one time: per loop across ranks (nccl-tests -a: 0 rank 0,
     1 average, 2 min, 3 max), then the median over loops."""
     if not per_rank or not per_rank[0]:
@@ -84,8 +94,9 @@ def aggregate_times(per_rank, mode=3):
     return statistics.median(pick(list(xs)) for xs in loops)
 
 
-def make_result(system, coll, dtype, op, root, size, nranks, placement, per_rank=None,
-                wrongs=None, mode=3):
+def make_result(system: str, coll: str, dtype: str, op: str, root: int, size: int, nranks: int,
+                placement: str, per_rank: Sequence[Sequence[float]] | None = None,
+                wrongs: Sequence[int | None] | None = None, mode: int = 3) -> Result:
     """Result from raw per-rank timings (seconds per iteration, per loop); None timings = N/A."""
     elsize = sizes.elem_size(dtype)
     c = sizes.coll_counts(coll, size, elsize, nranks)
@@ -96,13 +107,13 @@ def make_result(system, coll, dtype, op, root, size, nranks, placement, per_rank
         r.time_us = sec * 1e6
         r.algbw, r.busbw = sizes.bandwidths(coll, c.count, elsize, nranks, sec)
         if wrongs is not None and all(w is not None for w in wrongs):
-            r.wrong = int(sum(wrongs))
+            r.wrong = int(sum(w for w in wrongs if w is not None))
     return r
 
 
 # ---- nccl-tests text format -------------------------------------------------------------------
 
-def format_time(us):
+def format_time(us: float | None) -> str:
     """nccl-tests' time column: fewer decimals as the time grows, always 7 wide."""
     if us is None:
         return "%7s" % "N/A"
@@ -113,7 +124,7 @@ def format_time(us):
     return "%7.2f" % us
 
 
-def format_header(time_name="time"):
+def format_header(time_name: str = "time") -> str:
     sp = ("",) * 5
     return "\n".join([
         "# %10s  %12s  %8s  %6s  %6s           out-of-place                       in-place          " % sp,
@@ -126,21 +137,21 @@ def format_header(time_name="time"):
     ])
 
 
-def _half(r):
+def _half(r: Result | None) -> str:
     if r is None or r.time_us is None:
         return "  %7s  %6s  %6s  %5s" % ("N/A", "N/A", "N/A", "N/A")
     wrong = "N/A" if r.wrong is None else str(r.wrong)
     return "  %7s  %6.2f  %6.2f  %5s" % (format_time(r.time_us), r.algbw, r.busbw, wrong)
 
 
-def format_row(oop, ip):
+def format_row(oop: Result | None, ip: Result | None) -> str:
     """One nccl-tests line from the out-of-place and in-place results of one size."""
     r = oop if oop is not None else ip
     return "%12d  %12d  %8s  %6s  %6d" % (r.size, r.count, r.dtype, r.op, r.root) + \
         _half(oop) + _half(ip)
 
 
-def format_summary(results):
+def format_summary(results: Sequence[Result]) -> str:
     """nccl-tests' closing lines: sizes with wrong elements and the mean of every busbw shown."""
     errors = sum(1 for r in results if r.wrong)
     bws = [r.busbw for r in results if r.busbw is not None]
@@ -149,7 +160,7 @@ def format_summary(results):
         errors, "FAILED" if errors else "OK", avg)
 
 
-def format_host(results, calls, repeats):
+def format_host(results: Iterable[HostResult], calls: int, repeats: int) -> str:
     lines = [f"# Host overhead: all_reduce (sum) of one float element; {calls} calls per loop, "
              f"median of {repeats} loops, maximum over ranks",
              "# %23s  %6s  %15s  %15s" % ("system", "ranks", "host (us/call)", "gpu (us/call)")]
@@ -158,11 +169,13 @@ def format_host(results, calls, repeats):
     return "\n".join(lines)
 
 
-def _cell(v, w):
+def _cell(v: float | None, w: int) -> str:
     return f"{v:{w}.2f}" if v is not None else f"{'-':>{w}}"
 
 
-def format_algos(results, algos, variants, sizes, nranks, info, command, repeats=5, ntensors=100):
+def format_algos(results: Sequence[AlgoResult], algos: Sequence[str], variants: Sequence[str],
+                 sizes: Iterable[int], nranks: int, info: object, command: str, repeats: int = 5,
+                 ntensors: int = 100) -> str:
     """The --algos tables: many small tensors, then eager, CUDA graph and host, a row per size,
     a column per algo (then per own algo and variant)."""
     t = {(r.size, r.algo, r.variant, r.timing): r.time_us for r in results}
@@ -205,7 +218,8 @@ def format_algos(results, algos, variants, sizes, nranks, info, command, repeats
     return "\n".join(lines)
 
 
-def format_breakdown(results, nranks, calls, repeats, info, command, torch_version="?"):
+def format_breakdown(results: Iterable[BreakdownResult], nranks: int, calls: int, repeats: int, info: object,
+                     command: str, torch_version: str = "?") -> str:
     lines = [f"# eager host cost per call, {nranks} ranks, {calls} calls a loop, median of "
              f"{repeats}, max over ranks; torch {torch_version}, pyccl own kernels: {info}",
              f"# command: {command}",
@@ -222,7 +236,7 @@ SHORT = {"pyccl": "pyccl", "pyccl.nccl": "pyccl.nccl", "torch.distributed": "dis
          "torch.cuda.nccl": "t.c.nccl"}
 
 
-def ratio(a, b):
+def ratio(a: float | None, b: float | None) -> float | None:
     """a / b, or None when either is missing or b is zero."""
     if a is None or b is None or b == 0:
         return None
@@ -236,13 +250,13 @@ class CompareRow:
     op: str
     size: int
     placement: str
-    time_us: dict
-    busbw: dict
-    time_ratio: dict  # peer -> primary time / peer time (< 1: primary faster)
-    busbw_ratio: dict  # peer -> primary busbw / peer busbw (> 1: primary faster)
+    time_us: dict[str, float | None]  # system -> time
+    busbw: dict[str, float | None]  # system -> busbw
+    time_ratio: dict[str, float | None]  # peer -> primary time / peer time (< 1: primary faster)
+    busbw_ratio: dict[str, float | None]  # peer -> primary busbw / peer busbw (> 1: primary faster)
 
 
-def compare(results, primary, peers):
+def compare(results: Sequence[Result], primary: str, peers: Sequence[str]) -> list[CompareRow]:
     """Side-by-side rows, one per (coll, dtype, op, size, placement) the primary measured."""
     by_key = {(r.system, r.coll, r.dtype, r.op, r.size, r.placement): r for r in results}
     rows = []
@@ -258,12 +272,12 @@ def compare(results, primary, peers):
     return rows
 
 
-def _num(x, fmt="%10.2f"):
+def _num(x: float | None, fmt: str = "%10.2f") -> str:
     return "%10s" % "N/A" if x is None else fmt % x
 
 
-def format_comparison(rows, primary, peers):
-    systems = [primary] + peers
+def format_comparison(rows: Iterable[CompareRow], primary: str, peers: Sequence[str]) -> str:
+    systems = [primary, *peers]
     names = [SHORT.get(x, x) for x in systems]
     block = " ".join("%10s" % c for c in names + ["/" + x for x in names[1:]])
     prefix = "%14s  %10s  %8s  %6s  %8s  | %s | %s"
@@ -283,7 +297,8 @@ def format_comparison(rows, primary, peers):
 
 # ---- files ------------------------------------------------------------------------------------
 
-def write_json(path, config, results, host=(), algos=(), breakdown=()):
+def write_json(path: _Path, config: Mapping[str, Any], results: Iterable[Result], host: Iterable[HostResult] = (),
+               algos: Iterable[AlgoResult] = (), breakdown: Iterable[BreakdownResult] = ()) -> None:
     """Every mode writes one document: config, results (the sweep), host_overhead, algos and
     host_breakdown (each a list, empty where that mode did not run)."""
     doc = {"pyccl_bench": 1, "config": config,
@@ -295,14 +310,15 @@ def write_json(path, config, results, host=(), algos=(), breakdown=()):
         json.dump(doc, f, indent=1)
 
 
-def read_json(path):
+def read_json(path: _Path) -> tuple[dict[str, Any], list[Result], list[HostResult]]:
     """-> (config, [Result], [HostResult]); read_json_all for the --algos and --host-breakdown
     lists too."""
     config, results, host, _, _ = read_json_all(path)
     return config, results, host
 
 
-def read_json_all(path):
+def read_json_all(path: _Path) -> tuple[dict[str, Any], list[Result], list[HostResult], list[AlgoResult],
+                                       list[BreakdownResult]]:
     """-> (config, [Result], [HostResult], [AlgoResult], [BreakdownResult])"""
     with open(path) as f:
         doc = json.load(f)
@@ -312,7 +328,7 @@ def read_json_all(path):
             [BreakdownResult(**b) for b in doc.get("host_breakdown", [])])
 
 
-def write_csv(path, records):
+def write_csv(path: _Path, records: Sequence[_Record]) -> None:
     """One row per dataclass record (Result or HostResult); N/A is an empty field."""
     if not records:
         raise ValueError(f"write_csv: nothing to write to {path}")
@@ -325,7 +341,12 @@ def write_csv(path, records):
                         for v in dataclasses.astuple(rec)])
 
 
-def read_csv(path, cls=Result):
+@overload
+def read_csv(path: _Path) -> list[Result]: ...
+@overload
+def read_csv(path: _Path, cls: type[_R]) -> list[_R]: ...
+def read_csv(path: _Path, cls: type[_Record] = Result) -> list[Any]:
+    """The records write_csv wrote, as `cls` (Result unless told)."""
     hints = typing.get_type_hints(cls)
     out = []
     with open(path, newline="") as f:
@@ -339,7 +360,7 @@ def read_csv(path, cls=Result):
     return out
 
 
-def write_plot(path, results):
+def write_plot(path: _P, results: Iterable[Result]) -> _P:
     """Latency and busbw against size, one line per system (and per coll/dtype/op if several);
     solid out-of-place, dashed in-place. matplotlib is imported here, with the Agg backend."""
     import matplotlib
@@ -382,7 +403,7 @@ def write_plot(path, results):
     return path
 
 
-def write_algo_plot(path, results):
+def write_algo_plot(path: _P, results: Iterable[AlgoResult]) -> _P:
     """--algos: time per call against size, one panel per timing (eager, CUDA graph, host), one
     line per algo (and variant)."""
     import matplotlib
@@ -416,7 +437,7 @@ def write_algo_plot(path, results):
     return path
 
 
-def write_breakdown_plot(path, results):
+def write_breakdown_plot(path: _P, results: Sequence[BreakdownResult]) -> _P:
     """--host-breakdown: host and GPU microseconds per call, one pair of bars per case."""
     import matplotlib
     matplotlib.use("Agg")

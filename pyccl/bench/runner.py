@@ -15,12 +15,16 @@ parent (PR_SET_PDEATHSIG on Linux), so a killed benchmark leaves no process hold
 Spawning, pipes, killing and reaping are spawn.py's, which the tests' harness shares.
 pyccl and torch's CUDA parts are imported inside the functions, so this module loads anywhere.
 """
+from __future__ import annotations
+
 import faulthandler
 import os
 import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from . import algos
 from . import data
@@ -31,19 +35,26 @@ from .drivers import (  # noqa: F401
     CPU_LISTS_SYSTEM, CPU_SYSTEM, DIST_PYCCL, ONE_PROCESS, PER_RANK, SINGLE, SYMM_SYSTEM, SYSTEMS,
     make_driver)
 
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.synchronize import Lock
+    from typing import TextIO
+
 EXIT_GRACE_S = 30.0
 KILL_WAIT_S = 20.0  # after SIGKILL: a process tearing down GPU contexts can take a few seconds
 # Until every process has sent its first message the parent waits max(timeout, START_S) without
 # progress: a process still importing torch has no watchdog yet, so a kill then (a short -T on a
 # busy machine) would come without any stack dump, for processes that were not even stuck.
 START_S = 60.0
+# on_progress(system, done, total, what): one more measurement came back
+_Progress = Callable[[str, int, int, str], object]
 
 
 class BenchError(RuntimeError):
     """A benchmark run failed; the message says which system, which process and why."""
 
 
-def cuda_device_count():
+def cuda_device_count() -> int:
     try:
         import torch
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -182,11 +193,11 @@ def _host(drv, cfg, out):
 
 
 # what a child runs for each mode (--algos and --host-breakdown: pyccl's per-rank API only)
-MODES = {"sweep": _sweep, "host": _host, "algos": algos.algo_sweep,
-         "breakdown": algos.host_breakdown}
+MODES: dict[str, Callable[[Any, Mapping[str, Any], _Reporter], None]] = {
+    "sweep": _sweep, "host": _host, "algos": algos.algo_sweep, "breakdown": algos.host_breakdown}
 
 
-def dump_after(timeout):
+def dump_after(timeout: float) -> float:
     """Seconds without progress after which a child dumps its stacks: before the parent's kill."""
     return max(0.5, timeout - min(10.0, timeout / 3.0))
 
@@ -202,8 +213,16 @@ class _Reporter:
     dump_lock, held while one writes its line and stacks: ranks stuck together dump at the same
     moment, and faulthandler writes in small pieces, which would interleave. SIGUSR1 dumps the
     stacks on demand (kill -USR1 PID)."""
+    conn: Connection
+    label: str
+    after: float
+    lock: Lock | None
+    lead: float
+    file: TextIO | None
+    last: float
+    dumped: bool
 
-    def __init__(self, conn, label, timeout, dump_lock=None):
+    def __init__(self, conn: Connection, label: str, timeout: float, dump_lock: Lock | None = None) -> None:
         import threading
         self.conn, self.label, self.after = conn, label, dump_after(timeout)
         self.lock = dump_lock
@@ -218,19 +237,19 @@ class _Reporter:
         self.arm()
         threading.Thread(target=self._watch, name="pyccl.bench watchdog", daemon=True).start()
 
-    def _arm_fallback(self, delay):
+    def _arm_fallback(self, delay: float) -> None:
         faulthandler.dump_traceback_later(delay, repeat=True, file=self.file, exit=False)
 
-    def arm(self):
+    def arm(self) -> None:
         self.last, self.dumped = time.monotonic(), False
         if self.file is not None:
             self._arm_fallback(self.after + self.lead)
 
-    def put(self, msg):
+    def put(self, msg: object) -> None:
         self.conn.send(msg)
         self.arm()
 
-    def _watch(self):
+    def _watch(self) -> None:
         while True:
             time.sleep(self.lead / 2)
             quiet = time.monotonic() - self.last
@@ -255,7 +274,7 @@ class _Reporter:
                 self.last = time.monotonic() - self.after  # next one after as long again
             self.dumped = True
 
-    def close(self):
+    def close(self) -> None:
         if self.file is not None:
             faulthandler.cancel_dump_traceback_later()
 
@@ -418,12 +437,15 @@ def _run_on(system, nranks, cfg, handle, port):
                          f"within {EXIT_GRACE_S:.0f} s; killed them")
 
 
-def plan_length(cfg):
+def plan_length(cfg: Mapping[str, Any]) -> int:
     return sum(len(cfg["dtypes"]) * len(sizes.ops_for(c, cfg["ops"])) * len(cfg["sizes"])
                for c in cfg["colls"])
 
 
-def run_sweep(system, nranks, cfg, on_info=None, on_row=None, on_progress=None):
+def run_sweep(system: str, nranks: int, cfg: Mapping[str, Any],
+              on_info: Callable[[list[str]], object] | None = None,
+              on_row: Callable[[report.Result, report.Result], object] | None = None,
+              on_progress: _Progress | None = None) -> list[report.Result]:
     """Run the size sweep of cfg on one system; returns the list of report.Result."""
     results, infos, slots, total = [], [], {}, plan_length(cfg)
 
@@ -464,7 +486,7 @@ def run_sweep(system, nranks, cfg, on_info=None, on_row=None, on_progress=None):
     return results
 
 
-def run_host_overhead(system, nranks, cfg):
+def run_host_overhead(system: str, nranks: int, cfg: Mapping[str, Any]) -> report.HostResult:
     """Host/GPU microseconds per 1-element all_reduce call; maximum over ranks."""
     host, gpu = {}, {}
 
@@ -504,7 +526,8 @@ def _per_rank_loops(system, nranks, cfg, kind, on_progress=None, total=0):
     return got, info.get(0)
 
 
-def run_algos(nranks, cfg, on_progress=None, system="pyccl"):
+def run_algos(nranks: int, cfg: Mapping[str, Any], on_progress: _Progress | None = None,
+              system: str = "pyccl") -> tuple[list[report.AlgoResult], dict[str, Any] | None]:
     """--algos on pyccl's per-rank API: -> ([report.AlgoResult], all_reduce_info of rank 0).
     Each figure is the median over loops of cfg['average'] over ranks (default the maximum)."""
     own = [a for a in cfg["algos"] if a in algos.OWN]
@@ -519,7 +542,8 @@ def run_algos(nranks, cfg, on_progress=None, system="pyccl"):
     return out, info
 
 
-def run_breakdown(nranks, cfg, system="pyccl"):
+def run_breakdown(nranks: int, cfg: Mapping[str, Any],
+                  system: str = "pyccl") -> tuple[list[report.BreakdownResult], list[dict[str, Any]] | None]:
     """--host-breakdown: -> ([report.BreakdownResult], [all_reduce_info, no-PDL info] of rank 0).
     Each rank's median over loops, then the maximum over ranks, in the order measured."""
     import statistics

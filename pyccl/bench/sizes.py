@@ -5,6 +5,7 @@ Pure functions with no torch or CUDA dependency: the size sweep (-b/-e/-i/-f), w
 `*GetCollByteCount` and `*GetBw` (see nccl-tests doc/PERFORMANCE.md for why busbw is defined so).
 """
 import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 COLLS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "sendrecv",
@@ -37,7 +38,7 @@ _SIZE_RE = re.compile(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMgG
 MAX_SIZES = 100_000
 
 
-def parse_size(text, what="size"):
+def parse_size(text: str | int, what: str = "size") -> int:
     """'8', '64K', '1.5M', '2G' -> bytes (powers of 1024, fraction truncated as nccl-tests)."""
     if isinstance(text, int):
         value = text
@@ -52,7 +53,7 @@ def parse_size(text, what="size"):
     return value
 
 
-def size_list(minbytes, maxbytes, stepbytes=1 << 20, stepfactor=1):
+def size_list(minbytes: int, maxbytes: int, stepbytes: int = 1 << 20, stepfactor: int = 1) -> list[int]:
     """The sweep of nccl-tests' TimeTest: multiply by stepfactor if it is > 1, else add stepbytes."""
     if minbytes > maxbytes:
         raise ValueError(f"invalid sizes for 'minbytes' and 'maxbytes': {minbytes} > {maxbytes}")
@@ -61,12 +62,13 @@ def size_list(minbytes, maxbytes, stepbytes=1 << 20, stepfactor=1):
     if stepfactor > 1:
         if minbytes == 0:
             raise ValueError("minbytes 0 with stepfactor > 1 would never grow: use -b >= 1")
-        step = lambda s: s * stepfactor  # noqa: E731
+        step: Callable[[int], int] = lambda s: s * stepfactor  # noqa: E731
     else:
         if stepbytes <= 0 and minbytes < maxbytes:
             raise ValueError(f"invalid stepbytes {stepbytes}: must be > 0 when minbytes < maxbytes")
         step = lambda s: s + stepbytes  # noqa: E731
-    sizes, size = [], minbytes
+    sizes: list[int] = []
+    size = minbytes
     while size <= maxbytes:
         sizes.append(size)
         if len(sizes) > MAX_SIZES:
@@ -78,8 +80,8 @@ def size_list(minbytes, maxbytes, stepbytes=1 << 20, stepfactor=1):
     return sizes
 
 
-def _parse_list(text, allowed, aliases, what):
-    out = []
+def _parse_list(text: str, allowed: Sequence[str], aliases: Mapping[str, str], what: str) -> list[str]:
+    out: list[str] = []
     for item in str(text).split(","):
         key = item.strip().lower().replace("-", "_")
         if key == "all":
@@ -94,28 +96,28 @@ def _parse_list(text, allowed, aliases, what):
     return out
 
 
-def parse_colls(text):
+def parse_colls(text: str) -> list[str]:
     return _parse_list(text, COLLS, _COLL_ALIASES, "collective")
 
 
-def parse_ops(text):
+def parse_ops(text: str) -> list[str]:
     return _parse_list(text, OPS, {}, "op")
 
 
-def parse_dtypes(text):
+def parse_dtypes(text: str) -> list[str]:
     return _parse_list(text, tuple(DTYPES), _DTYPE_ALIASES, "datatype")
 
 
-def elem_size(dtype):
+def elem_size(dtype: str) -> int:
     return DTYPES[dtype][1]
 
 
-def ops_for(coll, ops):
+def ops_for(coll: str, ops: Iterable[str]) -> list[str]:
     """Reduction ops run for a collective; nccl-tests prints 'none' for data movement."""
     return list(ops) if coll in REDUCTIONS else ["none"]
 
 
-def root_for(coll, root):
+def root_for(coll: str, root: int) -> int:
     """The root column: the root for broadcast/reduce, -1 otherwise (as nccl-tests prints)."""
     return root if coll in ROOTED else -1
 
@@ -129,7 +131,7 @@ class CollCounts(NamedTuple):
     recv_inplace_offset: int
 
 
-def coll_counts(coll, size, elsize, nranks):
+def coll_counts(coll: str, size: int, elsize: int, nranks: int) -> CollCounts:
     """Counts for a nominal size in bytes; the 'size' column is max(send, recv) bytes."""
     count = size // elsize
     if coll in ("all_gather", "reduce_scatter", "alltoall"):
@@ -145,12 +147,12 @@ def coll_counts(coll, size, elsize, nranks):
     return CollCounts(count, count, count, 0, 0)
 
 
-def size_bytes(coll, size, elsize, nranks):
+def size_bytes(coll: str, size: int, elsize: int, nranks: int) -> int:
     c = coll_counts(coll, size, elsize, nranks)
     return max(c.sendcount, c.recvcount) * elsize
 
 
-def bus_factor(coll, nranks):
+def bus_factor(coll: str, nranks: int) -> float:
     """busbw = algbw * factor: the share of the data each rank's link must carry."""
     if coll == "all_reduce":
         return 2.0 * (nranks - 1) / nranks
@@ -161,14 +163,14 @@ def bus_factor(coll, nranks):
     raise ValueError(f"unknown collective {coll!r}")
 
 
-def alg_bytes(coll, count, elsize, nranks):
+def alg_bytes(coll: str, count: int, elsize: int, nranks: int) -> int:
     """Bytes that algbw is computed from: count*size, times nranks where count is per rank."""
     if coll in ("all_gather", "reduce_scatter", "alltoall"):
         return count * elsize * nranks
     return count * elsize
 
 
-def bandwidths(coll, count, elsize, nranks, seconds):
+def bandwidths(coll: str, count: int, elsize: int, nranks: int, seconds: float | None) -> tuple[float, float]:
     """(algbw, busbw) in GB/s (1e9 bytes/s), as nccl-tests' *GetBw."""
     if not seconds or seconds <= 0:
         return 0.0, 0.0

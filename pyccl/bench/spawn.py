@@ -11,6 +11,8 @@ fails the call. run_bounded() gives a command line that starts workers of its ow
 mpirun, pyccl.bench) the same promise. torch and pyccl are imported inside the functions, so
 this module loads without a GPU.
 """
+from __future__ import annotations
+
 import contextlib
 import os
 import signal
@@ -18,9 +20,16 @@ import socket
 import subprocess
 import time
 import traceback
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import SpawnContext
+    from multiprocessing.process import BaseProcess
 
 
-def context():
+def context() -> SpawnContext:
     """The spawn context (torch's where torch is there: its pickling of tensors)."""
     try:
         import torch.multiprocessing as mp
@@ -29,7 +38,7 @@ def context():
     return mp.get_context("spawn")
 
 
-def describe_exit(code):
+def describe_exit(code: int | None) -> str:
     """'exit code 3' or 'killed by signal SIGSEGV (11)' for a Popen/Process exit status."""
     if code is None:
         return "still running"
@@ -42,7 +51,8 @@ def describe_exit(code):
     return f"exit code {code}"
 
 
-def start(ctx, target, argsets, names=None):
+def start(ctx: SpawnContext, target: Callable[..., object], argsets: Sequence[tuple[Any, ...]],
+          names: Sequence[str] | None = None) -> tuple[list[BaseProcess], dict[Connection, int]]:
     """Spawn target(*args, conn) for each args tuple, conn being the write end of the process's
     own pipe; -> (processes, {read end: index}). The parent's copy of each write end is closed,
     so a process's exit is end-of-file on its read end."""
@@ -62,11 +72,11 @@ def start(ctx, target, argsets, names=None):
     return procs, {r: i for i, (r, _) in enumerate(pipes)}
 
 
-def receive(readers, timeout):
+def receive(readers: dict[Connection, int], timeout: float | None) -> list[tuple[int, Any]]:
     """[(index, message)] of what arrived within timeout seconds; message None means end-of-file
     (everything that process sent has been read; its reader is dropped from readers)."""
     from multiprocessing.connection import wait
-    out = []
+    out: list[tuple[int, Any]] = []
     for r in wait(list(readers), timeout=timeout):
         i = readers[r]
         try:
@@ -78,13 +88,13 @@ def receive(readers, timeout):
     return out
 
 
-def close(readers):
+def close(readers: dict[Connection, int]) -> None:
     for r in list(readers):
         r.close()
     readers.clear()
 
 
-def die_with_parent(parent_pid):
+def die_with_parent(parent_pid: int) -> None:
     """Linux: SIGKILL this process when the parent dies, even by SIGKILL (no orphan on a GPU)."""
     try:
         import ctypes
@@ -95,9 +105,9 @@ def die_with_parent(parent_pid):
         os._exit(1)
 
 
-def descendants(pid):
+def descendants(pid: int) -> list[int]:
     """Pids of every process below pid (Linux /proc; empty elsewhere)."""
-    children = {}
+    children: dict[int, list[int]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -120,7 +130,7 @@ def descendants(pid):
     return out
 
 
-def running(pid):
+def running(pid: int) -> bool:
     """pid exists and is not a zombie (Linux /proc)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -130,7 +140,7 @@ def running(pid):
     return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] not in (b"Z", b"X")
 
 
-def kill_group(pid):
+def kill_group(pid: int) -> None:
     """SIGKILL the process group `pid` leads, or the process alone if it has none yet."""
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -142,11 +152,11 @@ def kill_group(pid):
         pass
 
 
-def kill_all(procs, wait=20.0):
+def kill_all(procs: Sequence[BaseProcess], wait: float = 20.0) -> list[int]:
     """SIGKILL every live process of procs, the process groups they lead and everything below
     them, then reap them. -> the pids still alive after `wait` seconds (stuck in the kernel or
     the GPU driver: a process tearing down GPU contexts can take a few seconds)."""
-    victims = []
+    victims: list[int] = []
     live = [p for p in procs if p.pid is not None and p.is_alive()]
     for p in live:
         victims += descendants(p.pid)
@@ -180,7 +190,8 @@ def kill_all(procs, wait=20.0):
 
 # ---- the tests' harness -----------------------------------------------------------------------
 
-def _rank_child(fn_name, module, rank, world, uid, env, extra, parent_pid, conn):
+def _rank_child(fn_name: str, module: str, rank: int, world: int, uid: bytes | None, env: Mapping[str, str],
+                extra: tuple[Any, ...], parent_pid: int, conn: Connection) -> None:
     try:
         os.setsid()  # its own process group: kill_all takes it and its helpers together
     except OSError:
@@ -210,7 +221,9 @@ def _rank_child(fn_name, module, rank, world, uid, env, extra, parent_pid, conn)
         conn.send(("error", traceback.format_exc()))
 
 
-def run_ranks(fn, world, *extra, timeout=240, env=None, make_comm=True, exit_grace=60, killed=()):
+def run_ranks(fn: Callable[..., Any], world: int, *extra: Any, timeout: float = 240,
+              env: Mapping[str, str] | None = None, make_comm: bool = True, exit_grace: float = 60,
+              killed: Collection[int] = ()) -> dict[int, Any]:
     """{rank: fn(comm, *extra)} (or fn(rank, world, *extra) with make_comm=False), each rank in
     a spawned process of its own session with env added to its environment. Raises
     AssertionError as soon as one rank reports an error or dies without reporting (naming the
@@ -224,7 +237,8 @@ def run_ranks(fn, world, *extra, timeout=240, env=None, make_comm=True, exit_gra
     argsets = [(fn.__name__, fn.__module__, r, world, uid, env or {}, extra, os.getpid())
                for r in range(world)]
     procs, readers = start(context(), _rank_child, argsets)
-    results, errors = {}, []
+    results: dict[int, Any] = {}
+    errors: list[str] = []
     deadline = time.monotonic() + timeout
     try:
         want = world - len(set(killed))
@@ -266,7 +280,7 @@ def run_ranks(fn, world, *extra, timeout=240, env=None, make_comm=True, exit_gra
     return results
 
 
-def run_bounded(cmd, timeout, **kw):
+def run_bounded(cmd: Sequence[str], timeout: float, **kw: Any) -> subprocess.CompletedProcess[str]:
     """subprocess.run(cmd, capture_output=True, text=True, **kw) whose timeout kills the
     command's whole process group and raises AssertionError with what it printed."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -293,7 +307,7 @@ def run_bounded(cmd, timeout, **kw):
 
 
 @contextlib.contextmanager
-def reserved_port(addr="127.0.0.1"):
+def reserved_port(addr: str = "127.0.0.1") -> Iterator[int]:
     """A port that stays ours while the block runs.
 
     A socket bound with SO_REUSEADDR and never listening keeps the kernel from handing the port

@@ -34,7 +34,8 @@ def bootstrap(world: int, rank: int) -> list[pyccl.Communicator]:
         pyccl.Communicator(world, uid, rank),
         pyccl.Communicator(world, uid, rank, "cuda:0", 30.0),
         pyccl.Communicator(world, uid, rank, device=torch.device("cuda", 0),
-                           timeout=datetime.timedelta(seconds=30), blocking=True),
+                           timeout=datetime.timedelta(seconds=30)),
+        pyccl.Communicator(world, uid, rank, timeout=30, blocking=True),
         pyccl.init_rank(world, uid, rank),
         pyccl.init_rank(world, uid, rank, device=0, timeout=datetime.timedelta(minutes=1)),
         pyccl.init_rank(world, uid, rank, timeout=None),
@@ -178,15 +179,15 @@ def backend(group: dist.ProcessGroup | None, store: Store, opts: _DistributedBac
     return pg.group_name
 
 
-def compiled(comm: pyccl.Communicator, x: torch.Tensor) -> Any:
-    # pyccl.ops is not annotated yet: its calls are untyped for mypy (and return Any)
-    name = pyccl.ops.group_name(comm)  # type: ignore[no-untyped-call,unused-ignore]
-    pyccl.ops.communicator("compiled", name)  # type: ignore[no-untyped-call,unused-ignore]
-    y = pyccl.ops.all_reduce(x, name, "avg")  # type: ignore[no-untyped-call,unused-ignore]
-    pyccl.ops.all_reduce_(y, comm, "sum")  # type: ignore[no-untyped-call,unused-ignore]
-    pyccl.ops.all_gather(y, comm)  # type: ignore[no-untyped-call,unused-ignore]
-    pyccl.ops.reduce_scatter(y, comm)  # type: ignore[no-untyped-call,unused-ignore]
-    pyccl.ops.broadcast(y, comm, 0)  # type: ignore[no-untyped-call,unused-ignore]
-    pyccl.ops.broadcast_(y, comm, 0)  # type: ignore[no-untyped-call,unused-ignore]
+def compiled(comm: pyccl.Communicator, x: torch.Tensor) -> torch.Tensor:
+    name = pyccl.ops.group_name(comm)
+    assert_type(name, str)
+    assert_type(pyccl.ops.communicator("compiled", name), pyccl.Communicator)
+    y = pyccl.ops.all_reduce(x, name, "avg")
+    pyccl.ops.all_reduce_(y, comm, "sum")
+    pyccl.ops.all_gather(y, comm)
+    pyccl.ops.reduce_scatter(y, comm)
+    pyccl.ops.broadcast(y, comm, 0)
+    pyccl.ops.broadcast_(y, comm, 0)
     assert_type(pyccl.ops.REDUCE_OPS, dict[str, int])
-    return pyccl.ops.all_to_all_single(y, comm)  # type: ignore[no-untyped-call,unused-ignore]
+    return pyccl.ops.all_to_all_single(y, comm)
