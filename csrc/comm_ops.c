@@ -715,20 +715,10 @@ ops_wait_call(call_ctx *x, cudaStream_t s)
         /* like any call on it: bounded, interruptible */
         return pyccl_watch_wait(x->st, x->op, c, pyccl_comm_timeout(c));
     }
-    /* The legacy default stream (0) means the current device's: make that
-     * the communicator's device while waiting. */
-    cudaError_t ce;
-    Py_BEGIN_ALLOW_THREADS
-    int prev;
-    pyccl_device_enter(a, c->device, &prev);
-    ce = a->cudaStreamSynchronize(s);
-    pyccl_device_leave(a, c->device, prev);
-    Py_END_ALLOW_THREADS
-    if (ce != cudaSuccess) {
-        pyccl_raise_cuda(x->st, x->op, "cudaStreamSynchronize", ce);
-        return -1;
-    }
-    return 0;
+    /* an event on s, polled: Ctrl-C ends the wait as it ends wait()'s (a
+     * stream synchronize could not be interrupted while a peer is gone) */
+    (void)a;
+    return pyccl_wait_stream(x->st, x->op, c, s);
 }
 
 /* all_reduce_coalesced(tensors, op=SUM, *, algo=None): pack, one collective,

@@ -101,6 +101,10 @@ int pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
  * exception (RuntimeError when the handle was aborted). */
 int pyccl_watch_shrink(pyccl_state *st, pyccl_comm *c, int *exclude, int n,
                        ncclComm_t *child, int *child_rank, int *child_size);
+/* The work enqueued on stream s so far done, for a communicator without a
+ * timeout (barrier()): an event polled with the GIL released, Ctrl-C
+ * (KeyboardInterrupt) between polls, as wait() does.  -1 with an exception. */
+int pyccl_wait_stream(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s);
 /* barrier()'s wait: until c's work so far finished (GIL released). */
 int pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
                      double timeout);

@@ -103,11 +103,30 @@ pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
 /* wait() of a communicator without timeout: an event recorded now on each
  * stream it was used on covers its work there (and whatever came before
  * it).  `limit` 0: no limit. */
+static int wait_stream_list(pyccl_state *st, const char *op, pyccl_comm *c,
+                            cudaStream_t *from, int n, double limit);
+
 int
 wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
 {
+    return wait_stream_list(st, op, c, c->streams, c->nstreams, limit);
+}
+
+int
+pyccl_wait_stream(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s)
+{
+    return wait_stream_list(st, op, c, &s, 1, 0.0);
+}
+
+/* The work on streams[0..n) so far done (an event each, polled with the GIL
+ * released, KeyboardInterrupt between polls); limit > 0: NcclTimeoutError
+ * after it, nothing aborted. */
+static int
+wait_stream_list(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t *from,
+                 int n, double limit)
+{
     const pyccl_api *a = &st->api;
-    int n = c->nstreams, status = 0; /* 1 limit passed, -1 interrupted */
+    int status = 0; /* 1 limit passed, -1 interrupted */
     cudaError_t e = cudaSuccess;
     const char *call = "cudaEventRecord";
     if (n == 0) {
@@ -122,7 +141,7 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
         PyErr_NoMemory();
         return -1;
     }
-    memcpy(streams, c->streams, (size_t)n * sizeof *streams);
+    memcpy(streams, from, (size_t)n * sizeof *streams);
     int device = c->device;
     double start = pyccl_now_s();
     waiter wt;

@@ -731,6 +731,16 @@ def sigint_in_wait():
     return "not interrupted"
 
 
+def sigint_in_barrier():
+    """barrier() on a communicator without a timeout, its peer gone: Ctrl-C ends it."""
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0)
+    c.barrier()
+    put("peer_dead", 1)
+    print("WAITING", flush=True)
+    c.barrier()   # the parent sends SIGINT
+    return "not interrupted"
+
+
 def exit_with_stuck_work():
     c = new(timeout=60)
     c.all_reduce(Array([1.0]))

@@ -244,11 +244,12 @@ def test_fake_exit_aborts_unfinished_work(fakegpu):
     assert at_exit["aborts"] == 1
 
 
-def test_fake_sigint_interrupts_wait(fakegpu):
+def _interrupted(lib, scenario):
+    """Run the scenario until it prints WAITING, send SIGINT: (seconds to end, stdout, stderr)."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     # SIGINT live in the child even when this runs from a background job (which ignores it)
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "child_fakegpu.py"), fakegpu, "sigint_in_wait"],
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "child_fakegpu.py"), lib, scenario],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
@@ -268,11 +269,25 @@ def test_fake_sigint_interrupts_wait(fakegpu):
         if p.poll() is None:
             p.kill()
             p.communicate()
+    return took, out, err
+
+
+def test_fake_sigint_interrupts_wait(fakegpu):
+    took, out, err = _interrupted(fakegpu, "sigint_in_wait")
     assert "KeyboardInterrupt" in err, err[-2000:]
     assert "RESULT" not in out
     assert took < 2.0, took
     # the stuck work was aborted on the way out
     assert 'AT_EXIT {"aborts": 1.0, "misuse": 0.0, "concurrent": 0.0}' in out, out
+
+
+def test_fake_sigint_interrupts_an_untimed_barrier(fakegpu):
+    # without a timeout barrier() waits for its one-element all_reduce: Ctrl-C ends it as it
+    # ends wait() (before, a stream synchronize ignored SIGINT until the process was killed)
+    took, out, err = _interrupted(fakegpu, "sigint_in_barrier")
+    assert "KeyboardInterrupt" in err, err[-2000:]
+    assert "RESULT" not in out
+    assert took < 2.0, took
 
 
 # ---------------------------------------------------------------- shrink
