@@ -149,9 +149,25 @@ pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s,
 
 /* ---------------- destroy and abort ---------------- */
 
+/* In a child made by fork(): c is a copy (its locks maybe held by a thread
+ * that does not exist here, its handle the parent's), so destroy() and
+ * abort() only forget it: gone, nothing called, nothing freed. */
+static int
+forget_in_child(pyccl_comm *c)
+{
+    if (c->pid == getpid()) {
+        return 0;
+    }
+    c->life = PYCCL_LIFE_GONE;
+    return 1;
+}
+
 int
 pyccl_call_destroy_begin(pyccl_state *st, const char *op, pyccl_comm *c)
 {
+    if (forget_in_child(c)) {
+        return 1;
+    }
     if (c->pending) {
         return pyccl_raise_not_ready(op);
     }
@@ -187,6 +203,9 @@ int
 pyccl_call_abort_check(pyccl_state *st, pyccl_comm *c)
 {
     (void)st;
+    if (forget_in_child(c)) {
+        return 2;
+    }
     if (c->pending) {
         return pyccl_raise_not_ready("abort");
     }

@@ -80,7 +80,8 @@ void pyccl_call_destroy_end(pyccl_comm *c);
 /* abort(): -1 with RuntimeError when it must be refused (a group that has
  * not ended holds work of c; without a timeout, another thread's call other
  * than an own-kernel set-up is in flight); 1 when c is being destroyed (only
- * the own kernels' waits are to be ended); else 0.  Decided before any side
+ * the own kernels' waits are to be ended); 2 in a child made by fork()
+ * (c forgotten: nothing else to do); else 0.  Decided before any side
  * effect. */
 int pyccl_call_abort_check(pyccl_state *st, pyccl_comm *c);
 

@@ -35,6 +35,7 @@ pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size, int device)
         return NULL;
     }
     pthread_mutex_init(&c->mu, NULL);
+    c->pid = getpid();
     c->blocking = 1;
     c->comm = comm;
     c->rank = rank;
@@ -352,8 +353,8 @@ comm_get_rank_or_size(PyObject *self, void *closure)
 static ncclComm_t
 usable_handle(pyccl_comm *c)
 {
-    if (pyccl_comm_failed(c)) {
-        return NULL;
+    if (pyccl_comm_failed(c) || c->life == PYCCL_LIFE_GONE || c->pid != getpid()) {
+        return NULL; /* a fork()'s copy has no handle of its own */
     }
     return c->comm;
 }
@@ -422,6 +423,9 @@ comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
     int d = pyccl_call_abort_check(st, c);
     if (d < 0) {
         return NULL;
+    }
+    if (d == 2) {
+        Py_RETURN_NONE; /* a fork()'s copy: forgotten, the parent's kernels untouched */
     }
     pyccl_ar_stop(c); /* the own kernels waiting for peers return first */
     if (d > 0) {

@@ -130,8 +130,25 @@ pyccl_raise_not_ready(const char *op)
 }
 
 int
+pyccl_raise_forked(const char *op, const pyccl_comm *c)
+{
+    if (c->pid == getpid()) {
+        return 0;
+    }
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: the communicator (rank %d of %d) was made by process %d; this process "
+                 "(%d) is a child made by fork(), where it cannot be used (NCCL's state does "
+                 "not survive a fork): drop it, and make a new one here",
+                 op, c->rank, c->size, (int)c->pid, (int)getpid());
+    return -1;
+}
+
+int
 pyccl_raise_unusable(const char *op, const pyccl_comm *c)
 {
+    if (pyccl_raise_forked(op, c) < 0) {
+        return -1;
+    }
     if (c->pending) {
         return pyccl_raise_not_ready(op);
     }

@@ -38,6 +38,10 @@ void pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
 /* RuntimeError "<op>: the communicator is not ready: it was created inside
  * pyccl.group(), which has not ended yet"; always -1. */
 int pyccl_raise_not_ready(const char *op);
+/* -1 with RuntimeError when c was made by another process (this one is a
+ * child made by fork()): its locks and NCCL state are a copy no call may
+ * touch; else 0. */
+int pyccl_raise_forked(const char *op, const pyccl_comm *c);
 /* c's own state (not its watch's): -1 raising RuntimeError when it is not
  * ready (above) or has been destroyed (also while destroy() runs), else 0. */
 int pyccl_raise_unusable(const char *op, const pyccl_comm *c);

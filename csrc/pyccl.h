@@ -14,7 +14,9 @@
 #include <structmember.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <sys/types.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Monotonic seconds: the clock of every deadline in pyccl (libc only, so
  * any layer may use it). */
@@ -262,6 +264,8 @@ typedef struct {
     int life;
     int abort_asked;
     int pending;         /* split inside pyccl.group(): NCCL writes `comm` at the group's end */
+    pid_t pid;           /* the process that made it: a child made by fork() inherits a copy
+                          * of it (locks a parent's thread held included) it cannot use */
     PyObject *weakreflist;
     PyObject *name;      /* str, made on first read of .name; NULL before */
     /* Created with timeout= (or failed/aborted): the watchdog's record of it,

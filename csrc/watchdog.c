@@ -752,6 +752,9 @@ pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c)
 int
 pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
 {
+    if (pyccl_raise_forked(op, c) < 0) {
+        return -1; /* nothing of it read: a parent's thread may hold its locks */
+    }
     if (c->watch != NULL && pyccl_watch_check(st, op, c) < 0) {
         return -1; /* timed out or aborted */
     }

@@ -741,6 +741,64 @@ def sigint_in_barrier():
     return "not interrupted"
 
 
+def fork_beside_a_call():
+    """fork() while another thread of this process is inside calls on a communicator (timeout
+    and blocking as given): the child's copy raises at once, whatever locks the parent's
+    thread held; destroy() and abort() there forget it (no NCCL call, nothing waited for);
+    the child ends within its bound; the parent's communicator works on."""
+    p = _params()
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=p["timeout"],
+                           blocking=p.get("blocking"))
+    a = Array([1.0, 2.0])
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            c.all_reduce(a, op=pyccl.premul_sum(1.0))  # several NCCL calls under the lock
+
+    t = threading.Thread(target=busy)
+    t.start()
+    outcomes = []
+    for k in range(p["tries"]):
+        time.sleep(0.001)
+        pid = os.fork()
+        if pid == 0:  # the child: one thread, a copy of everything
+            code = 0
+            try:
+                try:
+                    c.all_reduce(a)
+                    code = 10
+                except RuntimeError as e:
+                    want = (f"all_reduce: the communicator (rank 0 of 2) was made by process "
+                            f"{os.getppid()}; this process ({os.getpid()}) is a child made by "
+                            "fork(), where it cannot be used (NCCL's state does not survive a "
+                            "fork): drop it, and make a new one here")
+                    code = 0 if str(e) == want else 11
+                if code == 0 and (c.abort() is not None or c.destroy() is not None or not c.destroyed):
+                    code = 12
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 10
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise AssertionError(f"try {k}: the child hung")
+            time.sleep(0.005)
+        outcomes.append(os.waitstatus_to_exitcode(status))
+    stop.set()
+    t.join(LIFE_JOIN)
+    assert outcomes == [0] * p["tries"], outcomes
+    c.all_reduce(a)
+    c.wait() if p["timeout"] else None
+    c.destroy()
+    clean()
+    return {"tries": p["tries"]}
+
+
 def exit_with_stuck_work():
     c = new(timeout=60)
     c.all_reduce(Array([1.0]))

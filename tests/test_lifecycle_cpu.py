@@ -146,6 +146,16 @@ def test_close_beside_abort(lib, timeout):
     assert got["tries"] == 300
 
 
+@pytest.mark.parametrize("timeout,blocking", [(5.0, None), (5.0, True), (None, None)],
+                         ids=["timeout", "timeout-blocking", "untimed"])
+def test_fork_beside_a_call(lib, timeout, blocking):
+    # a child made by fork() while a parent's thread was inside calls: its copy of the
+    # communicator raises at once naming both processes (before, the child could hang on the
+    # inherited lock), abort() and destroy() forget it; the parent's one works on
+    got = run(lib, "fork_beside_a_call", timeout=timeout, blocking=blocking, tries=20)
+    assert got == {"tries": 20}
+
+
 # ---------------------------------------------------------------- premul_sum with algo=
 
 @pytest.mark.parametrize("timeout", TIMEOUTS)
