@@ -121,6 +121,26 @@ pyccl_reg_close(pyccl_state *st, pyccl_reg *r, int forget, int who)
     if (who == PYCCL_CLOSE_BY_USER && c->life == PYCCL_LIFE_DESTROYING) {
         return 0; /* destroy() deregisters it, in its order */
     }
+    if (!by_comm && !forget && c->in_group > 0 && c->comm != NULL && !pyccl_comm_failed(c)) {
+        /* work of c queued in an open group may be on this memory: NCCL runs
+         * it at the group's end */
+        PyErr_Format(PyExc_RuntimeError,
+                     "Registration.close: the communicator (rank %d of %d) has work queued "
+                     "in a pyccl.group() that has not ended; close the registration after "
+                     "the group",
+                     c->rank, c->size);
+        return -1;
+    }
+    if (!by_comm && !forget && c->comm != NULL && c->life == PYCCL_LIFE_USABLE &&
+        !pyccl_comm_failed(c) && !c->pending && st != NULL && st->api.loaded &&
+        !st->exiting && pyccl_comm_drain(st, "Registration.close", c) < 0) {
+        /* the work enqueued so far (which may use this memory) first, as
+         * wait() waits for it; the registration stays open when that fails */
+        return -1;
+    }
+    if (!r->open) {
+        return 0; /* another thread closed it while this one waited */
+    }
     void *h = r->handle;
     int window = r->window;
     PyObject *tensor = r->tensor;
@@ -149,6 +169,17 @@ void
 pyccl_release_registrations(pyccl_state *st, pyccl_comm *c, int forget)
 {
     int gone = forget == 2 ? 2 : 1;
+    if (!forget && c->regs != NULL && c->comm != NULL && !pyccl_comm_failed(c) &&
+        st->api.loaded && !st->exiting) {
+        /* the work enqueued so far may use the registered memory: it ends
+         * before the memory is deregistered (bounded by a timeout, which
+         * fails the communicator: then nothing is deregistered through it) */
+        PyObject *exc = PyErr_GetRaisedException();
+        if (pyccl_comm_drain(st, "destroy", c) < 0) {
+            PyErr_Clear();
+        }
+        PyErr_SetRaisedException(exc);
+    }
     /* newest first: windows were made in one order on every rank, and go in
      * the reverse one on every rank */
     while (c->regs != NULL) {

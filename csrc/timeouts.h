@@ -105,6 +105,11 @@ int pyccl_watch_shrink(pyccl_state *st, pyccl_comm *c, int *exclude, int n,
  * timeout (barrier()): an event polled with the GIL released, Ctrl-C
  * (KeyboardInterrupt) between polls, as wait() does.  -1 with an exception. */
 int pyccl_wait_stream(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s);
+/* The work enqueued on c so far done (what wait() waits for): with a
+ * timeout, bounded by it (c fails past it); without, as long as it takes,
+ * Ctrl-C between polls.  Nothing to wait for once c failed.  -1 with an
+ * exception. */
+int pyccl_comm_drain(pyccl_state *st, const char *op, pyccl_comm *c);
 /* barrier()'s wait: until c's work so far finished (GIL released). */
 int pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
                      double timeout);

@@ -113,6 +113,18 @@ wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)
 }
 
 int
+pyccl_comm_drain(pyccl_state *st, const char *op, pyccl_comm *c)
+{
+    if (c->watch == NULL) {
+        return wait_streams(st, op, c, 0.0);
+    }
+    if (failed_kind(c->watch)) {
+        return 0; /* its work was stopped with it */
+    }
+    return pyccl_watch_wait(st, op, c, c->watch->timeout);
+}
+
+int
 pyccl_wait_stream(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s)
 {
     return wait_stream_list(st, op, c, &s, 1, 0.0);

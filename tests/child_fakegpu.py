@@ -1811,6 +1811,37 @@ def async_error_beside():
     return {"tries": p["tries"], "concurrent": get("concurrent")}
 
 
+def close_waits_for_work():
+    """A registration's close() (and destroy()'s own) while a collective on its memory still
+    runs: the deregistration comes after the work ended (the stand-in counts one made while
+    the communicator's work has not, dereg_busy); inside an open pyccl.group() holding work
+    of the communicator, close() is refused and the registration stays open."""
+    p = _params()
+    put("op_time", 0.3)
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=p["timeout"])
+    buf = Array([1.0, 2.0])
+    reg = c.register(buf)
+    c.all_reduce(buf, algo="nccl")
+    took, err = timed(reg.close)
+    assert err is None and reg.closed and 0.2 < took < 2.0, (took, err)
+    reg = c.register(buf)
+    with pyccl.group():
+        c.all_reduce(buf)
+        _expect(RuntimeError, "Registration.close: the communicator (rank 0 of 2) has work queued "
+                "in a pyccl.group() that has not ended; close the registration after the group",
+                reg.close)
+        assert not reg.closed
+    reg.close()
+    assert reg.closed
+    regs = [c.register(Array([3.0])), c.register(Array([4.0]))]
+    c.all_reduce(buf, algo="nccl")
+    c.destroy()  # deregisters both, after the all_reduce
+    assert all(r.closed for r in regs)
+    put("op_time", 0.0)
+    clean()
+    return {"dereg_busy": get("dereg_busy"), "dereg_calls": get("dereg_calls")}
+
+
 def close_beside_abort():
     """A registration's close() on one thread while another aborts its communicator
     (timeout as given): close() deregisters on the live handle or raises "has been

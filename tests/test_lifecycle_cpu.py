@@ -138,6 +138,13 @@ def test_registration_deregistered_once(lib, how, timeout):
 
 
 @pytest.mark.parametrize("timeout", TIMEOUTS)
+def test_close_waits_for_the_work_on_its_memory(lib, timeout):
+    # close() and destroy() deregister after the work enqueued so far ended (before: at
+    # once, under a collective still reading the memory); refused inside an open group
+    assert run(lib, "close_waits_for_work", timeout=timeout) == {"dereg_busy": 0, "dereg_calls": 4}
+
+
+@pytest.mark.parametrize("timeout", TIMEOUTS)
 def test_close_beside_abort(lib, timeout):
     # a registration's close() racing abort() on another thread: deregistered on the live
     # handle or "has been aborted", never NCCL's error for a NULL handle, and the

@@ -84,6 +84,7 @@ struct fcomm {
     int xseq;           /* FAKE_PEER_MEMORY: collectives exchanged so far */
     int serial;         /* the n-th communicator this process made (ranks make them alike) */
     struct fcomm *split_child;
+    double work_until;  /* its ops enqueued so far end then (INFINITY: behind a dead peer) */
 };
 
 #define MAGIC 0x5ca1ab1e
@@ -111,7 +112,8 @@ static __thread int group_nops;
     X(mem_live) X(ipc_live) X(host_live) X(launches)                        \
     X(nccl_mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)    \
     X(dereg_calls) X(reg_delay) X(reg_hang) X(reg_quiet) X(cumem_held)    \
-    X(dereg_delay) X(redop_creates) X(ar_stuck) X(revokes) X(shrinks)
+    X(dereg_delay) X(redop_creates) X(ar_stuck) X(revokes) X(shrinks)    \
+    X(dereg_busy)
 #define DECL(k) static double k;
 KEYS(DECL)
 #undef DECL
@@ -535,10 +537,12 @@ run_op(struct fcomm *c, uintptr_t s, const void *send, void *recv, size_t n,
         if (f->blocker == NULL || STOPPED(f->blocker)) {
             f->blocker = c; /* stuck until c is aborted */
         }
+        c->work_until = INFINITY;
         return;
     }
     double t = now();
     f->done_at = (f->done_at > t ? f->done_at : t) + op_time;
+    c->work_until = c->work_until > f->done_at ? c->work_until : f->done_at;
     if (recv != NULL && send != NULL) {
         memmove(recv, send, (size_t)bytes);
         if (is_f32_sum) {
@@ -1146,6 +1150,7 @@ ncclCommDeregister(const ncclComm_t c, void *handle)
     }
     dereg_wait();
     settle(c);
+    dereg_busy += now() < c->work_until; /* memory that work still reads or writes */
     if (handle == NULL || registered <= 0) {
         misuse++;
     }
@@ -1197,6 +1202,7 @@ ncclCommWindowDeregister(ncclComm_t c, fwin *win)
     }
     dereg_wait();
     settle(c);
+    dereg_busy += now() < c->work_until;
     if (win == NULL || win->magic != MAGIC) {
         misuse++;
     }
