@@ -116,6 +116,7 @@ pyccl_call_run(pyccl_state *st, const char *op, pyccl_comm *c, const pyccl_task 
     /* The call begins: a communicator with a watch is checked by the watch's
      * enqueue before it enqueues anything (its failure first, as
      * pyccl_call_begin would: nothing runs between), the others here. */
+    pyccl_watch_reap(st);
     if (c->watch == NULL && pyccl_raise_unusable(op, c) < 0) {
         return -1;
     }
@@ -168,6 +169,7 @@ pyccl_call_destroy_begin(pyccl_state *st, const char *op, pyccl_comm *c)
     if (forget_in_child(c)) {
         return 1;
     }
+    pyccl_watch_reap(st);
     if (c->pending) {
         return pyccl_raise_not_ready(op);
     }
@@ -202,10 +204,10 @@ pyccl_call_destroy_end(pyccl_comm *c)
 int
 pyccl_call_abort_check(pyccl_state *st, pyccl_comm *c)
 {
-    (void)st;
     if (forget_in_child(c)) {
         return 2;
     }
+    pyccl_watch_reap(st);
     if (c->pending) {
         return pyccl_raise_not_ready("abort");
     }

@@ -11,6 +11,7 @@
 #include "errors.h"
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 /* The next communicator of cs after `after` in address order that has no
@@ -200,6 +201,78 @@ static _Thread_local int group_timed = -1;
 static _Thread_local PyObject **group_comms;
 static _Thread_local Py_ssize_t group_n, group_cap;
 
+/* A thread that ends with its pyccl.group() open (its work queued, never
+ * run) hands the communicators of that group over, here: their list goes
+ * on `lost` at the thread's end (a pthread key's destructor, without the
+ * GIL), and the next entry of the door that looks (pyccl_group_reap, with
+ * the GIL) takes them out of the group and has them failed.  Process-wide
+ * by nature, so kept in statics, under lost_mu. */
+typedef struct lost_group {
+    PyObject **v;
+    Py_ssize_t n;
+    struct lost_group *next;
+} lost_group;
+static pthread_key_t group_key;
+static pthread_once_t group_key_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t lost_mu = PTHREAD_MUTEX_INITIALIZER;
+static lost_group *lost;
+static int lost_any;
+
+static void
+group_thread_end(void *unused)
+{
+    (void)unused;
+    if (group_n == 0) {
+        return;
+    }
+    lost_group *g = malloc(sizeof *g);
+    if (g == NULL) {
+        return; /* kept in the group for good: the communicators stay refused */
+    }
+    g->v = group_comms;
+    g->n = group_n;
+    group_comms = NULL;
+    group_n = group_cap = 0;
+    pthread_mutex_lock(&lost_mu);
+    g->next = lost;
+    lost = g;
+    __atomic_store_n(&lost_any, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&lost_mu);
+}
+
+static void
+make_group_key(void)
+{
+    (void)pthread_key_create(&group_key, group_thread_end);
+}
+
+void
+pyccl_group_reap(void (*lost_one)(pyccl_comm *c, void *arg), void *arg)
+{
+    if (!__atomic_load_n(&lost_any, __ATOMIC_ACQUIRE)) {
+        return;
+    }
+    pthread_mutex_lock(&lost_mu);
+    lost_group *all = lost;
+    lost = NULL;
+    __atomic_store_n(&lost_any, 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&lost_mu);
+    while (all != NULL) {
+        lost_group *g = all;
+        all = g->next;
+        for (Py_ssize_t i = 0; i < g->n; i++) {
+            pyccl_comm *c = (pyccl_comm *)g->v[i];
+            c->in_group--;
+            lost_one(c, arg);
+        }
+        for (Py_ssize_t i = 0; i < g->n; i++) {
+            Py_DECREF(g->v[i]);
+        }
+        PyMem_Free(g->v);
+        free(g);
+    }
+}
+
 int
 pyccl_group_depth(void)
 {
@@ -281,6 +354,10 @@ pyccl_group_call(pyccl_state *st, int start, char *last, size_t last_size,
     Py_END_ALLOW_THREADS
     if (start) {
         group_depth += r == ncclSuccess;
+        if (group_depth == 1) { /* its end, if the thread's comes first */
+            pthread_once(&group_key_once, make_group_key);
+            pthread_setspecific(group_key, (void *)1);
+        }
     }
     else {
         /* NCCL leaves the group level even when the end fails */

@@ -60,6 +60,11 @@ int pyccl_group_note(pyccl_comm *c);
 /* The outermost pyccl.group() of this thread ended (after its watched
  * communicators were settled): the communicators used in it leave it. */
 void pyccl_group_done(void);
+/* With the GIL: the communicators of pyccl.group()s whose thread ended
+ * before the group did (their queued work never runs) leave those groups,
+ * each handed to lost_one(c, arg) to be failed.  A load when there are
+ * none. */
+void pyccl_group_reap(void (*lost_one)(pyccl_comm *c, void *arg), void *arg);
 /* ncclGroupStart (start) or ncclGroupEnd with the GIL released; NCCL's
  * result, with ncclGetLastError's text copied into `last` on error.
  * *outermost: this ended the thread's outermost group (even when failing:

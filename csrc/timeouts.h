@@ -129,6 +129,11 @@ int pyccl_watch_abort(pyccl_state *st, pyccl_comm *c);
 PyObject *pyccl_comm_wait(PyObject *self, PyObject *const *args,
                           Py_ssize_t nargs, PyObject *kwnames);
 PyObject *pyccl_comm_get_async_error(PyObject *self, PyObject *unused);
+/* The communicators of pyccl.group()s whose thread ended before its group
+ * did leave those groups and are failed ("... that work never ran, and the
+ * communicator was aborted"); the door calls it before its decisions.  With
+ * the GIL; a load when there are none. */
+void pyccl_watch_reap(pyccl_state *st);
 /* Interpreter exit: stop the watchdog, and abort the watched communicators
  * whose work has not finished (their kernels would spin on forever). */
 void pyccl_watchdog_at_exit(pyccl_state *st);

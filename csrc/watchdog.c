@@ -755,6 +755,7 @@ pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
     if (pyccl_raise_forked(op, c) < 0) {
         return -1; /* nothing of it read: a parent's thread may hold its locks */
     }
+    pyccl_watch_reap(st); /* a group whose thread ended fails its communicators */
     if (c->watch != NULL && pyccl_watch_check(st, op, c) < 0) {
         return -1; /* timed out or aborted */
     }
@@ -877,6 +878,109 @@ typedef struct {
 static _Thread_local group_entry *tl_group;
 static _Thread_local int tl_group_n, tl_group_cap;
 
+/* As enqueue.c's list (pyccl_group_reap): a thread that ends with its group
+ * open hands its entries over at its end; pyccl_watch_reap takes the
+ * watches out of the group and fails the communicators. */
+typedef struct lost_entries {
+    group_entry *g;
+    int n;
+    struct lost_entries *next;
+} lost_entries;
+static pthread_key_t tl_key;
+static pthread_once_t tl_key_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t tl_lost_mu = PTHREAD_MUTEX_INITIALIZER;
+static lost_entries *tl_lost;
+static int tl_lost_any;
+
+static void
+tl_thread_end(void *unused)
+{
+    (void)unused;
+    if (tl_group_n == 0) {
+        return;
+    }
+    lost_entries *e = malloc(sizeof *e);
+    if (e == NULL) {
+        return;
+    }
+    e->g = tl_group;
+    e->n = tl_group_n;
+    tl_group = NULL;
+    tl_group_n = tl_group_cap = 0;
+    pthread_mutex_lock(&tl_lost_mu);
+    e->next = tl_lost;
+    tl_lost = e;
+    __atomic_store_n(&tl_lost_any, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&tl_lost_mu);
+}
+
+static void
+make_tl_key(void)
+{
+    (void)pthread_key_create(&tl_key, tl_thread_end);
+}
+
+/* A communicator whose group's thread ended: failed, with what happened. */
+static void
+fail_lost(pyccl_comm *c, void *arg)
+{
+    pyccl_state *st = arg;
+    char reason[256];
+    snprintf(reason, sizeof reason,
+             "the communicator (rank %d of %d) had work queued in a pyccl.group() of a "
+             "thread that ended without ending the group; that work never ran, and the "
+             "communicator was aborted",
+             c->rank, c->size);
+    if (c->watch == NULL) {
+        if (c->comm != NULL) {
+            (void)mark_untimed(st, c, PYCCL_FAIL_ABORTED, reason);
+            PyErr_Clear(); /* no memory for the record: it stays as it was */
+        }
+        return;
+    }
+    struct pyccl_watch *w = c->watch;
+    lock_watch(w);
+    Py_BEGIN_ALLOW_THREADS
+    watch_fail(w, PYCCL_FAIL_ABORTED, 0, "%s", reason);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_unlock(&w->mu);
+    c->comm = NULL;
+}
+
+void
+pyccl_watch_reap(pyccl_state *st)
+{
+    if (__atomic_load_n(&tl_lost_any, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_lock(&tl_lost_mu);
+        lost_entries *all = tl_lost;
+        tl_lost = NULL;
+        __atomic_store_n(&tl_lost_any, 0, __ATOMIC_RELEASE);
+        pthread_mutex_unlock(&tl_lost_mu);
+        while (all != NULL) {
+            lost_entries *e = all;
+            all = e->next;
+            for (int i = 0; i < e->n; i++) {
+                struct pyccl_watch *w = e->g[i].w;
+                int first = 1; /* counted once per watch in its group */
+                for (int k = 0; k < i; k++) {
+                    first &= e->g[k].w != w;
+                }
+                if (first) {
+                    lock_watch(w);
+                    w->in_group -= w->in_group > 0;
+                    pthread_mutex_unlock(&w->mu);
+                }
+            }
+            for (int i = 0; i < e->n; i++) {
+                Py_DECREF(e->g[i].comm);
+            }
+            PyMem_RawFree(e->g);
+            free(e);
+        }
+    }
+    pyccl_group_reap(fail_lost, st);
+}
+
 int
 group_has(struct pyccl_watch *w)
 {
@@ -906,6 +1010,10 @@ group_add(PyObject *comm, struct pyccl_watch *w, cudaStream_t s,
         }
         tl_group = g;
         tl_group_cap = cap;
+    }
+    if (tl_group_n == 0) { /* handed over if the thread ends first */
+        pthread_once(&tl_key_once, make_tl_key);
+        pthread_setspecific(tl_key, (void *)1);
     }
     tl_group[tl_group_n].comm = Py_NewRef(comm);
     tl_group[tl_group_n].w = w;

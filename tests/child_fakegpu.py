@@ -1811,6 +1811,41 @@ def async_error_beside():
     return {"tries": p["tries"], "concurrent": get("concurrent")}
 
 
+def group_of_a_thread_that_ended():
+    """A thread opens a pyccl.group() (the raw start, as a generator left open would), queues
+    an all_reduce and ends without ending it (timeout as given): the work never runs, so the
+    communicator is failed with that reason at the next call; destroy() and abort() work
+    (before: refused "in a group" for good); another communicator is untouched."""
+    p = _params()
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=p["timeout"])
+    other = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=p["timeout"])
+    a = Array([1.0, 2.0])
+
+    def leave_it_open():
+        pyccl._C._nccl_group_start()
+        c.all_reduce(a, algo="nccl")
+
+    t = threading.Thread(target=leave_it_open)
+    t.start()
+    t.join(LIFE_JOIN)
+    time.sleep(0.2)  # join() returns before the thread's own end (where it hands its group over)
+    reason = ("all_reduce: the communicator (rank 0 of 2) had work queued in a pyccl.group() of "
+              "a thread that ended without ending the group; that work never ran, and the "
+              "communicator was aborted")
+    _expect(RuntimeError, reason, lambda: c.all_reduce(a))
+    assert c.destroyed
+    other.all_reduce(a, algo="nccl")
+    if p["timeout"]:
+        other.wait()
+    assert a.tolist() == [2.0, 4.0], a.tolist()
+    end = getattr(c, p["end"])
+    assert end() is None
+    other.destroy()
+    c.destroy()
+    clean()
+    return "ok"
+
+
 def close_waits_for_work():
     """A registration's close() (and destroy()'s own) while a collective on its memory still
     runs: the deregistration comes after the work ended (the stand-in counts one made while

@@ -120,6 +120,15 @@ def test_open_group_keeps_the_communicator(lib, whose, timeout):
 
 
 @pytest.mark.parametrize("timeout", TIMEOUTS)
+@pytest.mark.parametrize("end", ["destroy", "abort"])
+def test_group_of_a_thread_that_ended(lib, timeout, end):
+    # a thread that ends with its group open no longer pins the communicator: the next call
+    # raises why (its queued work never ran; the communicator was aborted), and destroy()
+    # or abort() work
+    assert run(lib, "group_of_a_thread_that_ended", timeout=timeout, end=end) == "ok"
+
+
+@pytest.mark.parametrize("timeout", TIMEOUTS)
 def test_barrier_refused_inside_a_group(lib, timeout):
     # "barrier: cannot wait inside pyccl.group(); call it after the group ends", first in
     # the group and after queued work; the group's own all_reduce still runs, once
