@@ -566,6 +566,11 @@ free_watch(struct pyccl_watch *w)
     PyMem_RawFree(w);
 }
 
+/* c fails as `kind` for `reason` (the whole message), GIL held, nothing
+ * raised: its watch failed, or a record made for a communicator without
+ * one (no memory for it: c stays as it was).  The first failure stays. */
+static void fail_comm(pyccl_state *st, pyccl_comm *c, int kind, const char *reason);
+
 int
 mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
 {
@@ -591,6 +596,24 @@ mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
     return 0;
 }
 
+static void
+fail_comm(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
+{
+    struct pyccl_watch *w = c->watch;
+    if (w == NULL) {
+        if (mark_untimed(st, c, kind, reason) < 0) {
+            PyErr_Clear();
+        }
+        return;
+    }
+    lock_watch(w);
+    Py_BEGIN_ALLOW_THREADS
+    watch_fail(w, kind, 0, "%s", reason);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_unlock(&w->mu);
+    c->comm = NULL;
+}
+
 void
 pyccl_comm_time_out(pyccl_state *st, pyccl_comm *c, int *stop, const char *reason)
 {
@@ -598,19 +621,7 @@ pyccl_comm_time_out(pyccl_state *st, pyccl_comm *c, int *stop, const char *reaso
         /* the own kernels that wait for peers give up first */
         *(volatile int *)stop = 2;
     }
-    struct pyccl_watch *w = c->watch;
-    if (w == NULL) {
-        if (mark_untimed(st, c, PYCCL_FAIL_TIMEOUT, reason) < 0) {
-            PyErr_Clear();
-        }
-        return;
-    }
-    lock_watch(w);
-    Py_BEGIN_ALLOW_THREADS
-    watch_fail(w, PYCCL_FAIL_TIMEOUT, 0, "%s", reason);
-    Py_END_ALLOW_THREADS
-    pthread_mutex_unlock(&w->mu);
-    c->comm = NULL;
+    fail_comm(st, c, PYCCL_FAIL_TIMEOUT, reason);
 }
 
 /* ---------------- waiting with the GIL released ---------------- */
@@ -931,20 +942,7 @@ fail_lost(pyccl_comm *c, void *arg)
              "thread that ended without ending the group; that work never ran, and the "
              "communicator was aborted",
              c->rank, c->size);
-    if (c->watch == NULL) {
-        if (c->comm != NULL) {
-            (void)mark_untimed(st, c, PYCCL_FAIL_ABORTED, reason);
-            PyErr_Clear(); /* no memory for the record: it stays as it was */
-        }
-        return;
-    }
-    struct pyccl_watch *w = c->watch;
-    lock_watch(w);
-    Py_BEGIN_ALLOW_THREADS
-    watch_fail(w, PYCCL_FAIL_ABORTED, 0, "%s", reason);
-    Py_END_ALLOW_THREADS
-    pthread_mutex_unlock(&w->mu);
-    c->comm = NULL;
+    fail_comm(st, c, PYCCL_FAIL_ABORTED, reason);
 }
 
 void
