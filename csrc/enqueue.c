@@ -262,8 +262,10 @@ pyccl_group_reap(void (*lost_one)(pyccl_comm *c, void *arg), void *arg)
         all = g->next;
         for (Py_ssize_t i = 0; i < g->n; i++) {
             pyccl_comm *c = (pyccl_comm *)g->v[i];
-            c->in_group--;
+            /* failed while still counted in the group: lost_one may release
+             * the GIL, and destroy() must not free c's watch meanwhile */
             lost_one(c, arg);
+            c->in_group--;
         }
         for (Py_ssize_t i = 0; i < g->n; i++) {
             Py_DECREF(g->v[i]);

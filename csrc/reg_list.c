@@ -133,10 +133,23 @@ pyccl_reg_close(pyccl_state *st, pyccl_reg *r, int forget, int who)
     }
     if (!by_comm && !forget && c->comm != NULL && c->life == PYCCL_LIFE_USABLE &&
         !pyccl_comm_failed(c) && !c->pending && st != NULL && st->api.loaded &&
-        !st->exiting && pyccl_comm_drain(st, "Registration.close", c) < 0) {
+        !st->exiting) {
         /* the work enqueued so far (which may use this memory) first, as
-         * wait() waits for it; the registration stays open when that fails */
-        return -1;
+         * wait() waits for it, counted in flight the same way: with a watch
+         * (which destroy() frees) so that destroy() waits; without one not,
+         * so that abort() can end the wait; the registration stays open
+         * when the wait fails */
+        const int held = c->watch != NULL;
+        if (held) {
+            pyccl_call_hold(c);
+        }
+        int drained = pyccl_comm_drain(st, "Registration.close", c);
+        if (held) {
+            pyccl_call_end(c);
+        }
+        if (drained < 0) {
+            return -1;
+        }
     }
     if (!r->open) {
         return 0; /* another thread closed it while this one waited */
