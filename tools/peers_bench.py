@@ -52,18 +52,28 @@ def _sizes(lo, hi, factor):
 
 
 def _events_us(fn, iters, loops=5):
-    times = []
+    """GPU µs per call of fn() (see _timed_loops)."""
+    return _timed_loops(lambda _i: fn(), iters, loops)[0] * 1e6
+
+
+def _timed_loops(fn, iters, loops=5):
+    """fn() `iters` times back to back, `loops` times after a barrier: the medians of the GPU time
+    (CUDA events around each loop) and of the host's wall time, in seconds per call."""
+    gpu, host = [], []
     for _ in range(loops):
         dist.barrier()
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(iters):
-            fn()
+        h = time.perf_counter()
+        for i in range(iters):
+            fn(i)
+        h = time.perf_counter() - h
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / iters)
-    return statistics.median(times)
+        gpu.append(a.elapsed_time(b) * 1e-3 / iters)
+        host.append(h / iters)
+    return statistics.median(gpu), statistics.median(host)
 
 
 def _capture(fn, iters):
@@ -175,22 +185,9 @@ def _ddp_worker(rank, world, port, backend, args, queue):
 
     for i in range(10):
         step(i)
-    times, host = [], []
-    for _ in range(5):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        h = time.perf_counter()
-        for i in range(args.steps):
-            step(i)
-        h = time.perf_counter() - h
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / args.steps)
-        host.append(h * 1e3 / args.steps)
-    ms = _max_over_ranks(statistics.median(times))
-    host_ms = _max_over_ranks(statistics.median(host))
+    gpu_s, host_s = _timed_loops(step, args.steps)
+    ms = _max_over_ranks(gpu_s * 1e3)
+    host_ms = _max_over_ranks(host_s * 1e3)
     table = None
     if args.profile:  # where a step's time goes, rank 0's view
         from torch.profiler import ProfilerActivity, profile
@@ -242,21 +239,8 @@ def _timeout_worker(rank, world, port, args, queue):
         for name, fn in systems.items():
             for _ in range(5):
                 fn(t)
-            gpu, host = [], []
-            for _ in range(5):
-                dist.barrier()
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                h = time.perf_counter()
-                for _ in range(args.iters):
-                    fn(t)
-                h = time.perf_counter() - h
-                b.record()
-                b.synchronize()
-                gpu.append(a.elapsed_time(b) * 1000.0 / args.iters)
-                host.append(h * 1e6 / args.iters)
-            row[name] = (statistics.median(gpu), statistics.median(host))
+            gpu_s, host_s = _timed_loops(lambda _i: fn(t), args.iters)
+            row[name] = (gpu_s * 1e6, host_s * 1e6)
         rows.append(row)
     untimed.destroy()
     timed.destroy()
