@@ -425,3 +425,53 @@ pyccl_read_device(const char *op, const char *what, PyObject *obj, int *device)
                  op, what, Py_TYPE(obj)->tp_name);
     return -1;
 }
+
+int
+pyccl_read_timeout(const char *op, PyObject *obj, double *out)
+{
+    *out = 0.0;
+    if (obj == NULL || obj == Py_None) {
+        return 0;
+    }
+    PyObject *secs = NULL; /* a datetime.timedelta's total_seconds(), as torch takes */
+    if (!PyBool_Check(obj) && !PyFloat_Check(obj) && !PyLong_Check(obj)) {
+        PyObject *dt = PyImport_ImportModule("datetime");
+        PyObject *td = dt != NULL ? PyObject_GetAttrString(dt, "timedelta") : NULL;
+        int is_td = td != NULL ? PyObject_IsInstance(obj, td) : -1;
+        Py_XDECREF(td);
+        Py_XDECREF(dt);
+        if (is_td < 0) {
+            return -1;
+        }
+        if (is_td) {
+            secs = PyObject_CallMethod(obj, "total_seconds", NULL);
+            if (secs == NULL) {
+                return -1;
+            }
+        }
+    }
+    if (secs == NULL && (PyBool_Check(obj) || !(PyFloat_Check(obj) || PyLong_Check(obj)))) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: timeout must be a number of seconds (int or float), "
+                     "a datetime.timedelta or None, got %.200s",
+                     op, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    double v = PyFloat_AsDouble(secs != NULL ? secs : obj);
+    Py_XDECREF(secs);
+    if (v == -1.0 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            return -1;
+        }
+        PyErr_Clear();
+        v = Py_HUGE_VAL;
+    }
+    if (!(v > 0.0) || !Py_IS_FINITE(v)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: timeout must be a finite number of seconds > 0, got %R",
+                     op, obj);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}

@@ -1,8 +1,7 @@
 /* Argument readers of pyccl._C: positional/keyword parsing for the fast-call
  * methods and bindings, bounded ints, the unique id.  Each raises TypeError /
  * ValueError naming the operation and the argument, with the value seen.
- * (Two readers live elsewhere for now: pyccl_read_timeout in watchdog.c and
- * pyccl_read_algo in ar.c.)  Hidden visibility: calls from the other
+ * (pyccl_read_algo lives in ar.c, beside the algorithms it names.)  Hidden visibility: calls from the other
  * files of the extension are direct, as a static function's would be. */
 #ifndef PYCCL_ARGS_H
 #define PYCCL_ARGS_H
@@ -54,6 +53,10 @@ int pyccl_read_device(const char *op, const char *what, PyObject *obj, int *devi
  * torch.cuda.nccl's) RuntimeError "invalid unique_id (...)"; any other
  * object TypeError naming op. */
 int pyccl_read_unique_id(const char *op, int torch_text, PyObject *uid, ncclUniqueId *out);
+
+/* A timeout: None -> 0; an int or float > 0, or a datetime.timedelta ->
+ * seconds; else TypeError/ValueError naming op and "timeout". */
+int pyccl_read_timeout(const char *op, PyObject *obj, double *out);
 
 #pragma GCC visibility pop
 

@@ -1,7 +1,7 @@
-/* The timeouts layer: what watchdog.c, watch_calls.c and watch_life.c offer
- * to the layers above, in one header (one layer; a caller need not know which
- * of the three defines a call).  What the three share among themselves is
- * watch.h.
+/* The timeouts layer: what watchdog.c, watch_state.c, watch_calls.c,
+ * watch_enqueue.c and watch_life.c offer to the layers above, in one header
+ * (one layer; a caller need not know which file defines a call).  What the
+ * five share among themselves is watch.h.
  *
  * A communicator created with timeout= is an NCCL non-blocking one
  * (ncclConfig_t.blocking = 0): every NCCL call on it is polled with
@@ -33,9 +33,6 @@ int pyccl_comm_give_up(pyccl_state *st, const char *op, pyccl_comm *c, const cha
  * first failure stays: an abort() or a timeout before this one is kept. */
 void pyccl_comm_time_out(pyccl_state *st, pyccl_comm *c, int *stop, const char *reason);
 
-/* None -> 0; an int or float > 0 -> seconds; else TypeError/ValueError
- * naming op and "timeout". */
-int pyccl_read_timeout(const char *op, PyObject *obj, double *out);
 /* Non-zero once c failed or was aborted (its handle is gone then).  Safe
  * without the GIL. */
 int pyccl_comm_failed(const pyccl_comm *c);

@@ -1,5 +1,5 @@
-/* What the files of the timeout machinery share (watchdog.c, watch_calls.c,
- * watch_life.c), and no other file includes: the watch of a communicator,
+/* What the files of the timeout machinery share (watchdog.c, watch_state.c,
+ * watch_calls.c, watch_enqueue.c, watch_life.c), and no other file includes: the watch of a communicator,
  * the watchdog, waits with the GIL released, failing.  Hidden from other
  * shared objects: these names are this extension's own. */
 #ifndef PYCCL_WATCH_H
@@ -113,6 +113,10 @@ struct pyccl_watch * new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, 
 /* c (without timeout) failed as `kind` for `reason`: its handle aborted, a
  * record of the failure as its watch.  -1 with MemoryError. */
 int mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason);
+/* c fails as `kind` for `reason` (the whole message), GIL held, nothing
+ * raised: its watch failed, or a record made for a communicator without
+ * one (no memory for it: c stays as it was).  The first failure stays. */
+void fail_comm(pyccl_state *st, pyccl_comm *c, int kind, const char *reason);
 int raise_failure(pyccl_state *st, const char *op, struct pyccl_watch *w);
 cudaError_t watch_record(struct pyccl_watch *w, cudaStream_t s, const char *op);
 cudaError_t watch_retire(struct pyccl_watch *w, int all, const char **bad_op);
@@ -130,6 +134,19 @@ int waiter_pause(waiter *wt);
 int poll_watch(waiter *wt, struct pyccl_watch *w, double deadline, ncclResult_t *res);
 void waiter_start(waiter *wt, int interruptible);
 int acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room, int *which);
+/* This thread's pyccl.group(): the watched communicators enqueued on inside
+ * it, with their streams, polled and tracked when the outermost group ends
+ * (NCCL launches the work then).  Each entry holds a reference to its
+ * Communicator, which keeps the watch alive. */
+typedef struct {
+    PyObject *comm;
+    struct pyccl_watch *w;
+    cudaStream_t stream;
+    const char *op;
+} group_entry;
+/* This thread's entries, taken out of it (PyMem_Raw; *n of them): the
+ * group's end settles them. */
+group_entry *group_take(int *n);
 /* This thread's open pyccl.group() holds work under w (the watch's own list
  * of it, settled at the group's end: pyccl_watch_group_end). */
 int group_has(struct pyccl_watch *w);

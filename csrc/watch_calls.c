@@ -1,5 +1,5 @@
 /* The other calls of a communicator with timeout= (its enqueue and a
- * group's end are watchdog.c's): waiting for a communicator's work
+ * group's end are watch_enqueue.c's): waiting for a communicator's work
  * (comm.wait(), barrier()), and for one without a timeout the streams it was
  * used on; the NCCL calls of pyccl's own kernels' set-up and release, held
  * under the watch (their launches are rows of the timed enqueue). */

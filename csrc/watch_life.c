@@ -7,6 +7,7 @@
 #include "enqueue.h"
 #include "tensor.h"
 #include "errors.h"
+#include "args.h"
 
 #include <pthread.h>
 #include <sched.h>

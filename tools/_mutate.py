@@ -54,7 +54,7 @@ FAULTS = [
          edits=[('    if (st == NULL || pyccl_comm_alive(st, "wait", c) < 0) {\n',
                  '    if (st == NULL) {\n')],
          tests=["tests/test_timeout_cpu.py"]),
-    dict(name="drop the GIL release around a blocking wait", tier="cpu", file="csrc/watchdog.c", edits=[
+    dict(name="drop the GIL release around a blocking wait", tier="cpu", file="csrc/watch_state.c", edits=[
         ("    wt->next_signals = pyccl_now_s() + PYCCL_SIGNAL_PERIOD;\n    wt->ts = PyEval_SaveThread();\n}\n",
          "    wt->next_signals = pyccl_now_s() + PYCCL_SIGNAL_PERIOD;\n    wt->ts = NULL;\n}\n"),
         ("void\nwaiter_finish(waiter *wt)\n{\n    PyEval_RestoreThread(wt->ts);\n}\n",

@@ -1,0 +1,532 @@
+/* The door's hook for a call on watched communicators (pyccl_enqueue_timed:
+ * its communicators checked, the group joined, back-pressure, the NCCL
+ * calls, their completion, an event, and what went wrong raised at one
+ * place) and the end of a group holding such calls; an own kernel's launch
+ * is one of its rows (PYCCL_LAUNCHED).  A group left open by a thread that
+ * ended is handed over at the thread's end and failed by the door's reap. */
+#include "timeouts.h"
+#include "watch.h"
+#include "enqueue.h"
+#include "tensor.h"
+#include "errors.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---------------- calls under the watch: the enqueue, a group's end ---------------- */
+
+/* Lock all of ws (sorted, distinct) once none is busy and, with need_room,
+ * each has room for another event.  0: all locked.  1: ws[*which] failed
+ * (nothing locked).  -1: interrupted (nothing locked). */
+int
+acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room,
+            int *which)
+{
+    for (;;) {
+        int i, wait = 0;
+        for (i = 0; i < n; i++) {
+            struct pyccl_watch *w = ws[i];
+            pthread_mutex_lock(&w->mu);
+            if (w->failed) {
+                *which = i;
+                break;
+            }
+            if (w->busy) {
+                wait = 1;
+                break;
+            }
+            if (need_room && w->nq >= 8) {
+                /* keep the queue short: the finished head, in stream order */
+                const char *bad_op = NULL;
+                int prev;
+                pyccl_device_enter(w->api, w->device, &prev);
+                cudaError_t e = watch_retire(w, w->nq >= PYCCL_MAX_PENDING, &bad_op);
+                pyccl_device_leave(w->api, w->device, prev);
+                if (e != cudaSuccess) {
+                    fail_cuda(w, bad_op, e);
+                    *which = i;
+                    break;
+                }
+                if (w->nq >= PYCCL_MAX_PENDING) {
+                    wait = 1;
+                    break;
+                }
+            }
+        }
+        if (i == n) {
+            return 0;
+        }
+        for (int j = 0; j <= i; j++) {
+            pthread_mutex_unlock(&ws[j]->mu);
+        }
+        if (!wait) {
+            return 1;
+        }
+        if (waiter_pause(wt) < 0) {
+            return -1;
+        }
+    }
+}
+
+static int
+cmp_ptr(const void *x, const void *y)
+{
+    uintptr_t a = (uintptr_t)*(void *const *)x, b = (uintptr_t)*(void *const *)y;
+    return a < b ? -1 : a > b;
+}
+
+/* The enqueue returned ncclInProgress (NCCL finishes the call in its own
+ * thread: the first call to a peer connects to it): poll every watch until
+ * done.  `busy` keeps other threads and the watchdog off meanwhile, the
+ * locks are released while polling and held again on return.  1: the
+ * deadline of ws[*which] passed; -1: interrupted; 0: done, *r the first
+ * error (ncclInProgress becomes ncclSuccess). */
+static int
+poll_in_progress(const pyccl_api *a, waiter *wt, struct pyccl_watch **ws, int nw,
+                 ncclResult_t *r, int *which)
+{
+    int polled = 0;
+    for (int j = 0; j < nw; j++) {
+        ws[j]->busy++;
+        pthread_mutex_unlock(&ws[j]->mu);
+    }
+    double t0 = pyccl_now_s();
+    for (int j = 0; j < nw && polled == 0; j++) {
+        struct pyccl_watch *w = ws[j];
+        ncclResult_t e = ncclSuccess;
+        pthread_mutex_lock(&w->mu);
+        int p = poll_watch(wt, w, t0 + w->timeout, &e);
+        pthread_mutex_unlock(&w->mu);
+        if (p == 0 && e != ncclSuccess && *r == ncclInProgress) {
+            *r = e;
+            *which = j;
+        }
+        else if (p == 1 || p == -1) {
+            polled = p;
+            *which = p == 1 ? j : *which;
+        }
+    }
+    for (int j = 0; j < nw; j++) {
+        pthread_mutex_lock(&ws[j]->mu);
+        ws[j]->busy--;
+    }
+    if (*r == ncclInProgress) {
+        *r = ncclSuccess;
+    }
+    return polled;
+}
+
+/* The distinct watches of a call's communicators, in lock order, each with
+ * the communicator it came from and whether this call is the first of the
+ * thread's open group on it; and for each of the call's rows, the watch
+ * (index into ws, -1: none) whose handle it runs on and its stream: what the
+ * watch records its events after. */
+typedef struct {
+    struct pyccl_watch *ws_small[8], **ws;
+    pyccl_comm *owners_small[8], **owners;
+    int fresh_small[8], *fresh;
+    int n;
+    struct watch_row {
+        int j;
+        cudaStream_t stream;
+    } rows_small[8], *rows;
+    Py_ssize_t nrows;
+    /* the first of the call's communicators (in their order) with a watch
+     * that had failed before the call, or that is not usable (destroy()
+     * begun by another thread while this one read its arguments): raised
+     * as the door's begin would, failure first, nothing enqueued */
+    pyccl_comm *bad;
+} watch_set;
+
+/* After the NCCL calls outside a group, every watch locked: fail each as
+ * the outcome says (timeout, interrupt, NCCL error; *which the one NCCL
+ * failed on), or record an event after its work on each of its streams;
+ * then unlock it.  Returns the first event record's error. */
+static cudaError_t
+settle_watches(const pyccl_api *a, const char *op, const watch_set *g, ncclResult_t r,
+               int polled, const char *last, int *which)
+{
+    cudaError_t rec_err = cudaSuccess;
+    for (int j = 0; j < g->n; j++) {
+        struct pyccl_watch *w = g->ws[j];
+        if (polled > 0) {
+            /* one NCCL group: the others cannot finish alone */
+            fail_timeout(w, op, "its peers");
+        }
+        else if (polled < 0) {
+            fail_interrupted(w, op);
+        }
+        else if (r != ncclSuccess && w->comm != NULL) {
+            /* In non-blocking mode a failed call may leave the
+             * communicator in error: then it is unusable. */
+            ncclResult_t e = ncclSuccess;
+            a->ncclCommGetAsyncError(w->comm, &e);
+            if (e != ncclSuccess && e != ncclInProgress) {
+                *which = j;
+                watch_fail(w, PYCCL_FAIL_NCCL, (int)e,
+                     "%s: rank %d of %d: NCCL error %d (%s)%s%s; the "
+                     "communicator was aborted",
+                     op, w->rank, w->size, (int)e,
+                     a->ncclGetErrorString(e), last[0] ? ": " : "",
+                     last);
+            }
+        }
+        else if (r == ncclSuccess && w->comm != NULL) {
+            for (Py_ssize_t i = 0; i < g->nrows && rec_err == cudaSuccess; i++) {
+                int dup = 0;
+                if (g->rows[i].j != j) {
+                    continue;
+                }
+                for (Py_ssize_t k = 0; k < i; k++) {
+                    dup |= g->rows[k].j == j && g->rows[k].stream == g->rows[i].stream;
+                }
+                if (!dup) {
+                    call_begin(w, 1);
+                    rec_err = watch_record(w, g->rows[i].stream, op);
+                    if (call_end(w, op)) {
+                        rec_err = cudaSuccess;
+                        break;
+                    }
+                }
+            }
+        }
+        pthread_mutex_unlock(&w->mu);
+    }
+    return rec_err;
+}
+
+static void
+watch_set_free(watch_set *g)
+{
+    if (g->ws != g->ws_small) {
+        PyMem_Free(g->ws);
+        PyMem_Free(g->owners);
+        PyMem_Free(g->fresh);
+    }
+    if (g->rows != g->rows_small) {
+        PyMem_Free(g->rows);
+    }
+}
+
+/* -1 with MemoryError.  The first communicator whose watch failed already,
+ * or that is not usable, is noted (g->bad), for the call to raise at its
+ * end as the door's begin would (pyccl_call_run leaves the check to this). */
+static int
+watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *tasks,
+               Py_ssize_t n, pyccl_comm *const *comms, Py_ssize_t ncomms, int in_group)
+{
+    g->n = 0;
+    g->ws = g->ws_small;
+    g->owners = g->owners_small;
+    g->fresh = g->fresh_small;
+    g->rows = g->rows_small;
+    g->nrows = n;
+    g->bad = NULL;
+    if (n > 8) {
+        g->rows = PyMem_Calloc((size_t)n, sizeof *g->rows);
+        if (g->rows == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    if (ncomms > 8) {
+        g->ws = PyMem_Calloc((size_t)ncomms, sizeof *g->ws);
+        g->owners = PyMem_Calloc((size_t)ncomms, sizeof *g->owners);
+        g->fresh = PyMem_Calloc((size_t)ncomms, sizeof *g->fresh);
+        if (g->ws == NULL || g->owners == NULL || g->fresh == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < ncomms; i++) {
+        struct pyccl_watch *w = comms[i]->watch;
+        int seen = 0;
+        for (int j = 0; j < g->n; j++) {
+            seen |= g->ws[j] == w;
+        }
+        if (w == NULL || seen) {
+            continue;
+        }
+        /* a watched communicator's handle goes only when it fails or is
+         * destroyed: no other state to look at */
+        if (g->bad == NULL && (failed_kind(w) || comms[i]->life != PYCCL_LIFE_USABLE)) {
+            g->bad = comms[i];
+        }
+        g->ws[g->n++] = w;
+    }
+    /* one lock order for every thread */
+    qsort(g->ws, (size_t)g->n, sizeof *g->ws, cmp_ptr);
+    for (int j = 0; j < g->n; j++) {
+        for (Py_ssize_t i = 0; i < ncomms; i++) {
+            if (comms[i]->watch == g->ws[j]) {
+                g->owners[j] = comms[i];
+                break;
+            }
+        }
+        g->fresh[j] = in_group && !group_has(g->ws[j]);
+    }
+    /* Each row's watch, by its handle: with every communicator usable (else
+     * nothing is enqueued), a watched one's handle is its watch's (never
+     * replaced, only cleared when it fails) and differs from every other's. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        g->rows[i].j = -1;
+        g->rows[i].stream = tasks[i].stream;
+        for (int j = 0; j < g->n; j++) {
+            if (tasks[i].comm == g->owners[j]->comm) {
+                g->rows[i].j = j;
+                break;
+            }
+        }
+    }
+    return 0;
+}
+
+/* What came of a call under the watch, raised at one place at its end. */
+typedef struct {
+    int refused;    /* the open group holds communicators without a timeout */
+    int got;        /* acquire_all: 0 locked, 1 ws[which] failed, -1 interrupted */
+    int polled;     /* 1: the deadline of ws[which] passed; -1: interrupted */
+    int which;
+    ncclResult_t r; /* the NCCL calls' (ncclInProgress polled to its end) */
+    cudaError_t rec_err;
+    char last[PYCCL_LAST_ERROR_SIZE];
+} timed_outcome;
+
+/* The calls were made and every watch is well. */
+static int
+all_well(const watch_set *g, const timed_outcome *o)
+{
+    int ok = g->bad == NULL && !o->refused && o->got == 0 && o->polled == 0 &&
+             o->r == ncclSuccess && o->rec_err == cudaSuccess;
+    for (int j = 0; ok && j < g->n; j++) {
+        ok = !failed_kind(g->ws[j]);
+    }
+    return ok;
+}
+
+/* The handles the watch aborted are forgotten (their communicators' comm
+ * cleared); the watch whose failure the call raises: the one that failed
+ * first (acquiring, or from `which` on after the calls), or -1. */
+static int
+forget_failed(watch_set *g, const timed_outcome *o)
+{
+    if (o->got == 1) {
+        g->owners[o->which]->comm = NULL;
+        return o->which;
+    }
+    if (o->refused || o->got < 0) {
+        return -1;
+    }
+    int first = -1;
+    for (int k = 0; k < g->n; k++) {
+        int j = (k + o->which) % g->n; /* the one that failed first, first */
+        if (o->polled < 0 || failed_kind(g->ws[j])) {
+            g->owners[j]->comm = NULL;
+            first = first < 0 ? j : first;
+        }
+    }
+    /* interrupted mid-call, every handle aborted: the signal handler's
+     * exception is the one raised */
+    return o->polled < 0 ? -1 : first;
+}
+
+/* The call did not go well: raise why (-1), the first failure first. */
+static int
+raise_outcome(pyccl_state *st, const char *op, watch_set *g, const timed_outcome *o)
+{
+    if (g->bad != NULL) {
+        /* found before anything was enqueued, the GIL held since: raises */
+        (void)pyccl_comm_alive(st, op, g->bad);
+        return -1;
+    }
+    int failed = forget_failed(g, o);
+    if (failed >= 0) {
+        return raise_failure(st, op, g->ws[failed]);
+    }
+    if (o->refused) {
+        return pyccl_raise_mixed_group(st, op);
+    }
+    if (o->got < 0 || o->polled < 0) {
+        return -1; /* the signal handler's exception */
+    }
+    if (o->r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, o->r, o->last);
+        return -1;
+    }
+    pyccl_raise_cuda(st, op, "cudaEventRecord", o->rec_err);
+    return -1;
+}
+
+/* Inside pyccl.group(): remember each communicator's tasks for the group's
+ * end (which the watch then covers).  -1 with MemoryError. */
+static int
+add_to_group(const char *op, watch_set *g)
+{
+    int rc = 0;
+    for (int j = 0; j < g->n; j++) {
+        for (Py_ssize_t i = 0; i < g->nrows; i++) {
+            if (g->rows[i].j == j &&
+                group_add((PyObject *)g->owners[j], g->ws[j], g->rows[i].stream, op) < 0) {
+                rc = -1;
+            }
+        }
+        if (g->fresh[j] && !group_has(g->ws[j])) {
+            /* out of memory before the entry went in: undo the count */
+            Py_BEGIN_ALLOW_THREADS
+            pthread_mutex_lock(&g->ws[j]->mu);
+            g->ws[j]->in_group--;
+            pthread_mutex_unlock(&g->ws[j]->mu);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    return rc;
+}
+
+int
+pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
+                    Py_ssize_t n, int redop, const pyccl_premul *premul,
+                    pyccl_comm *const *comms, Py_ssize_t ncomms)
+{
+    const pyccl_api *a = &st->api;
+    int in_group = pyccl_group_depth() > 0;
+    timed_outcome o = {.r = ncclSuccess, .rec_err = cudaSuccess};
+    watch_set g;
+    /* the communicators first, then this thread's open group (refused
+     * before anything is enqueued) */
+    if (watch_set_fill(&g, st, op, tasks, n, comms, ncomms, in_group) < 0 ||
+        (g.bad == NULL && (o.refused = pyccl_group_join(comms, ncomms, 1)) < 0)) {
+        watch_set_free(&g);
+        return -1;
+    }
+    struct pyccl_watch **ws = g.ws;
+    if (!o.refused && g.bad == NULL) {
+        waiter wt;
+        waiter_start(&wt, 1);
+        o.got = acquire_all(&wt, ws, g.n, !in_group, &o.which);
+        if (o.got == 0) {
+            /* one NCCL call, outside any group, is all a claim may end */
+            const int claimable = n == 1 && premul == NULL && !in_group;
+            for (int j = 0; j < g.n; j++) {
+                call_begin(ws[j], claimable);
+            }
+            /* communicators without a watch in the same call are locked too
+             * (NCCL refuses the group, but only at its end) */
+            o.r = pyccl_enqueue_calls(a, tasks, n, redop, premul, comms, ncomms, o.last,
+                                      sizeof o.last);
+            for (int j = 0; j < g.n; j++) {
+                call_end(ws[j], op);
+            }
+            if (in_group) {
+                /* NCCL launches nothing before the group's end */
+                o.r = o.r == ncclInProgress ? ncclSuccess : o.r;
+                for (int j = 0; j < g.n; j++) {
+                    ws[j]->in_group += o.r == ncclSuccess && g.fresh[j] && !ws[j]->failed;
+                    pthread_mutex_unlock(&ws[j]->mu);
+                }
+            }
+            else {
+                if (o.r == ncclInProgress) {
+                    o.polled = poll_in_progress(a, &wt, ws, g.n, &o.r, &o.which);
+                }
+                o.rec_err = settle_watches(a, op, &g, o.r, o.polled, o.last, &o.which);
+            }
+        }
+        waiter_finish(&wt);
+    }
+    int rc = all_well(&g, &o) ? (in_group ? add_to_group(op, &g) : 0)
+                              : raise_outcome(st, op, &g, &o);
+    watch_set_free(&g);
+    return rc;
+}
+
+int
+pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
+{
+    int n = 0, interrupted = 0;
+    group_entry *g = group_take(&n);
+    if (n == 0) {
+        return 0;
+    }
+    const pyccl_api *a = &st->api;
+    cudaError_t rec_err = cudaSuccess;
+    waiter wt;
+    waiter_start(&wt, 1);
+    double t0 = pyccl_now_s();
+    for (int i = 0; i < n; i++) {
+        struct pyccl_watch *w = g[i].w;
+        int first = 1;
+        for (int k = 0; k < i; k++) {
+            first &= g[k].w != w;
+        }
+        if (!first) {
+            continue;
+        }
+        pthread_mutex_lock(&w->mu);
+        if (w->comm != NULL && r == ncclInProgress) {
+            /* NCCL launches the group in its own thread: poll until done,
+             * busy keeping the watchdog and other threads off meanwhile */
+            w->busy++;
+            ncclResult_t e = ncclSuccess;
+            int p = interrupted ? 2 : poll_watch(&wt, w, t0 + w->timeout, &e);
+            if (p == 0 && e != ncclSuccess) {
+                fail_nccl(w, g[i].op, e);
+            }
+            else if (p == 1) {
+                fail_timeout(w, g[i].op, "its peers");
+            }
+            interrupted |= p == -1;
+            w->busy--;
+            if (interrupted) {
+                fail_interrupted(w, g[i].op);
+            }
+        }
+        else if (w->comm != NULL && r != ncclSuccess) {
+            /* the group failed: in non-blocking mode that may leave the
+             * communicator in error, and then it is unusable */
+            ncclResult_t e = ncclSuccess;
+            a->ncclCommGetAsyncError(w->comm, &e);
+            if (e != ncclSuccess && e != ncclInProgress) {
+                fail_nccl(w, g[i].op, e);
+            }
+        }
+        for (int k = i; k < n && rec_err == cudaSuccess; k++) {
+            if (g[k].w == w && w->comm != NULL &&
+                (r == ncclSuccess || r == ncclInProgress)) {
+                call_begin(w, 1);
+                rec_err = watch_record(w, g[k].stream, g[k].op);
+                if (call_end(w, g[k].op)) {
+                    rec_err = cudaSuccess;
+                }
+            }
+        }
+        w->in_group--;
+        pthread_mutex_unlock(&w->mu);
+    }
+    waiter_finish(&wt);
+    int rc = interrupted ? -1 : 0; /* KeyboardInterrupt is set */
+    for (int i = 0; i < n; i++) {
+        if (failed_kind(g[i].w)) {
+            ((pyccl_comm *)g[i].comm)->comm = NULL;
+            if (rc == 0) {
+                rc = raise_failure(st, g[i].op, g[i].w);
+            }
+        }
+    }
+    if (rc == 0 && rec_err != cudaSuccess) {
+        pyccl_raise_cuda(st, "group end", "cudaEventRecord", rec_err);
+        rc = -1;
+    }
+    for (int i = 0; i < n; i++) {
+        Py_DECREF(g[i].comm);
+    }
+    PyMem_RawFree(g);
+    return rc;
+}
+

@@ -1,0 +1,422 @@
+/* A watched communicator as the door and the methods see it: its timeout
+ * read (seconds or a datetime.timedelta), its failure looked at and raised,
+ * its lock entered around a short NCCL call, a failure recorded for a
+ * communicator (with or without a watch) that gives up; waits with the GIL
+ * released (a signal between pauses) and the poll of an NCCL call in
+ * progress; this thread's open pyccl.group() of watched communicators, and
+ * the groups of threads that ended with theirs open (handed over at the
+ * thread's end, failed at the door's next look: pyccl_watch_reap). */
+#include "timeouts.h"
+#include "watch.h"
+#include "enqueue.h"
+#include "tensor.h"
+#include "errors.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+int
+mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
+{
+    const pyccl_api *a = &st->api;
+    struct pyccl_watch *w = new_watch(st, c, NULL, 0.0);
+    if (w == NULL) {
+        return -1;
+    }
+    snprintf(w->reason, sizeof w->reason, "%s", reason);
+    w->failed = kind;
+    /* Under c's lock: no other thread is inside NCCL on the handle (an
+     * own-kernel set-up waits between its calls), and none uses it after. */
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&c->mu);
+    ncclComm_t comm = c->comm;
+    c->comm = NULL;
+    if (comm != NULL && a->loaded) {
+        a->ncclCommAbort(comm);
+    }
+    c->watch = w;
+    pthread_mutex_unlock(&c->mu);
+    Py_END_ALLOW_THREADS
+    return 0;
+}
+
+void
+fail_comm(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
+{
+    struct pyccl_watch *w = c->watch;
+    if (w == NULL) {
+        if (mark_untimed(st, c, kind, reason) < 0) {
+            PyErr_Clear();
+        }
+        return;
+    }
+    lock_watch(w);
+    Py_BEGIN_ALLOW_THREADS
+    watch_fail(w, kind, 0, "%s", reason);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_unlock(&w->mu);
+    c->comm = NULL;
+}
+
+void
+pyccl_comm_time_out(pyccl_state *st, pyccl_comm *c, int *stop, const char *reason)
+{
+    if (stop != NULL) {
+        /* the own kernels that wait for peers give up first */
+        *(volatile int *)stop = 2;
+    }
+    fail_comm(st, c, PYCCL_FAIL_TIMEOUT, reason);
+}
+
+/* ---------------- Python-facing helpers ---------------- */
+
+pyccl_state *
+watch_state_of(PyObject *self)
+{
+    return pyccl_state_of_type(Py_TYPE(self));
+}
+
+int
+raise_failure(pyccl_state *st, const char *op, struct pyccl_watch *w)
+{
+    return pyccl_raise_failure(st, op, failed_kind(w), w->code, w->reason, w->timeout);
+}
+
+double
+pyccl_comm_timeout(const pyccl_comm *c)
+{
+    return c->timeout;
+}
+
+int
+pyccl_comm_failed(const pyccl_comm *c)
+{
+    return c->watch != NULL && failed_kind(c->watch);
+}
+
+int
+pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c)
+{
+    struct pyccl_watch *w = c->watch;
+    if (w == NULL || !failed_kind(w)) {
+        return 0;
+    }
+    c->comm = NULL; /* aborted: nothing may use the handle any more */
+    return raise_failure(st, op, w);
+}
+
+int
+pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
+{
+    if (pyccl_raise_forked(op, c) < 0) {
+        return -1; /* nothing of it read: a parent's thread may hold its locks */
+    }
+    pyccl_watch_reap(st); /* a group whose thread ended fails its communicators */
+    if (c->watch != NULL && pyccl_watch_check(st, op, c) < 0) {
+        return -1; /* timed out or aborted */
+    }
+    return pyccl_raise_unusable(op, c);
+}
+
+int
+pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c)
+{
+    if (c->pending) {
+        return pyccl_comm_alive(st, op, c); /* raises "not ready" */
+    }
+    if (c->size > 0 || c->comm == NULL) {
+        return 0;
+    }
+    int rank = -1, size = 0;
+    ncclResult_t r = st->api.ncclCommUserRank(c->comm, &rank);
+    if (r == ncclSuccess) {
+        r = st->api.ncclCommCount(c->comm, &size);
+    }
+    if (r != ncclSuccess) {
+        pyccl_raise_nccl(st, op, r, NULL);
+        return -1;
+    }
+    if (size <= 0) {
+        return pyccl_raise_not_ready(op);
+    }
+    c->rank = rank;
+    c->size = size;
+    return 0;
+}
+
+/* Lock w, the GIL released only while waiting for it (as
+ * pyccl_lock_released does, spelled out here so that the watch's own lock
+ * stays within the watch). */
+void
+lock_watch(struct pyccl_watch *w)
+{
+    if (pthread_mutex_trylock(&w->mu) == 0) {
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&w->mu);
+    Py_END_ALLOW_THREADS
+}
+
+int
+pyccl_comm_enter(pyccl_state *st, const char *op, pyccl_comm *c)
+{
+    (void)op;
+    if (c->watch == NULL) {
+        pyccl_comm_lock(c); /* abort() cannot change watch while it is held */
+        if (c->watch == NULL && c->comm != NULL) {
+            return 0;
+        }
+        /* abort() (or destroy()) ended the handle while this thread waited
+         * for the lock: nothing for NCCL, and the lock taken is the one left */
+        pthread_mutex_unlock(&c->mu);
+        return c->watch != NULL ? pyccl_watch_check(st, op, c) : pyccl_raise_unusable(op, c);
+    }
+    lock_watch(c->watch); /* the caller's call is begun: destroy() waits */
+    if (failed_kind(c->watch)) {
+        pthread_mutex_unlock(&c->watch->mu);
+        return pyccl_watch_check(st, op, c);
+    }
+    return 0;
+}
+
+void
+pyccl_comm_leave(pyccl_comm *c)
+{
+    if (c->watch != NULL) {
+        pthread_mutex_unlock(&c->watch->mu);
+    }
+    else {
+        pthread_mutex_unlock(&c->mu);
+    }
+}
+
+/* ---------------- waiting with the GIL released ---------------- */
+
+
+void
+waiter_start(waiter *wt, int interruptible)
+{
+    wt->spins = 0;
+    wt->interruptible = interruptible;
+    wt->next_signals = pyccl_now_s() + PYCCL_SIGNAL_PERIOD;
+    wt->ts = PyEval_SaveThread();
+}
+
+void
+waiter_finish(waiter *wt)
+{
+    PyEval_RestoreThread(wt->ts);
+}
+
+/* Sleep a little, longer the longer the wait (collectives often end within
+ * microseconds); every 20 ms take the GIL for PyErr_CheckSignals.  -1 when
+ * a signal handler raised (the exception stays set for waiter_finish).
+ * Never called with a watch's lock held. */
+int
+waiter_pause(waiter *wt)
+{
+    unsigned k = wt->spins++;
+    if (k < 64) {
+        sched_yield();
+    }
+    else {
+        struct timespec d = {0, k < 256 ? 20000L : k < 1024 ? 200000L : 1000000L};
+        nanosleep(&d, NULL);
+    }
+    if (!wt->interruptible) {
+        return 0;
+    }
+    double now = pyccl_now_s();
+    if (now >= wt->next_signals) {
+        wt->next_signals = now + PYCCL_SIGNAL_PERIOD;
+        PyEval_RestoreThread(wt->ts);
+        int r = PyErr_CheckSignals();
+        wt->ts = PyEval_SaveThread();
+        if (r < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* ---------------- polling an NCCL call in progress ---------------- */
+
+int
+poll_watch(waiter *wt, struct pyccl_watch *w, double deadline, ncclResult_t *res)
+{
+    for (;;) {
+        if (w->comm == NULL) {
+            return 2; /* aborted meanwhile (abort() from a signal handler) */
+        }
+        ncclResult_t e = ncclSuccess;
+        w->api->ncclCommGetAsyncError(w->comm, &e);
+        if (e != ncclInProgress) {
+            *res = e;
+            return 0;
+        }
+        if (pyccl_now_s() > deadline) {
+            return 1;
+        }
+        pthread_mutex_unlock(&w->mu);
+        int sig = waiter_pause(wt);
+        pthread_mutex_lock(&w->mu);
+        if (sig < 0) {
+            return -1;
+        }
+    }
+}
+
+/* ---------------- a group of this thread ---------------- */
+
+static _Thread_local group_entry *tl_group;
+static _Thread_local int tl_group_n, tl_group_cap;
+
+/* As enqueue.c's list (pyccl_group_reap): a thread that ends with its group
+ * open hands its entries over at its end; pyccl_watch_reap takes the
+ * watches out of the group and fails the communicators. */
+typedef struct lost_entries {
+    group_entry *g;
+    int n;
+    struct lost_entries *next;
+} lost_entries;
+static pthread_key_t tl_key;
+static pthread_once_t tl_key_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t tl_lost_mu = PTHREAD_MUTEX_INITIALIZER;
+static lost_entries *tl_lost;
+static int tl_lost_any;
+
+static void
+tl_thread_end(void *unused)
+{
+    (void)unused;
+    if (tl_group_n == 0) {
+        return;
+    }
+    lost_entries *e = malloc(sizeof *e);
+    if (e == NULL) {
+        return;
+    }
+    e->g = tl_group;
+    e->n = tl_group_n;
+    tl_group = NULL;
+    tl_group_n = tl_group_cap = 0;
+    pthread_mutex_lock(&tl_lost_mu);
+    e->next = tl_lost;
+    tl_lost = e;
+    __atomic_store_n(&tl_lost_any, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&tl_lost_mu);
+}
+
+static void
+make_tl_key(void)
+{
+    (void)pthread_key_create(&tl_key, tl_thread_end);
+}
+
+/* A communicator whose group's thread ended: failed, with what happened. */
+static void
+fail_lost(pyccl_comm *c, void *arg)
+{
+    pyccl_state *st = arg;
+    char reason[256];
+    snprintf(reason, sizeof reason,
+             "the communicator (rank %d of %d) had work queued in a pyccl.group() of a "
+             "thread that ended without ending the group; that work never ran, and the "
+             "communicator was aborted",
+             c->rank, c->size);
+    fail_comm(st, c, PYCCL_FAIL_ABORTED, reason);
+}
+
+void
+pyccl_watch_reap(pyccl_state *st)
+{
+    if (__atomic_load_n(&tl_lost_any, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_lock(&tl_lost_mu);
+        lost_entries *all = tl_lost;
+        tl_lost = NULL;
+        __atomic_store_n(&tl_lost_any, 0, __ATOMIC_RELEASE);
+        pthread_mutex_unlock(&tl_lost_mu);
+        while (all != NULL) {
+            lost_entries *e = all;
+            all = e->next;
+            for (int i = 0; i < e->n; i++) {
+                struct pyccl_watch *w = e->g[i].w;
+                int first = 1; /* counted once per watch in its group */
+                for (int k = 0; k < i; k++) {
+                    first &= e->g[k].w != w;
+                }
+                if (first) {
+                    lock_watch(w);
+                    w->in_group -= w->in_group > 0;
+                    pthread_mutex_unlock(&w->mu);
+                }
+            }
+            for (int i = 0; i < e->n; i++) {
+                Py_DECREF(e->g[i].comm);
+            }
+            PyMem_RawFree(e->g);
+            free(e);
+        }
+    }
+    pyccl_group_reap(fail_lost, st);
+}
+
+int
+group_has(struct pyccl_watch *w)
+{
+    for (int i = 0; i < tl_group_n; i++) {
+        if (tl_group[i].w == w) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+int
+group_add(PyObject *comm, struct pyccl_watch *w, cudaStream_t s,
+          const char *op)
+{
+    for (int i = 0; i < tl_group_n; i++) {
+        if (tl_group[i].w == w && tl_group[i].stream == s) {
+            return 0;
+        }
+    }
+    if (tl_group_n == tl_group_cap) {
+        int cap = tl_group_cap ? 2 * tl_group_cap : 8;
+        group_entry *g = PyMem_RawRealloc(tl_group, (size_t)cap * sizeof *g);
+        if (g == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        tl_group = g;
+        tl_group_cap = cap;
+    }
+    if (tl_group_n == 0) { /* handed over if the thread ends first */
+        pthread_once(&tl_key_once, make_tl_key);
+        pthread_setspecific(tl_key, (void *)1);
+    }
+    tl_group[tl_group_n].comm = Py_NewRef(comm);
+    tl_group[tl_group_n].w = w;
+    tl_group[tl_group_n].stream = s;
+    tl_group[tl_group_n].op = op;
+    tl_group_n++;
+    return 0;
+}
+
+group_entry *
+group_take(int *n)
+{
+    group_entry *g = tl_group;
+    *n = tl_group_n;
+    tl_group = NULL;
+    tl_group_n = tl_group_cap = 0;
+    return g;
+}
