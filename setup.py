@@ -147,6 +147,9 @@ class BuildExt(build_ext):
         debug = _debug_build()
         for e in self.extensions:
             e.include_dirs += includes
+            if os.environ.get("PYCCL_DEBUG", "") not in ("", "0"):
+                # every lock taken checked against the order of csrc/locks.h
+                e.define_macros.append(("PYCCL_DEBUG_LOCKS", "1"))
             if not debug:
                 e.extra_compile_args.append("-g0")
                 e.extra_link_args.append("-s")

@@ -7,6 +7,7 @@
  * device).  Where anything is missing the reason is kept
  * (comm.all_reduce_info) and logged once, and NCCL does the work. */
 #include "ar.h"
+#include "locks.h"
 #include "ar_setup.h"
 #include "call.h"
 #include "timeouts.h"
@@ -236,7 +237,7 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
     Py_BEGIN_ALLOW_THREADS
     /* one set-up per communicator: another thread's call waits here, then
      * finds it done */
-    pthread_mutex_lock(&f->setup_mu);
+    pyccl_lock(&f->setup_mu, PYCCL_LOCK_SETUP);
     if (f->state == AR_UNTRIED) {
         ran = 1;
         f->deadline = f->timeout > 0 ? pyccl_now_s() + f->timeout : 0;
@@ -253,7 +254,7 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
         }
         pyccl_device_leave(a, f->device, prev);
     }
-    pthread_mutex_unlock(&f->setup_mu);
+    pyccl_unlock(&f->setup_mu);
     Py_END_ALLOW_THREADS
     c->setups--;
     if (ran && (f->gone || r != ncclSuccess)) {

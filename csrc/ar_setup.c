@@ -13,6 +13,7 @@
  * behind a barrier of every rank, or, where no barrier can be had, once every
  * peer closed its mapping (the release handshake, below). */
 #include "ar.h"
+#include "locks.h"
 #include "ar_setup.h"
 #include "timeouts.h"
 #include "tensor.h"
@@ -135,9 +136,9 @@ load_kernels(int device, char *why, size_t n)
         snprintf(why, n, "device index %d is out of pyccl's range", device);
         return -1;
     }
-    pthread_mutex_lock(&load_mu);
+    pyccl_lock(&load_mu, PYCCL_LOCK_KERNELS);
     int rc = load_kernels_locked(device, why, n);
-    pthread_mutex_unlock(&load_mu);
+    pyccl_unlock(&load_mu);
     return rc;
 #endif
 }
@@ -201,7 +202,7 @@ static pyccl_ar *live_head;
 static void
 live_add(pyccl_ar *f)
 {
-    pthread_mutex_lock(&live_mu);
+    pyccl_lock(&live_mu, PYCCL_LOCK_REGIONS);
     f->prev = NULL;
     f->next = live_head;
     if (live_head != NULL) {
@@ -209,13 +210,13 @@ live_add(pyccl_ar *f)
     }
     live_head = f;
     f->in_live = 1;
-    pthread_mutex_unlock(&live_mu);
+    pyccl_unlock(&live_mu);
 }
 
 static void
 live_remove(pyccl_ar *f)
 {
-    pthread_mutex_lock(&live_mu);
+    pyccl_lock(&live_mu, PYCCL_LOCK_REGIONS);
     if (f->in_live) {
         if (f->prev != NULL) {
             f->prev->next = f->next;
@@ -228,7 +229,7 @@ live_remove(pyccl_ar *f)
         f->prev = f->next = NULL;
         f->in_live = 0;
     }
-    pthread_mutex_unlock(&live_mu);
+    pyccl_unlock(&live_mu);
 }
 
 /* The kernels of c that wait for peers give up now (they poll this
@@ -245,13 +246,13 @@ pyccl_ar_stop(pyccl_comm *c)
 void
 pyccl_ar_stop_all(void)
 {
-    pthread_mutex_lock(&live_mu);
+    pyccl_lock(&live_mu, PYCCL_LOCK_REGIONS);
     for (pyccl_ar *f = live_head; f != NULL; f = f->next) {
         if (f->host_err != NULL) {
             *(volatile int *)f->host_err = 2;
         }
     }
-    pthread_mutex_unlock(&live_mu);
+    pyccl_unlock(&live_mu);
 }
 
 /* ---------------- the release handshake ----------------
@@ -474,10 +475,10 @@ ar_park(pyccl_ar *f, char *base)
     memcpy(k->pids, f->pids, sizeof k->pids);
     f->marks = NULL;
     f->marks_name[0] = '\0';
-    pthread_mutex_lock(&parked_mu);
+    pyccl_lock(&parked_mu, PYCCL_LOCK_REGIONS);
     k->next = parked_head;
     parked_head = k;
-    pthread_mutex_unlock(&parked_mu);
+    pyccl_unlock(&parked_mu);
     return 1;
 }
 
@@ -502,7 +503,7 @@ static int
 ar_drain(const pyccl_api *a)
 {
     int freed = 0;
-    pthread_mutex_lock(&parked_mu);
+    pyccl_lock(&parked_mu, PYCCL_LOCK_REGIONS);
     for (parked **pp = &parked_head; *pp != NULL;) {
         parked *k = *pp;
         if (!released(k)) {
@@ -523,7 +524,7 @@ ar_drain(const pyccl_api *a)
         }
         free(k);
     }
-    pthread_mutex_unlock(&parked_mu);
+    pyccl_unlock(&parked_mu);
     return freed;
 }
 
@@ -531,11 +532,11 @@ int
 pyccl_ar_parked(void)
 {
     int n = 0;
-    pthread_mutex_lock(&parked_mu);
+    pyccl_lock(&parked_mu, PYCCL_LOCK_REGIONS);
     for (parked *k = parked_head; k != NULL; k = k->next) {
         n++;
     }
-    pthread_mutex_unlock(&parked_mu);
+    pyccl_unlock(&parked_mu);
     return n;
 }
 

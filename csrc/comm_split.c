@@ -5,6 +5,7 @@
  * pending until then (communicator.c).  shrink: the ranks not excluded,
  * also from a communicator that failed (its revoked handle). */
 #include "comm_ops.h"
+#include "locks.h"
 #include "communicator.h"
 #include "call.h"
 #include "timeouts.h"
@@ -110,7 +111,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         pyccl_comm_lock(x.c); /* a short call: no GIL release around it */
         ncclResult_t r = api->ncclCommSplit(x.c->comm, color, key, slot, NULL);
         pyccl_nccl_failed(api, r, x.c->comm, last, sizeof last);
-        pthread_mutex_unlock(&x.c->mu);
+        pyccl_unlock(&x.c->mu);
         pyccl_call_end(x.c);
         if (r != ncclSuccess) {
             Py_XDECREF(child); /* stays pending until the group ends */

@@ -8,6 +8,7 @@
  * is taken back.  An error inside the group still ends the group, so NCCL's
  * group state stays balanced and the process stays usable. */
 #include "enqueue.h"
+#include "locks.h"
 #include "errors.h"
 
 #include <stdint.h>
@@ -29,33 +30,33 @@ next_untimed(pyccl_comm *const *cs, Py_ssize_t n, uintptr_t after)
     return next;
 }
 
-/* `op` (lock or unlock) on each communicator of cs without a watch, in
- * address order, so that two calls over the same set never deadlock. */
+/* Lock (or unlock) each communicator of cs without a watch, in address
+ * order, so that two calls over the same set never deadlock. */
 static void
-each_untimed(pyccl_comm *const *cs, Py_ssize_t n, int (*op)(pthread_mutex_t *))
+each_untimed(pyccl_comm *const *cs, Py_ssize_t n, int lock)
 {
     if (n == 1) { /* the Communicator methods: no search */
         if (cs[0]->watch == NULL) {
-            op(&cs[0]->mu);
+            lock ? pyccl_lock(&cs[0]->mu, PYCCL_LOCK_COMM) : pyccl_unlock(&cs[0]->mu);
         }
         return;
     }
     for (pyccl_comm *c = next_untimed(cs, n, 0); c != NULL;
          c = next_untimed(cs, n, (uintptr_t)c)) {
-        op(&c->mu);
+        lock ? pyccl_lock(&c->mu, PYCCL_LOCK_COMM) : pyccl_unlock(&c->mu);
     }
 }
 
 void
 pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n)
 {
-    each_untimed(cs, n, pthread_mutex_lock);
+    each_untimed(cs, n, 1);
 }
 
 void
 pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n)
 {
-    each_untimed(cs, n, pthread_mutex_unlock);
+    each_untimed(cs, n, 0);
 }
 
 static ncclResult_t
@@ -233,11 +234,11 @@ group_thread_end(void *unused)
     g->n = group_n;
     group_comms = NULL;
     group_n = group_cap = 0;
-    pthread_mutex_lock(&lost_mu);
+    pyccl_lock(&lost_mu, PYCCL_LOCK_LOST);
     g->next = lost;
     lost = g;
     __atomic_store_n(&lost_any, 1, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&lost_mu);
+    pyccl_unlock(&lost_mu);
 }
 
 static void
@@ -252,11 +253,11 @@ pyccl_group_reap(void (*lost_one)(pyccl_comm *c, void *arg), void *arg)
     if (!__atomic_load_n(&lost_any, __ATOMIC_ACQUIRE)) {
         return;
     }
-    pthread_mutex_lock(&lost_mu);
+    pyccl_lock(&lost_mu, PYCCL_LOCK_LOST);
     lost_group *all = lost;
     lost = NULL;
     __atomic_store_n(&lost_any, 0, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&lost_mu);
+    pyccl_unlock(&lost_mu);
     while (all != NULL) {
         lost_group *g = all;
         all = g->next;
@@ -375,7 +376,7 @@ pyccl_group_call(pyccl_state *st, int start, char *last, size_t last_size,
 void
 pyccl_comm_lock(pyccl_comm *c)
 {
-    pyccl_lock_released(&c->mu);
+    pyccl_lock_released(&c->mu, PYCCL_LOCK_COMM);
 }
 
 ncclResult_t

@@ -9,6 +9,7 @@
 #include "timeouts.h"
 #include "loader.h"
 #include "args.h"
+#include "locks.h"
 
 extern PyMethodDef pyccl_nccl_methods[];
 
@@ -162,7 +163,21 @@ communicator_by_name(PyObject *m, PyObject *name)
     return Py_NewRef(PyWeakref_GetObject(ref));
 }
 
+#ifdef PYCCL_DEBUG_LOCKS
+/* Debug builds: two locks taken against csrc/locks.h's order, which the
+ * check turns into an abort naming both (the CPU tier's proof that it runs). */
+static PyObject *
+debug_break_lock_order(PyObject *m, PyObject *Py_UNUSED(ignored))
+{
+    pyccl_lock_selftest();
+    Py_RETURN_NONE;
+}
+#endif
+
 static PyMethodDef module_methods[] = {
+#ifdef PYCCL_DEBUG_LOCKS
+    {"_debug_break_lock_order", debug_break_lock_order, METH_NOARGS, NULL},
+#endif
     {"_set_library_candidates",
      (PyCFunction)(void (*)(void))set_library_candidates, METH_FASTCALL, NULL},
     {"_at_exit", at_exit, METH_NOARGS, NULL},

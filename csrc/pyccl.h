@@ -1,6 +1,6 @@
 /* What every layer of pyccl._C shares, and that calls nothing of the
- * project's: the Python and NCCL compatibility shims, the monotonic clock and
- * a lock taken with the GIL released, the table type of the loaded NCCL/CUDA
+ * project's: the Python and NCCL compatibility shims, the monotonic clock,
+ * the table type of the loaded NCCL/CUDA
  * calls, the dtype row, the module state, a tensor as read, the communicator
  * object and its life states, the rows of a collective's NCCL calls and the
  * kinds of failure.  Every header of the project includes it.  It declares
@@ -26,19 +26,6 @@ pyccl_now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* Lock mu with the GIL held: the GIL is released only while waiting for it,
- * so a thread holding mu that needs the GIL cannot deadlock with us. */
-static inline void
-pyccl_lock_released(pthread_mutex_t *mu)
-{
-    if (pthread_mutex_trylock(mu) == 0) {
-        return;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(mu);
-    Py_END_ALLOW_THREADS
 }
 
 /* Python 3.9-3.12 spellings of calls this code uses in their 3.13 form. */
@@ -283,11 +270,12 @@ typedef struct {
     cudaStream_t *streams;   /* PyMem_Malloc'd */
     int nstreams;
     struct pyccl_ar *ar; /* own all-reduce state (ar.c), NULL until first use */
-    /* Held around every NCCL call on `comm` of a communicator without a
-     * watch (a watch's own mutex serves the others): NCCL communicators are
-     * not thread-safe.  Taken with the GIL released (pyccl_comm_lock waits
-     * without it), so no GIL holder ever blocks on it; `watch` changes from
-     * NULL only under it (abort). */
+    /* The communicator's one lock, with or without a watch (the watch's `mu`
+     * points here), held around every NCCL call on its handle: NCCL
+     * communicators are not thread-safe.  Taken with the GIL released
+     * (pyccl_comm_lock waits without it), so no GIL holder ever blocks on
+     * it; `watch` changes from NULL only under it (abort).  Its place in
+     * the lock order: locks.h. */
     pthread_mutex_t mu;
     int setups;          /* own-kernel set-ups in flight (counted in inflight too):
                           * abort() does not wait for them (they hold `mu` per NCCL call) */

@@ -27,7 +27,10 @@ typedef struct {
 } pending_event;
 
 struct pyccl_watch {
-    pthread_mutex_t mu;
+    /* The communicator's lock (its `mu`): one lock per communicator, with or
+     * without a watch.  A watch lives no longer than its communicator (freed
+     * by destroy(), or leaked with it at exit and in a forked child). */
+    pthread_mutex_t *mu;
     struct pyccl_watch *next; /* in the watchdog's list, under its mutex */
     const pyccl_api *api;
     ncclComm_t comm;          /* NULL once aborted or destroyed */

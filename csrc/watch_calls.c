@@ -4,6 +4,7 @@
  * used on; the NCCL calls of pyccl's own kernels' set-up and release, held
  * under the watch (their launches are rows of the timed enqueue). */
 #include "timeouts.h"
+#include "locks.h"
 #include "watch.h"
 #include "enqueue.h"
 #include "tensor.h"
@@ -33,7 +34,7 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
     double start = pyccl_now_s();
     waiter wt;
     waiter_start(&wt, interruptible);
-    pthread_mutex_lock(&w->mu);
+    pyccl_lock(w->mu, PYCCL_LOCK_COMM);
     uint64_t target = w->seq;
     for (;;) {
         if (w->failed) {
@@ -67,15 +68,15 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
             status = 2;
             break;
         }
-        pthread_mutex_unlock(&w->mu);
+        pyccl_unlock(w->mu);
         int sig = waiter_pause(&wt);
-        pthread_mutex_lock(&w->mu);
+        pyccl_lock(w->mu, PYCCL_LOCK_COMM);
         if (sig < 0) {
             status = -1;
             break;
         }
     }
-    pthread_mutex_unlock(&w->mu);
+    pyccl_unlock(w->mu);
     waiter_finish(&wt);
     if (status == 2) {
         return pyccl_raise_timeout(st, op, limit,
@@ -244,30 +245,27 @@ static pthread_mutex_t *
 hold(pyccl_comm *c, ncclComm_t *comm)
 {
     *comm = NULL;
-    pthread_mutex_lock(&c->mu);
+    pyccl_lock(&c->mu, PYCCL_LOCK_COMM);
     struct pyccl_watch *w = c->watch; /* changes from NULL only under c->mu */
     if (w == NULL) {
-        if (c->comm != NULL) {
-            *comm = c->comm;
-            return &c->mu;
+        if (c->comm == NULL) {
+            pyccl_unlock(&c->mu);
+            return NULL;
         }
-        pthread_mutex_unlock(&c->mu);
-        return NULL;
+        *comm = c->comm;
+        return &c->mu;
     }
-    pthread_mutex_unlock(&c->mu);
-    if (w->timeout <= 0) {
-        return NULL; /* the record of an aborted communicator */
-    }
-    pthread_mutex_lock(&w->mu);
-    if (failed_kind(w) || w->comm == NULL || w->closing) {
-        pthread_mutex_unlock(&w->mu);
+    if (w->timeout <= 0 || failed_kind(w) || w->comm == NULL || w->closing) {
+        /* aborted, failed or being destroyed (a record without a timeout:
+         * an aborted communicator's) */
+        pyccl_unlock(&c->mu);
         return NULL;
     }
     *comm = w->comm;
     /* one call in NCCL, as an enqueue is: the watchdog claims it and aborts
      * the handle when it is stuck past the timeout and the grace */
     call_begin(w, 1);
-    return &w->mu;
+    return &c->mu;
 }
 
 ncclResult_t
@@ -283,9 +281,9 @@ pyccl_comm_held_call(const pyccl_api *a, pyccl_comm *c, pyccl_task *t, int redop
     /* no communicators to lock: the one lock is held */
     ncclResult_t r = pyccl_enqueue_calls(a, t, 1, redop, NULL, NULL, 0, NULL, 0);
     struct pyccl_watch *w = c->watch;
-    if (w != NULL && held == &w->mu && call_end(w, "all_reduce")) {
+    if (w != NULL && w->timeout > 0 && call_end(w, "all_reduce")) {
         /* the watchdog aborted the handle under the stuck call */
-        pthread_mutex_unlock(held);
+        pyccl_unlock(held);
         *gone = PYCCL_HELD_CLAIMED;
         return ncclInvalidUsage;
     }
@@ -293,6 +291,6 @@ pyccl_comm_held_call(const pyccl_api *a, pyccl_comm *c, pyccl_task *t, int redop
     if (r != ncclInProgress) {
         pyccl_nccl_failed(a, r, t->comm, last, last_size);
     }
-    pthread_mutex_unlock(held);
+    pyccl_unlock(held);
     return r;
 }

@@ -5,6 +5,7 @@
  * is one of its rows (PYCCL_LAUNCHED).  A group left open by a thread that
  * ended is handed over at the thread's end and failed by the door's reap. */
 #include "timeouts.h"
+#include "locks.h"
 #include "watch.h"
 #include "enqueue.h"
 #include "tensor.h"
@@ -33,7 +34,7 @@ acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room,
         int i, wait = 0;
         for (i = 0; i < n; i++) {
             struct pyccl_watch *w = ws[i];
-            pthread_mutex_lock(&w->mu);
+            pyccl_lock(w->mu, PYCCL_LOCK_COMM);
             if (w->failed) {
                 *which = i;
                 break;
@@ -64,7 +65,7 @@ acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room,
             return 0;
         }
         for (int j = 0; j <= i; j++) {
-            pthread_mutex_unlock(&ws[j]->mu);
+            pyccl_unlock(ws[j]->mu);
         }
         if (!wait) {
             return 1;
@@ -95,15 +96,15 @@ poll_in_progress(const pyccl_api *a, waiter *wt, struct pyccl_watch **ws, int nw
     int polled = 0;
     for (int j = 0; j < nw; j++) {
         ws[j]->busy++;
-        pthread_mutex_unlock(&ws[j]->mu);
+        pyccl_unlock(ws[j]->mu);
     }
     double t0 = pyccl_now_s();
     for (int j = 0; j < nw && polled == 0; j++) {
         struct pyccl_watch *w = ws[j];
         ncclResult_t e = ncclSuccess;
-        pthread_mutex_lock(&w->mu);
+        pyccl_lock(w->mu, PYCCL_LOCK_COMM);
         int p = poll_watch(wt, w, t0 + w->timeout, &e);
-        pthread_mutex_unlock(&w->mu);
+        pyccl_unlock(w->mu);
         if (p == 0 && e != ncclSuccess && *r == ncclInProgress) {
             *r = e;
             *which = j;
@@ -114,7 +115,7 @@ poll_in_progress(const pyccl_api *a, waiter *wt, struct pyccl_watch **ws, int nw
         }
     }
     for (int j = 0; j < nw; j++) {
-        pthread_mutex_lock(&ws[j]->mu);
+        pyccl_lock(ws[j]->mu, PYCCL_LOCK_COMM);
         ws[j]->busy--;
     }
     if (*r == ncclInProgress) {
@@ -197,7 +198,7 @@ settle_watches(const pyccl_api *a, const char *op, const watch_set *g, ncclResul
                 }
             }
         }
-        pthread_mutex_unlock(&w->mu);
+        pyccl_unlock(w->mu);
     }
     return rec_err;
 }
@@ -380,9 +381,9 @@ add_to_group(const char *op, watch_set *g)
         if (g->fresh[j] && !group_has(g->ws[j])) {
             /* out of memory before the entry went in: undo the count */
             Py_BEGIN_ALLOW_THREADS
-            pthread_mutex_lock(&g->ws[j]->mu);
+            pyccl_lock(g->ws[j]->mu, PYCCL_LOCK_COMM);
             g->ws[j]->in_group--;
-            pthread_mutex_unlock(&g->ws[j]->mu);
+            pyccl_unlock(g->ws[j]->mu);
             Py_END_ALLOW_THREADS
         }
     }
@@ -428,7 +429,7 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
                 o.r = o.r == ncclInProgress ? ncclSuccess : o.r;
                 for (int j = 0; j < g.n; j++) {
                     ws[j]->in_group += o.r == ncclSuccess && g.fresh[j] && !ws[j]->failed;
-                    pthread_mutex_unlock(&ws[j]->mu);
+                    pyccl_unlock(ws[j]->mu);
                 }
             }
             else {
@@ -468,7 +469,7 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
         if (!first) {
             continue;
         }
-        pthread_mutex_lock(&w->mu);
+        pyccl_lock(w->mu, PYCCL_LOCK_COMM);
         if (w->comm != NULL && r == ncclInProgress) {
             /* NCCL launches the group in its own thread: poll until done,
              * busy keeping the watchdog and other threads off meanwhile */
@@ -507,7 +508,7 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
             }
         }
         w->in_group--;
-        pthread_mutex_unlock(&w->mu);
+        pyccl_unlock(w->mu);
     }
     waiter_finish(&wt);
     int rc = interrupted ? -1 : 0; /* KeyboardInterrupt is set */

@@ -3,6 +3,7 @@
  * (finalize within the timeout, else abort), abort(), wait(),
  * get_async_error(), and failing it from outside (the own kernels). */
 #include "timeouts.h"
+#include "locks.h"
 #include "watch.h"
 #include "enqueue.h"
 #include "tensor.h"
@@ -216,7 +217,7 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
                 fail_nccl(w, "split", e);
             }
         }
-        pthread_mutex_unlock(&w->mu);
+        pyccl_unlock(w->mu);
         if (res != ncclSuccess && polled == 0 && *slot != NULL) {
             a->ncclCommAbort(*slot); /* the child is no use alone */
             *slot = NULL;
@@ -256,7 +257,7 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
     const pyccl_api *a = &st->api;
     lock_watch(w);
     if (w->in_group > 0 || w->busy > 0) {
-        pthread_mutex_unlock(&w->mu);
+        pyccl_unlock(w->mu);
         if (may_raise) {
             PyErr_Format(PyExc_RuntimeError,
                          "%s: the communicator (rank %d of %d) is in use: "
@@ -270,7 +271,7 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
         return 0;
     }
     w->closing = 1;
-    pthread_mutex_unlock(&w->mu);
+    pyccl_unlock(w->mu);
     /* From here on the Communicator looks destroyed to other threads (which
      * then never reach w), while this one finishes w off. */
     c->comm = NULL;
@@ -279,10 +280,10 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
     if (__atomic_load_n(&c->abort_asked, __ATOMIC_ACQUIRE) && !failed_kind(w)) {
         /* abort() came while destroy() ran: no finalize, which waits for peers */
         Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&w->mu);
+        pyccl_lock(w->mu, PYCCL_LOCK_COMM);
         watch_fail(w, PYCCL_FAIL_ABORTED, 0, "the communicator (rank %d of %d) has been aborted",
              w->rank, w->size);
-        pthread_mutex_unlock(&w->mu);
+        pyccl_unlock(w->mu);
         Py_END_ALLOW_THREADS
     }
     int rc = 0;
@@ -295,7 +296,7 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
             ncclResult_t res = ncclSuccess;
             waiter wt;
             waiter_start(&wt, 0); /* a half-finalized comm cannot be left */
-            pthread_mutex_lock(&w->mu);
+            pyccl_lock(w->mu, PYCCL_LOCK_COMM);
             if (a->ncclCommFinalize != NULL) {
                 ncclResult_t r = a->ncclCommFinalize(w->comm);
                 if (r == ncclSuccess || r == ncclInProgress) {
@@ -315,7 +316,7 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
                 ncclResult_t r = a->ncclCommDestroy(comm);
                 res = res != ncclSuccess ? res : r;
             }
-            pthread_mutex_unlock(&w->mu);
+            pyccl_unlock(w->mu);
             waiter_finish(&wt);
             if (polled > 0) {
                 rc = 1;
@@ -329,9 +330,9 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
             /* ^C while waiting for the work: NCCL cannot be finalized
              * without it, so it is aborted */
             Py_BEGIN_ALLOW_THREADS
-            pthread_mutex_lock(&w->mu);
+            pyccl_lock(w->mu, PYCCL_LOCK_COMM);
             fail_interrupted(w, op);
-            pthread_mutex_unlock(&w->mu);
+            pyccl_unlock(w->mu);
             Py_END_ALLOW_THREADS
         }
     }
@@ -360,13 +361,13 @@ pyccl_watch_abort(pyccl_state *st, pyccl_comm *c)
                  c->size);
         return mark_untimed(st, c, PYCCL_FAIL_ABORTED, reason);
     }
-    if (pthread_mutex_trylock(&w->mu) != 0) {
+    if (pyccl_trylock(w->mu, PYCCL_LOCK_COMM) != 0) {
         /* Another thread holds the lock: when it is inside an NCCL or CUDA
          * call that may block (a launch behind stuck work), the handle is
          * aborted under it, which is what lets that call return. */
         Py_BEGIN_ALLOW_THREADS
         watch_claim_call(w);
-        pthread_mutex_lock(&w->mu);
+        pyccl_lock(w->mu, PYCCL_LOCK_COMM);
         Py_END_ALLOW_THREADS
     }
     /* A thread polling it (busy) sees the abort and raises. */
@@ -378,7 +379,7 @@ pyccl_watch_abort(pyccl_state *st, pyccl_comm *c)
         w->revoked = NULL;
     }
     Py_END_ALLOW_THREADS
-    pthread_mutex_unlock(&w->mu);
+    pyccl_unlock(w->mu);
     c->comm = NULL;
     return 0;
 }
@@ -460,7 +461,7 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
         if (c->watch == NULL && c->comm != NULL) {
             r = a->ncclCommGetAsyncError(c->comm, &e);
         }
-        pthread_mutex_unlock(&c->mu);
+        pyccl_unlock(&c->mu);
     }
     else {
         lock_watch(w);
@@ -473,7 +474,7 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
                 Py_END_ALLOW_THREADS
             }
         }
-        pthread_mutex_unlock(&w->mu);
+        pyccl_unlock(w->mu);
         if (failed_kind(w)) {
             c->comm = NULL;
             return pyccl_failure_exception(st, "get_async_error",
@@ -535,11 +536,11 @@ pyccl_watch_shrink(pyccl_state *st, pyccl_comm *c, int *exclude, int n,
     waiter wt;
     waiter_start(&wt, 1);
     for (;;) { /* no other thread inside NCCL on it */
-        pthread_mutex_lock(&w->mu);
+        pyccl_lock(w->mu, PYCCL_LOCK_COMM);
         if (!w->busy) {
             break;
         }
-        pthread_mutex_unlock(&w->mu);
+        pyccl_unlock(w->mu);
         if (waiter_pause(&wt) < 0) {
             waiter_finish(&wt);
             PyMem_RawFree(slot);
@@ -579,7 +580,7 @@ pyccl_watch_shrink(pyccl_state *st, pyccl_comm *c, int *exclude, int n,
             fail_interrupted(w, "shrink");
         }
     }
-    pthread_mutex_unlock(&w->mu);
+    pyccl_unlock(w->mu);
     if (polled == 0 && res != ncclSuccess && *slot != NULL) {
         a->ncclCommAbort(*slot); /* the child is no use alone */
         *slot = NULL;

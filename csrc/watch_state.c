@@ -7,6 +7,7 @@
  * the groups of threads that ended with theirs open (handed over at the
  * thread's end, failed at the door's next look: pyccl_watch_reap). */
 #include "timeouts.h"
+#include "locks.h"
 #include "watch.h"
 #include "enqueue.h"
 #include "tensor.h"
@@ -35,14 +36,14 @@ mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
     /* Under c's lock: no other thread is inside NCCL on the handle (an
      * own-kernel set-up waits between its calls), and none uses it after. */
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&c->mu);
+    pyccl_lock(&c->mu, PYCCL_LOCK_COMM);
     ncclComm_t comm = c->comm;
     c->comm = NULL;
     if (comm != NULL && a->loaded) {
         a->ncclCommAbort(comm);
     }
     c->watch = w;
-    pthread_mutex_unlock(&c->mu);
+    pyccl_unlock(&c->mu);
     Py_END_ALLOW_THREADS
     return 0;
 }
@@ -61,7 +62,7 @@ fail_comm(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
     Py_BEGIN_ALLOW_THREADS
     watch_fail(w, kind, 0, "%s", reason);
     Py_END_ALLOW_THREADS
-    pthread_mutex_unlock(&w->mu);
+    pyccl_unlock(w->mu);
     c->comm = NULL;
 }
 
@@ -151,51 +152,33 @@ pyccl_comm_refresh(pyccl_state *st, const char *op, pyccl_comm *c)
     return 0;
 }
 
-/* Lock w, the GIL released only while waiting for it (as
- * pyccl_lock_released does, spelled out here so that the watch's own lock
- * stays within the watch). */
+/* Lock w (its communicator's lock), the GIL released only while waiting. */
 void
 lock_watch(struct pyccl_watch *w)
 {
-    if (pthread_mutex_trylock(&w->mu) == 0) {
-        return;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&w->mu);
-    Py_END_ALLOW_THREADS
+    pyccl_lock_released(w->mu, PYCCL_LOCK_COMM);
 }
 
 int
 pyccl_comm_enter(pyccl_state *st, const char *op, pyccl_comm *c)
 {
-    (void)op;
-    if (c->watch == NULL) {
-        pyccl_comm_lock(c); /* abort() cannot change watch while it is held */
-        if (c->watch == NULL && c->comm != NULL) {
-            return 0;
-        }
-        /* abort() (or destroy()) ended the handle while this thread waited
-         * for the lock: nothing for NCCL, and the lock taken is the one left */
-        pthread_mutex_unlock(&c->mu);
-        return c->watch != NULL ? pyccl_watch_check(st, op, c) : pyccl_raise_unusable(op, c);
+    /* the one lock of c, with or without a watch: abort() changes `watch`
+     * only under it, and the caller's call is begun (destroy() waits) */
+    pyccl_comm_lock(c);
+    struct pyccl_watch *w = c->watch;
+    if (w == NULL ? c->comm != NULL : !failed_kind(w)) {
+        return 0;
     }
-    lock_watch(c->watch); /* the caller's call is begun: destroy() waits */
-    if (failed_kind(c->watch)) {
-        pthread_mutex_unlock(&c->watch->mu);
-        return pyccl_watch_check(st, op, c);
-    }
-    return 0;
+    /* abort(), a failure or destroy() ended the handle while this thread
+     * waited for the lock: nothing for NCCL */
+    pyccl_unlock(&c->mu);
+    return w != NULL ? pyccl_watch_check(st, op, c) : pyccl_raise_unusable(op, c);
 }
 
 void
 pyccl_comm_leave(pyccl_comm *c)
 {
-    if (c->watch != NULL) {
-        pthread_mutex_unlock(&c->watch->mu);
-    }
-    else {
-        pthread_mutex_unlock(&c->mu);
-    }
+    pyccl_unlock(&c->mu);
 }
 
 /* ---------------- waiting with the GIL released ---------------- */
@@ -265,9 +248,9 @@ poll_watch(waiter *wt, struct pyccl_watch *w, double deadline, ncclResult_t *res
         if (pyccl_now_s() > deadline) {
             return 1;
         }
-        pthread_mutex_unlock(&w->mu);
+        pyccl_unlock(w->mu);
         int sig = waiter_pause(wt);
-        pthread_mutex_lock(&w->mu);
+        pyccl_lock(w->mu, PYCCL_LOCK_COMM);
         if (sig < 0) {
             return -1;
         }
@@ -308,11 +291,11 @@ tl_thread_end(void *unused)
     e->n = tl_group_n;
     tl_group = NULL;
     tl_group_n = tl_group_cap = 0;
-    pthread_mutex_lock(&tl_lost_mu);
+    pyccl_lock(&tl_lost_mu, PYCCL_LOCK_LOST);
     e->next = tl_lost;
     tl_lost = e;
     __atomic_store_n(&tl_lost_any, 1, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&tl_lost_mu);
+    pyccl_unlock(&tl_lost_mu);
 }
 
 static void
@@ -339,11 +322,11 @@ void
 pyccl_watch_reap(pyccl_state *st)
 {
     if (__atomic_load_n(&tl_lost_any, __ATOMIC_ACQUIRE)) {
-        pthread_mutex_lock(&tl_lost_mu);
+        pyccl_lock(&tl_lost_mu, PYCCL_LOCK_LOST);
         lost_entries *all = tl_lost;
         tl_lost = NULL;
         __atomic_store_n(&tl_lost_any, 0, __ATOMIC_RELEASE);
-        pthread_mutex_unlock(&tl_lost_mu);
+        pyccl_unlock(&tl_lost_mu);
         while (all != NULL) {
             lost_entries *e = all;
             all = e->next;
@@ -356,7 +339,7 @@ pyccl_watch_reap(pyccl_state *st)
                 if (first) {
                     lock_watch(w);
                     w->in_group -= w->in_group > 0;
-                    pthread_mutex_unlock(&w->mu);
+                    pyccl_unlock(w->mu);
                 }
             }
             for (int i = 0; i < e->n; i++) {

@@ -32,6 +32,7 @@
  * group's end, watch_calls.c the waits for work and the own kernels'
  * set-up, watch_life.c creation, split, destroy, abort. */
 #include "timeouts.h"
+#include "locks.h"
 #include "watch.h"
 #include "enqueue.h"
 #include "tensor.h"
@@ -387,11 +388,11 @@ watchdog_main(void *arg)
     struct pyccl_watchdog *wd = arg;
     const pyccl_api *a = wd->api;
     int device = -1;
-    pthread_mutex_lock(&wd->mu);
+    pyccl_lock(&wd->mu, PYCCL_LOCK_WATCHDOG);
     while (!wd->stop) {
         double now = pyccl_now_s();
         for (struct pyccl_watch *w = wd->head; w != NULL; w = w->next) {
-            if (pthread_mutex_trylock(&w->mu) != 0) {
+            if (pyccl_trylock(w->mu, PYCCL_LOCK_COMM) != 0) {
                 force_abort(w, now_ns()); /* in use: unless stuck, next round */
                 continue;
             }
@@ -406,7 +407,7 @@ watchdog_main(void *arg)
                 }
                 check(w, now);
             }
-            pthread_mutex_unlock(&w->mu);
+            pyccl_unlock(w->mu);
         }
         struct timespec until;
         clock_gettime(CLOCK_MONOTONIC, &until);
@@ -417,7 +418,7 @@ watchdog_main(void *arg)
         }
         pthread_cond_timedwait(&wd->cond, &wd->mu, &until);
     }
-    pthread_mutex_unlock(&wd->mu);
+    pyccl_unlock(&wd->mu);
     return NULL;
 }
 
@@ -464,7 +465,7 @@ register_watch(pyccl_state *st, const char *op, struct pyccl_watch *w)
     }
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&wd->mu);
+    pyccl_lock(&wd->mu, PYCCL_LOCK_WATCHDOG);
     if (!wd->started && !wd->stop) {
         /* Signals go to the other threads: Python handles them in the main
          * one, and the watchdog's sleeps need no interrupting. */
@@ -480,7 +481,7 @@ register_watch(pyccl_state *st, const char *op, struct pyccl_watch *w)
         wd->head = w;
         w->registered = 1;
     }
-    pthread_mutex_unlock(&wd->mu);
+    pyccl_unlock(&wd->mu);
     Py_END_ALLOW_THREADS
     if (err != 0) {
         PyErr_Format(PyExc_RuntimeError,
@@ -500,14 +501,14 @@ unregister_watch(pyccl_state *st, struct pyccl_watch *w)
         return;
     }
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&wd->mu);
+    pyccl_lock(&wd->mu, PYCCL_LOCK_WATCHDOG);
     for (struct pyccl_watch **p = &wd->head; *p != NULL; p = &(*p)->next) {
         if (*p == w) {
             *p = w->next;
             break;
         }
     }
-    pthread_mutex_unlock(&wd->mu);
+    pyccl_unlock(&wd->mu);
     Py_END_ALLOW_THREADS
     w->registered = 0;
 }
@@ -520,7 +521,7 @@ new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout)
         PyErr_NoMemory();
         return NULL;
     }
-    pthread_mutex_init(&w->mu, NULL);
+    w->mu = &c->mu;
     w->api = &st->api;
     w->comm = comm;
     w->device = c->device;
@@ -541,7 +542,6 @@ free_watch(struct pyccl_watch *w)
         w->revoked = NULL;
     }
     drop_events(w);
-    pthread_mutex_destroy(&w->mu);
     PyMem_RawFree(w->q);
     PyMem_RawFree(w->pool);
     PyMem_RawFree(w);
@@ -552,12 +552,12 @@ free_watch(struct pyccl_watch *w)
 static void
 stop_thread(struct pyccl_watchdog *wd)
 {
-    pthread_mutex_lock(&wd->mu);
+    pyccl_lock(&wd->mu, PYCCL_LOCK_WATCHDOG);
     int started = wd->started;
     wd->stop = 1;
     wd->started = 0;
     pthread_cond_signal(&wd->cond);
-    pthread_mutex_unlock(&wd->mu);
+    pyccl_unlock(&wd->mu);
     if (started) {
         pthread_join(wd->thread, NULL);
     }
@@ -575,9 +575,9 @@ pyccl_watchdog_at_exit(pyccl_state *st)
     /* A kernel waiting for a peer that is gone would keep the GPU busy past
      * this process: abort what has not finished.  The rest is left to the
      * process's end, as without timeout. */
-    pthread_mutex_lock(&wd->mu);
+    pyccl_lock(&wd->mu, PYCCL_LOCK_WATCHDOG);
     for (struct pyccl_watch *w = wd->head; w != NULL; w = w->next) {
-        if (pthread_mutex_trylock(&w->mu) != 0) {
+        if (pyccl_trylock(w->mu, PYCCL_LOCK_COMM) != 0) {
             continue; /* another thread is inside: leave it */
         }
         if (!w->failed && w->comm != NULL && !w->busy && !w->in_group &&
@@ -594,9 +594,9 @@ pyccl_watchdog_at_exit(pyccl_state *st)
                      w->q[0].op, w->rank, w->size);
             }
         }
-        pthread_mutex_unlock(&w->mu);
+        pyccl_unlock(w->mu);
     }
-    pthread_mutex_unlock(&wd->mu);
+    pyccl_unlock(&wd->mu);
     Py_END_ALLOW_THREADS
 }
 

@@ -25,7 +25,7 @@ LAYERS = [
                   "timeouts.h", "watch.h"]),
     ("enqueue", ["enqueue.c", "enqueue.h"]),
     ("shared pieces", ["tensor.c", "tensor.h", "loader.c", "loader.h", "args.c", "args.h",
-                       "errors.c", "errors.h", "pyccl.h"]),
+                       "errors.c", "errors.h", "locks.c", "locks.h", "pyccl.h"]),
 ]
 LAYER_OF = {f: i for i, (_, files) in enumerate(LAYERS) for f in files}
 
