@@ -1354,18 +1354,21 @@ def loader_messages():
     """What the first GPU use says (RuntimeError) when NCCL is not found, when the library
     given for it is not NCCL, and when it is an NCCL too old; then, given the stand-in, it
     works.  JSON on stdin: the paths of a library without ncclGetVersion and of one whose
-    ncclGetVersion alone is there.  Missing first: a library loaded later would be found."""
+    ncclGetVersion alone is there.  The two wrong libraries first: where the dynamic loader's
+    search path holds an NCCL, "missing" loads it, and nothing is looked for after that."""
     paths = json.loads(sys.stdin.read())
     out = {}
-    for key, candidates in (("missing", []), ("not_nccl", [paths["not_nccl"]]), ("old", [paths["old"]])):
+    for key, candidates in (("not_nccl", [paths["not_nccl"]]), ("old", [paths["old"]]), ("missing", [])):
         pyccl._C._set_library_candidates(candidates, [LIB])
         try:
             pyccl.unique_id()
             out[key] = None
         except RuntimeError as e:
             out[key] = [type(e).__name__, str(e)]
-    pyccl._C._set_library_candidates([LIB], [LIB])
-    out["then"] = len(pyccl.unique_id())
+    out["then"] = None
+    if out["missing"] is not None:
+        pyccl._C._set_library_candidates([LIB], [LIB])
+        out["then"] = len(pyccl.unique_id())
     return out
 
 
