@@ -150,6 +150,58 @@ pyccl_read_unique_id(const char *op, int torch_text, PyObject *uid, ncclUniqueId
 static const char *const op_names[] = {"sum", "prod", "max", "min", "avg"};
 static const char *const torch_op_names[] = {"SUM", "PRODUCT", "MAX", "MIN", "AVG"};
 
+/* The reduction-op reader's part of the module state: torch.distributed's
+ * ReduceOp and ReduceOp.RedOpType, found once torch.distributed is loaded,
+ * and NCCL's op for each RedOpType value (read by name then; -1: none). */
+struct pyccl_redops {
+    PyObject *ReduceOp, *RedOpType;
+    signed char torch_ops[16];
+    PyObject *s_premul;          /* "premul_scalar", interned */
+    PyObject *s_c10d;            /* "torch._C._distributed_c10d", interned */
+};
+
+int
+pyccl_redops_state_init(pyccl_state *st)
+{
+    struct pyccl_redops *r = st->redops = PyMem_Calloc(1, sizeof *r);
+    if (r == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    r->s_premul = PyUnicode_InternFromString("premul_scalar");
+    r->s_c10d = PyUnicode_InternFromString("torch._C._distributed_c10d");
+    return r->s_premul != NULL && r->s_c10d != NULL ? 0 : -1;
+}
+
+int
+pyccl_redops_state_traverse(pyccl_state *st, visitproc visit, void *arg)
+{
+    if (st->redops != NULL) {
+        Py_VISIT(st->redops->ReduceOp);
+        Py_VISIT(st->redops->RedOpType);
+    }
+    return 0;
+}
+
+void
+pyccl_redops_state_clear(pyccl_state *st)
+{
+    if (st->redops != NULL) {
+        Py_CLEAR(st->redops->ReduceOp);
+        Py_CLEAR(st->redops->RedOpType);
+        Py_CLEAR(st->redops->s_premul);
+        Py_CLEAR(st->redops->s_c10d);
+    }
+}
+
+void
+pyccl_redops_state_free(pyccl_state *st)
+{
+    pyccl_redops_state_clear(st);
+    PyMem_Free(st->redops);
+    st->redops = NULL;
+}
+
 /* torch.distributed's ReduceOp and ReduceOp.RedOpType, found (not imported)
  * once torch.distributed has been imported: before that no object can be
  * one.  Borrowed from the state, which keeps them, with NCCL's op for each
@@ -159,8 +211,8 @@ static int
 torch_op_types(pyccl_state *st, PyObject **reduce_op, PyObject **red_op_type)
 {
     *reduce_op = *red_op_type = NULL;
-    if (st->ReduceOp == NULL) {
-        PyObject *mod = PyImport_GetModule(st->s_c10d);
+    if (st->redops->ReduceOp == NULL) {
+        PyObject *mod = PyImport_GetModule(st->redops->s_c10d);
         if (mod == NULL) {
             return PyErr_Occurred() ? -1 : 0;
         }
@@ -173,7 +225,7 @@ torch_op_types(pyccl_state *st, PyObject **reduce_op, PyObject **red_op_type)
             PyErr_Clear(); /* a torch without them: nothing is a ReduceOp */
             return 0;
         }
-        memset(st->torch_ops, -1, sizeof st->torch_ops);
+        memset(st->redops->torch_ops, -1, sizeof st->redops->torch_ops);
         for (int i = 0; i <= ncclAvg; i++) {
             PyObject *member = PyObject_GetAttrString(rt, torch_op_names[i]);
             Py_ssize_t v = member ? PyNumber_AsSsize_t(member, NULL) : -1;
@@ -182,15 +234,15 @@ torch_op_types(pyccl_state *st, PyObject **reduce_op, PyObject **red_op_type)
                 PyErr_Clear(); /* a member this torch lacks: read by name */
                 continue;
             }
-            if (v >= 0 && v < (Py_ssize_t)sizeof st->torch_ops) {
-                st->torch_ops[v] = (signed char)i;
+            if (v >= 0 && v < (Py_ssize_t)sizeof st->redops->torch_ops) {
+                st->redops->torch_ops[v] = (signed char)i;
             }
         }
-        st->ReduceOp = ro;
-        st->RedOpType = rt;
+        st->redops->ReduceOp = ro;
+        st->redops->RedOpType = rt;
     }
-    *reduce_op = st->ReduceOp;
-    *red_op_type = st->RedOpType;
+    *reduce_op = st->redops->ReduceOp;
+    *red_op_type = st->redops->RedOpType;
     return 0;
 }
 
@@ -222,9 +274,9 @@ read_torch_op(pyccl_state *st, const char *op, PyObject *obj, PyObject *red_op_t
     Py_ssize_t v = value ? PyNumber_AsSsize_t(value, NULL) : -1;
     Py_XDECREF(value);
     PyErr_Clear(); /* no value: the name says */
-    if (v >= 0 && v < (Py_ssize_t)sizeof st->torch_ops && st->torch_ops[v] >= 0) {
+    if (v >= 0 && v < (Py_ssize_t)sizeof st->redops->torch_ops && st->redops->torch_ops[v] >= 0) {
         Py_DECREF(kind);
-        *redop = st->torch_ops[v];
+        *redop = st->redops->torch_ops[v];
         return 0;
     }
     PyObject *name = PyObject_GetAttrString(kind, "name");
@@ -308,7 +360,7 @@ pyccl_read_redop(pyccl_state *st, const char *op, PyObject *obj, int flags,
         return read_torch_op(st, op, obj, red_op_type, flags, redop);
     }
     if (scalar != NULL) {
-        if (PyObject_GetOptionalAttr(obj, st->s_premul, scalar) < 0) {
+        if (PyObject_GetOptionalAttr(obj, st->redops->s_premul, scalar) < 0) {
             return -1;
         }
         if (*scalar != NULL) {

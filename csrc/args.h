@@ -42,6 +42,12 @@ int pyccl_read_int(const char *op, const char *what, PyObject *obj, int *out);
 enum { PYCCL_OP_PREMUL = 1, PYCCL_OP_ANY_INT = 2 };
 int pyccl_read_redop(pyccl_state *st, const char *op, PyObject *obj, int flags,
                      int *redop, PyObject **scalar);
+/* st->redops, the op reader's part of the module state (defined in args.c):
+ * made (-1 with an exception), visited, cleared, freed by module.c. */
+int pyccl_redops_state_init(pyccl_state *st);
+int pyccl_redops_state_traverse(pyccl_state *st, visitproc visit, void *arg);
+void pyccl_redops_state_clear(pyccl_state *st);
+void pyccl_redops_state_free(pyccl_state *st);
 /* A device argument `what`: an int >= 0, "cuda:N", "cuda", a torch.device
  * of type cuda, or None.  *device is the index, -1 for the current device
  * (None, "cuda", torch.device("cuda")).  -1 with TypeError / ValueError

@@ -10,6 +10,80 @@
 
 /* ---- the comms=None clique cache ---- */
 
+/* The clique cache's part of the module state. */
+struct pyccl_cliques {
+    /* comms=None: one clique of communicators per ordered device tuple */
+    PyObject *cliques;           /* dict: tuple of ints -> tuple of Communicator */
+    /* the last clique used, to skip building a key on repeated calls */
+    PyObject *last_clique;       /* borrowed from `cliques` */
+    int last_devices[8];
+    Py_ssize_t last_n;
+    PyThread_type_lock clique_lock;      /* held while creating a clique */
+    PyThread_type_lock clique_call_lock; /* held while enqueueing on any clique */
+};
+
+int
+pyccl_cliques_state_init(pyccl_state *st)
+{
+    struct pyccl_cliques *q = st->cliques = PyMem_Calloc(1, sizeof *q);
+    if (q == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if ((q->cliques = PyDict_New()) == NULL) {
+        return -1;
+    }
+    q->clique_lock = PyThread_allocate_lock();
+    q->clique_call_lock = PyThread_allocate_lock();
+    if (q->clique_lock == NULL || q->clique_call_lock == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+int
+pyccl_cliques_state_traverse(pyccl_state *st, visitproc visit, void *arg)
+{
+    if (st->cliques != NULL) {
+        Py_VISIT(st->cliques->cliques);
+    }
+    return 0;
+}
+
+void
+pyccl_cliques_state_clear(pyccl_state *st)
+{
+    if (st->cliques != NULL) {
+        st->cliques->last_clique = NULL;
+        Py_CLEAR(st->cliques->cliques);
+    }
+}
+
+void
+pyccl_cliques_state_free(pyccl_state *st)
+{
+    struct pyccl_cliques *q = st->cliques;
+    pyccl_cliques_state_clear(st);
+    if (q == NULL) {
+        return;
+    }
+    if (q->clique_lock != NULL) {
+        PyThread_free_lock(q->clique_lock);
+    }
+    if (q->clique_call_lock != NULL) {
+        PyThread_free_lock(q->clique_call_lock);
+    }
+    PyMem_Free(q);
+    st->cliques = NULL;
+}
+
+PyThread_type_lock
+pyccl_clique_call_lock(pyccl_state *st)
+{
+    return st->cliques->clique_call_lock;
+}
+
 static PyObject *
 clique_key(const int *devices, Py_ssize_t n)
 {
@@ -64,9 +138,9 @@ PyObject *
 pyccl_clique(pyccl_state *st, const char *op, const int *devices,
              Py_ssize_t n)
 {
-    if (st->last_clique != NULL && n == st->last_n &&
-        memcmp(devices, st->last_devices, (size_t)n * sizeof(int)) == 0) {
-        return st->last_clique;
+    if (st->cliques->last_clique != NULL && n == st->cliques->last_n &&
+        memcmp(devices, st->cliques->last_devices, (size_t)n * sizeof(int)) == 0) {
+        return st->cliques->last_clique;
     }
     PyObject *key = clique_key(devices, n);
     PyObject *found = NULL, *tuple = NULL;
@@ -74,15 +148,15 @@ pyccl_clique(pyccl_state *st, const char *op, const int *devices,
     if (key == NULL) {
         return NULL;
     }
-    if (PyDict_GetItemRef(st->cliques, key, &found) != 0) {
+    if (PyDict_GetItemRef(st->cliques->cliques, key, &found) != 0) {
         goto done; /* found, or an error */
     }
     /* Another thread may be creating the same clique: one creator at a
      * time, and look again once the lock is held. */
     Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(st->clique_lock, WAIT_LOCK);
+    PyThread_acquire_lock(st->cliques->clique_lock, WAIT_LOCK);
     Py_END_ALLOW_THREADS
-    if (PyDict_GetItemRef(st->cliques, key, &found) != 0) {
+    if (PyDict_GetItemRef(st->cliques->cliques, key, &found) != 0) {
         goto unlock;
     }
     if (pyccl_load(st, op) < 0) {
@@ -105,11 +179,11 @@ pyccl_clique(pyccl_state *st, const char *op, const int *devices,
         goto unlock;
     }
     tuple = wrap_comms(st, comms, NULL, (int)n, devices, n, 0);
-    if (tuple != NULL && PyDict_SetItem(st->cliques, key, tuple) == 0) {
+    if (tuple != NULL && PyDict_SetItem(st->cliques->cliques, key, tuple) == 0) {
         found = Py_NewRef(tuple);
     }
 unlock:
-    PyThread_release_lock(st->clique_lock);
+    PyThread_release_lock(st->cliques->clique_lock);
 done:
     if (comms != NULL) {
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -124,10 +198,10 @@ done:
     /* The dict keeps the tuple alive; hand back a borrowed reference. */
     if (found != NULL) {
         Py_DECREF(found);
-        if (n <= (Py_ssize_t)(sizeof st->last_devices / sizeof(int))) {
-            memcpy(st->last_devices, devices, (size_t)n * sizeof(int));
-            st->last_n = n;
-            st->last_clique = found;
+        if (n <= (Py_ssize_t)(sizeof st->cliques->last_devices / sizeof(int))) {
+            memcpy(st->cliques->last_devices, devices, (size_t)n * sizeof(int));
+            st->cliques->last_n = n;
+            st->cliques->last_clique = found;
         }
     }
     return found;

@@ -20,6 +20,75 @@
 
 #include <string.h>
 
+/* The type's part of the module state: its communicators' names and the
+ * splits waiting for their group's end. */
+struct pyccl_comms {
+    /* [(Communicator, thread ident)] split inside a group that has not ended:
+     * kept alive until then, because NCCL writes their handle at the end */
+    PyObject *pending_splits;
+    /* Communicator.name -> weakref of it, for the torch custom ops
+     * (pyccl/ops.py): filled when a communicator's name is first read,
+     * emptied by its dealloc */
+    PyObject *comm_names;
+    unsigned long long comm_serial;
+};
+
+int
+pyccl_comms_state_init(pyccl_state *st)
+{
+    struct pyccl_comms *p = st->comms = PyMem_Calloc(1, sizeof *p);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    p->pending_splits = PyList_New(0);
+    p->comm_names = PyDict_New();
+    return p->pending_splits != NULL && p->comm_names != NULL ? 0 : -1;
+}
+
+int
+pyccl_comms_state_traverse(pyccl_state *st, visitproc visit, void *arg)
+{
+    if (st->comms != NULL) {
+        Py_VISIT(st->comms->pending_splits);
+        Py_VISIT(st->comms->comm_names);
+    }
+    return 0;
+}
+
+void
+pyccl_comms_state_clear(pyccl_state *st)
+{
+    if (st->comms != NULL) {
+        Py_CLEAR(st->comms->pending_splits);
+        Py_CLEAR(st->comms->comm_names);
+    }
+}
+
+void
+pyccl_comms_state_free(pyccl_state *st)
+{
+    pyccl_comms_state_clear(st);
+    PyMem_Free(st->comms);
+    st->comms = NULL;
+}
+
+/* _communicator(name): the live Communicator whose .name is `name` (a str),
+ * or None. */
+PyObject *
+pyccl_comm_by_name(pyccl_state *st, PyObject *name)
+{
+    PyObject *ref = PyDict_GetItemWithError(st->comms->comm_names, name); /* borrowed */
+    if (ref == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    /* dealloc removes the entry before the object goes: the referent lives */
+    return Py_NewRef(PyWeakref_GetObject(ref));
+}
+
 int
 pyccl_is_comm(pyccl_state *st, PyObject *obj)
 {
@@ -264,8 +333,8 @@ comm_dealloc(PyObject *self)
     }
     if (c->name != NULL) {
         PyObject *exc = PyErr_GetRaisedException();
-        if (st != NULL && st->comm_names != NULL &&
-            PyDict_DelItem(st->comm_names, c->name) < 0) {
+        if (st != NULL && st->comms->comm_names != NULL &&
+            PyDict_DelItem(st->comms->comm_names, c->name) < 0) {
             PyErr_Clear();
         }
         PyErr_SetRaisedException(exc);
@@ -628,13 +697,14 @@ comm_get_name(PyObject *self, void *closure)
     pyccl_comm *c = (pyccl_comm *)self;
     if (c->name == NULL) {
         pyccl_state *st = PyType_GetModuleState(Py_TYPE(self));
-        if (st == NULL || st->comm_names == NULL) {
+        if (st == NULL || st->comms->comm_names == NULL) {
             PyErr_SetString(PyExc_RuntimeError, "Communicator.name: pyccl._C is being torn down");
             return NULL;
         }
-        PyObject *name = PyUnicode_FromFormat("pyccl.Communicator.%llu", ++st->comm_serial);
+        PyObject *name =
+            PyUnicode_FromFormat("pyccl.Communicator.%llu", ++st->comms->comm_serial);
         PyObject *ref = name != NULL ? PyWeakref_NewRef(self, NULL) : NULL;
-        int rc = ref != NULL ? PyDict_SetItem(st->comm_names, name, ref) : -1;
+        int rc = ref != NULL ? PyDict_SetItem(st->comms->comm_names, name, ref) : -1;
         Py_XDECREF(ref);
         if (rc < 0) {
             Py_XDECREF(name);
@@ -733,9 +803,9 @@ pyccl_resolve_pending_splits(pyccl_state *st)
         PyErr_Clear();
         return;
     }
-    Py_ssize_t n = PyList_GET_SIZE(st->pending_splits);
+    Py_ssize_t n = PyList_GET_SIZE(st->comms->pending_splits);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(st->pending_splits, i);
+        PyObject *item = PyList_GET_ITEM(st->comms->pending_splits, i);
         PyObject *owner = PyTuple_GET_ITEM(item, 1);
         int mine = PyObject_RichCompareBool(owner, me, Py_EQ);
         if (mine == 1) {
@@ -745,7 +815,7 @@ pyccl_resolve_pending_splits(pyccl_state *st)
         }
     }
     Py_DECREF(me);
-    Py_SETREF(st->pending_splits, keep);
+    Py_SETREF(st->comms->pending_splits, keep);
 }
 
 int
@@ -755,7 +825,7 @@ pyccl_add_pending_split(pyccl_state *st, PyObject *comm)
     if (item == NULL) {
         return -1;
     }
-    int r = PyList_Append(st->pending_splits, item);
+    int r = PyList_Append(st->comms->pending_splits, item);
     Py_DECREF(item);
     return r;
 }

@@ -23,6 +23,15 @@ PyObject *pyccl_init_rank(pyccl_state *st, PyObject *nranks, PyObject *uid,
 int pyccl_add_pending_split(pyccl_state *st, PyObject *comm);
 /* The outermost group of this thread ended: its splits are ready. */
 void pyccl_resolve_pending_splits(pyccl_state *st);
+/* _communicator(name): the live Communicator whose .name is the str `name`
+ * (a new reference), or None. */
+PyObject *pyccl_comm_by_name(pyccl_state *st, PyObject *name);
+/* st->comms, communicator.c's part of the module state (names, pending
+ * splits): made (-1 with an exception), visited, cleared, freed by module.c. */
+int pyccl_comms_state_init(pyccl_state *st);
+int pyccl_comms_state_traverse(pyccl_state *st, visitproc visit, void *arg);
+void pyccl_comms_state_clear(pyccl_state *st);
+void pyccl_comms_state_free(pyccl_state *st);
 
 /* ---- clique.c: several ranks in one process ---- */
 /* Borrowed tuple of n communicators over `devices`, created once. */
@@ -31,6 +40,14 @@ PyObject *pyccl_clique(pyccl_state *st, const char *op, const int *devices,
 /* _nccl_init_ranks: one rank per local device, in one NCCL group. */
 PyObject *pyccl_init_ranks(pyccl_state *st, PyObject *nranks, PyObject *uid,
                            PyObject *ranks, PyObject *devices);
+/* The lock that serializes enqueueing on any clique (python_nccl.c). */
+PyThread_type_lock pyccl_clique_call_lock(pyccl_state *st);
+/* st->cliques, clique.c's part of the module state (the cache and its
+ * locks): made (-1 with an exception), visited, cleared, freed by module.c. */
+int pyccl_cliques_state_init(pyccl_state *st);
+int pyccl_cliques_state_traverse(pyccl_state *st, visitproc visit, void *arg);
+void pyccl_cliques_state_clear(pyccl_state *st);
+void pyccl_cliques_state_free(pyccl_state *st);
 
 /* ---- the methods the type's table names (METH_FASTCALL | METH_KEYWORDS),
  * defined by the method files ---- */

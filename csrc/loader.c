@@ -20,6 +20,55 @@ static const char *const nccl_sonames[] = {"libnccl.so.2", "libnccl.so", NULL};
 static const char *const cudart_sonames[] = {
     "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", NULL};
 
+/* The loader's part of the module state: where to look for the libraries
+ * when torch has not loaded them (pyccl/_libs.py computes these). */
+struct pyccl_libs {
+    PyObject *nccl_candidates;   /* list of str: where to look for libnccl */
+    PyObject *cudart_candidates; /* list of str: where to look for libcudart */
+};
+
+int
+pyccl_libs_state_init(pyccl_state *st)
+{
+    struct pyccl_libs *l = st->libs = PyMem_Calloc(1, sizeof *l);
+    if (l == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    l->nccl_candidates = PyList_New(0);
+    l->cudart_candidates = PyList_New(0);
+    return l->nccl_candidates != NULL && l->cudart_candidates != NULL ? 0 : -1;
+}
+
+void
+pyccl_libs_state_clear(pyccl_state *st)
+{
+    if (st->libs != NULL) {
+        Py_CLEAR(st->libs->nccl_candidates);
+        Py_CLEAR(st->libs->cudart_candidates);
+    }
+}
+
+void
+pyccl_libs_state_free(pyccl_state *st)
+{
+    pyccl_libs_state_clear(st);
+    PyMem_Free(st->libs);
+    st->libs = NULL;
+}
+
+int
+pyccl_set_library_candidates(pyccl_state *st, PyObject *nccl_paths, PyObject *cudart_paths)
+{
+    Py_XSETREF(st->libs->nccl_candidates, PyList_GetSlice(nccl_paths, 0, PY_SSIZE_T_MAX));
+    Py_XSETREF(st->libs->cudart_candidates,
+               PyList_GetSlice(cudart_paths, 0, PY_SSIZE_T_MAX));
+    if (st->libs->nccl_candidates == NULL || st->libs->cudart_candidates == NULL) {
+        return -1;
+    }
+    return 0;
+}
+
 /* dlopen the first library found: loaded sonames, then the candidate paths,
  * then the sonames through the loader's search path.  Errors accumulate in
  * `tried` (a list of str) for the message. */
@@ -129,16 +178,16 @@ pyccl_load(pyccl_state *st, const char *op)
     if (tried == NULL) {
         return -1;
     }
-    void *nccl = open_first(nccl_sonames, st->nccl_candidates, tried);
+    void *nccl = open_first(nccl_sonames, st->libs->nccl_candidates, tried);
     if (nccl == NULL) {
-        raise_not_found(op, "NCCL", nccl_sonames, st->nccl_candidates,
+        raise_not_found(op, "NCCL", nccl_sonames, st->libs->nccl_candidates,
                         "install nvidia-nccl-cu13 or set PYCCL_NCCL_LIBRARY",
                         tried);
         goto error;
     }
-    void *cudart = open_first(cudart_sonames, st->cudart_candidates, tried);
+    void *cudart = open_first(cudart_sonames, st->libs->cudart_candidates, tried);
     if (cudart == NULL) {
-        raise_not_found(op, "the CUDA runtime", cudart_sonames, st->cudart_candidates,
+        raise_not_found(op, "the CUDA runtime", cudart_sonames, st->libs->cudart_candidates,
                         "install torch with CUDA, nvidia-cuda-runtime, or set "
                         "PYCCL_CUDART_LIBRARY",
                         tried);

@@ -21,7 +21,7 @@
  *   PYCCL_LOCK_LOST       enqueue.c `lost_mu`,         the groups of threads that ended with
  *                         watch_state.c `tl_lost_mu`   them open (never nested)
  *
- * The clique locks (st->clique_lock, clique_call_lock: Python locks taken
+ * The clique locks (clique.c's clique_lock, clique_call_lock: Python locks taken
  * with the GIL) come before all of these.  No lock here is held while
  * taking the GIL: a thread waits for one with the GIL released
  * (pyccl_lock_released), so the GIL comes first too. */

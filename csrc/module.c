@@ -1,12 +1,14 @@
 /* pyccl._C: PEP 489 module definition.  The exec slot builds the module state
- * (exception types, the Communicator heap type, interned names, constants);
- * the bindings live in python_nccl.c.  Importing needs no GPU, driver, NCCL or
- * torch: those are looked up on first use. */
+ * (each layer's part through its own init, the exception types, the heap
+ * types, constants) and the module's GC slots visit and clear it the same
+ * way; the bindings live in python_nccl.c.  Importing needs no GPU, driver,
+ * NCCL or torch: those are looked up on first use. */
 #include "registration.h"
 #include "memory.h"
 #include "communicator.h"
 #include "ar.h"
 #include "timeouts.h"
+#include "tensor.h"
 #include "loader.h"
 #include "args.h"
 #include "locks.h"
@@ -34,10 +36,7 @@ set_library_candidates(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
             }
         }
     }
-    Py_XSETREF(st->nccl_candidates, PyList_GetSlice(args[0], 0, PY_SSIZE_T_MAX));
-    Py_XSETREF(st->cudart_candidates,
-               PyList_GetSlice(args[1], 0, PY_SSIZE_T_MAX));
-    if (st->nccl_candidates == NULL || st->cudart_candidates == NULL) {
+    if (pyccl_set_library_candidates(st, args[0], args[1]) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -152,15 +151,7 @@ communicator_by_name(PyObject *m, PyObject *name)
                      Py_TYPE(name)->tp_name);
         return NULL;
     }
-    PyObject *ref = PyDict_GetItemWithError(st->comm_names, name); /* borrowed */
-    if (ref == NULL) {
-        if (PyErr_Occurred()) {
-            return NULL;
-        }
-        Py_RETURN_NONE;
-    }
-    /* dealloc removes the entry before the object goes: the referent lives */
-    return Py_NewRef(PyWeakref_GetObject(ref));
+    return pyccl_comm_by_name(st, name);
 }
 
 #ifdef PYCCL_DEBUG_LOCKS
@@ -240,48 +231,24 @@ state_slot(pyccl_state *st, size_t off)
     return (PyObject **)((char *)st + off);
 }
 
-/* The attribute names looked up on every call, interned once. */
-static const struct {
-    size_t off;
-    const char *text;
-} interned[] = {
-    {offsetof(pyccl_state, s_is_cuda), "is_cuda"},
-    {offsetof(pyccl_state, s_layout), "layout"},
-    {offsetof(pyccl_state, s_dtype), "dtype"},
-    {offsetof(pyccl_state, s_is_contiguous), "is_contiguous"},
-    {offsetof(pyccl_state, s_numel), "numel"},
-    {offsetof(pyccl_state, s_get_device), "get_device"},
-    {offsetof(pyccl_state, s_data_ptr), "data_ptr"},
-    {offsetof(pyccl_state, s_cuda_stream), "cuda_stream"},
-    {offsetof(pyccl_state, s_device_index), "device_index"},
-    {offsetof(pyccl_state, s_itemsize), "itemsize"},
-    {offsetof(pyccl_state, s_device), "device"},
-    {offsetof(pyccl_state, s_cai), "__cuda_array_interface__"},
-    {offsetof(pyccl_state, s_shape), "shape"},
-    {offsetof(pyccl_state, s_typestr), "typestr"},
-    {offsetof(pyccl_state, s_data), "data"},
-    {offsetof(pyccl_state, s_strides), "strides"},
-    {offsetof(pyccl_state, s_premul), "premul_scalar"},
-    {offsetof(pyccl_state, s_c10d), "torch._C._distributed_c10d"},
-};
-
-/* What the state holds that can be part of a reference cycle: visited by the
- * garbage collector, cleared first (the cliques before all: their
- * communicators see st->exiting). */
+/* The exception and heap types the state holds: visited by the garbage
+ * collector, and cleared (each layer's part visits and clears its own). */
 static const size_t visited[] = {
-    offsetof(pyccl_state, cliques),          offsetof(pyccl_state, pending_splits),
-    offsetof(pyccl_state, comm_names),       offsetof(pyccl_state, NcclError),
-    offsetof(pyccl_state, CudaError),        offsetof(pyccl_state, NcclTimeoutError),
-    offsetof(pyccl_state, CommunicatorType), offsetof(pyccl_state, NcclBufferType),
-    offsetof(pyccl_state, RegistrationType), offsetof(pyccl_state, Tensor),
-    offsetof(pyccl_state, Stream),           offsetof(pyccl_state, ReduceOp),
-    offsetof(pyccl_state, RedOpType),
+    offsetof(pyccl_state, NcclError),        offsetof(pyccl_state, CudaError),
+    offsetof(pyccl_state, NcclTimeoutError), offsetof(pyccl_state, CommunicatorType),
+    offsetof(pyccl_state, NcclBufferType),   offsetof(pyccl_state, RegistrationType),
 };
 
 static int
 module_exec(PyObject *m)
 {
     pyccl_state *st = PyModule_GetState(m);
+    /* the layers' parts first: allocated whenever a type of the module exists */
+    if (pyccl_torch_state_init(st) < 0 || pyccl_redops_state_init(st) < 0 ||
+        pyccl_libs_state_init(st) < 0 || pyccl_cliques_state_init(st) < 0 ||
+        pyccl_comms_state_init(st) < 0) {
+        return -1;
+    }
     st->NcclError = PyErr_NewExceptionWithDoc(
         "pyccl.NcclError",
         "An NCCL call failed. Attributes: code (ncclResult_t), error_string "
@@ -331,28 +298,6 @@ module_exec(PyObject *m)
         PyModule_AddObjectRef(m, "Registration", st->RegistrationType) < 0) {
         return -1;
     }
-    st->cliques = PyDict_New();
-    st->pending_splits = PyList_New(0);
-    st->comm_names = PyDict_New();
-    st->nccl_candidates = PyList_New(0);
-    st->cudart_candidates = PyList_New(0);
-    if (st->cliques == NULL || st->pending_splits == NULL || st->comm_names == NULL ||
-        st->nccl_candidates == NULL ||
-        st->cudart_candidates == NULL) {
-        return -1;
-    }
-    st->clique_lock = PyThread_allocate_lock();
-    st->clique_call_lock = PyThread_allocate_lock();
-    if (st->clique_lock == NULL || st->clique_call_lock == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (size_t i = 0; i < sizeof interned / sizeof interned[0]; i++) {
-        if ((*state_slot(st, interned[i].off) = PyUnicode_InternFromString(interned[i].text)) ==
-            NULL) {
-            return -1;
-        }
-    }
     if (PyModule_AddIntConstant(m, "SUM", ncclSum) < 0 ||
         PyModule_AddIntConstant(m, "PROD", ncclProd) < 0 ||
         PyModule_AddIntConstant(m, "MAX", ncclMax) < 0 ||
@@ -391,6 +336,13 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     for (size_t i = 0; i < sizeof visited / sizeof visited[0]; i++) {
         Py_VISIT(*state_slot(st, visited[i]));
     }
+    int rc;
+    if ((rc = pyccl_torch_state_traverse(st, visit, arg)) != 0 ||
+        (rc = pyccl_redops_state_traverse(st, visit, arg)) != 0 ||
+        (rc = pyccl_cliques_state_traverse(st, visit, arg)) != 0 ||
+        (rc = pyccl_comms_state_traverse(st, visit, arg)) != 0) {
+        return rc;
+    }
     return 0;
 }
 
@@ -402,23 +354,18 @@ module_clear(PyObject *m)
         return 0;
     }
     /* Cleared only at interpreter teardown: mark exiting first so the
-     * clique's communicators are leaked, not destroyed. */
+     * clique's communicators are leaked, not destroyed, and close the
+     * reader's part before all: from then on no GPU work starts
+     * (pyccl_state_ready).  The cliques go next. */
     st->exiting = 1;
-    st->torch_ready = 0;
-    st->last_clique = NULL;
+    pyccl_torch_state_clear(st);
+    pyccl_cliques_state_clear(st);
+    pyccl_comms_state_clear(st);
     for (size_t i = 0; i < sizeof visited / sizeof visited[0]; i++) {
         Py_CLEAR(*state_slot(st, visited[i]));
     }
-    Py_CLEAR(st->nccl_candidates);
-    Py_CLEAR(st->cudart_candidates);
-    Py_CLEAR(st->strided);
-    Py_CLEAR(st->current_raw_stream);
-    for (int i = 0; i < PYCCL_NDTYPES; i++) {
-        Py_CLEAR(st->dtypes[i]);
-    }
-    for (size_t i = 0; i < sizeof interned / sizeof interned[0]; i++) {
-        Py_CLEAR(*state_slot(st, interned[i].off));
-    }
+    pyccl_redops_state_clear(st);
+    pyccl_libs_state_clear(st);
     return 0;
 }
 
@@ -429,14 +376,11 @@ module_free(void *m)
     module_clear((PyObject *)m);
     if (st != NULL) {
         pyccl_watchdog_free(st);
-    }
-    if (st != NULL && st->clique_lock != NULL) {
-        PyThread_free_lock(st->clique_lock);
-        st->clique_lock = NULL;
-    }
-    if (st != NULL && st->clique_call_lock != NULL) {
-        PyThread_free_lock(st->clique_call_lock);
-        st->clique_call_lock = NULL;
+        pyccl_torch_state_free(st);
+        pyccl_redops_state_free(st);
+        pyccl_libs_state_free(st);
+        pyccl_cliques_state_free(st);
+        pyccl_comms_state_free(st);
     }
 }
 

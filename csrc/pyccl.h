@@ -1,7 +1,8 @@
 /* What every layer of pyccl._C shares, and that calls nothing of the
  * project's: the Python and NCCL compatibility shims, the monotonic clock,
- * the table type of the loaded NCCL/CUDA
- * calls, the dtype row, the module state, a tensor as read, the communicator
+ * the table type of the loaded NCCL/CUDA calls, the dtype row, the module
+ * state (what every layer shares, and a pointer to each layer's own part,
+ * whose type only its owner defines), a tensor as read, the communicator
  * object and its life states, the rows of a collective's NCCL calls and the
  * kinds of failure.  Every header of the project includes it.  It declares
  * no function of the project: each layer's header declares what that layer
@@ -159,55 +160,45 @@ typedef struct {
 
 #define PYCCL_NDTYPES 21
 
+/* The state each layer keeps for itself, reached through the module state
+ * below and defined only by its owner: the torch reader's torch objects and
+ * interned names (tensor.c), torch.distributed's op types (args.c), the
+ * library candidates (loader.c), the comms=None cliques and their locks
+ * (clique.c), the communicators' names and pending splits (communicator.c),
+ * the watchdog (watch.h, the timeouts layer's own header).  The owner makes,
+ * visits, clears and frees its part: module.c calls its
+ * pyccl_<part>_state_init/traverse/clear/free (the watchdog is made on first
+ * use, and pyccl_watchdog_free frees it).  A part stays allocated from the
+ * exec slot to m_free, its objects NULL once m_clear ran. */
+struct pyccl_torch;
+struct pyccl_redops;
+struct pyccl_libs;
+struct pyccl_cliques;
+struct pyccl_comms;
+struct pyccl_watchdog;
+
+/* The module state: only what every layer shares.  tests/test_layers_cpu.py
+ * keeps it small and each part's members to its owner's layer. */
 typedef struct {
-    /* exception types */
+    /* exception types (errors.c raises them; module.c makes them) */
     PyObject *NcclError;
     PyObject *CudaError;
+    PyObject *NcclTimeoutError;  /* subclass of NcclError and TimeoutError */
     /* heap types */
     PyObject *CommunicatorType;
     PyObject *NcclBufferType;    /* memory.c: what pyccl.empty wraps */
     PyObject *RegistrationType;  /* registration.c: comm.register()'s handle */
-    /* NCCL/CUDA entry points, filled on first GPU use */
+    /* NCCL/CUDA entry points, filled on first GPU use (loader.c): every
+     * layer calls through them, so they are here, one load away */
     pyccl_api api;
-    PyObject *nccl_candidates;   /* list of str: where to look for libnccl */
-    PyObject *cudart_candidates; /* list of str: where to look for libcudart */
-    /* torch objects, looked up on first use (import pyccl._C needs no torch) */
-    int torch_ready;
-    PyObject *Tensor;            /* torch.Tensor */
-    PyObject *Stream;            /* torch.cuda.Stream */
-    PyObject *strided;           /* torch.strided */
-    PyObject *current_raw_stream;/* torch._C._cuda_getCurrentRawStream or NULL */
-    PyObject *dtypes[PYCCL_NDTYPES]; /* torch.<attr> for each table row, or NULL */
-    /* interned attribute names read off tensors and streams */
-    PyObject *s_is_cuda, *s_layout, *s_dtype, *s_is_contiguous, *s_numel,
-             *s_get_device, *s_data_ptr, *s_cuda_stream, *s_device_index,
-             *s_itemsize, *s_cai, *s_shape, *s_typestr, *s_data, *s_strides,
-             *s_premul, *s_device, *s_c10d;
-    /* torch.distributed's ReduceOp and ReduceOp.RedOpType, found once
-     * torch.distributed is loaded (args.c reads ops of these types), and
-     * NCCL's op for each RedOpType value (read by name then; -1: none) */
-    PyObject *ReduceOp, *RedOpType;
-    signed char torch_ops[16];
-    /* comms=None: one clique of communicators per ordered device tuple */
-    PyObject *cliques;           /* dict: tuple of ints -> tuple of Communicator */
-    /* the last clique used, to skip building a key on repeated calls */
-    PyObject *last_clique;       /* borrowed from `cliques` */
-    int last_devices[8];
-    Py_ssize_t last_n;
-    PyThread_type_lock clique_lock;      /* held while creating a clique */
-    PyThread_type_lock clique_call_lock; /* held while enqueueing on any clique */
     int exiting;                 /* set at interpreter exit: leak, never destroy */
-    /* [(Communicator, thread ident)] split inside a group that has not ended:
-     * kept alive until then, because NCCL writes their handle at the end */
-    PyObject *pending_splits;
-    /* Communicator.name -> weakref of it, for the torch custom ops
-     * (pyccl/ops.py): filled when a communicator's name is first read,
-     * emptied by its dealloc */
-    PyObject *comm_names;
-    unsigned long long comm_serial;
-    /* communicators created with timeout= (watchdog.c) */
-    PyObject *NcclTimeoutError;  /* subclass of NcclError and TimeoutError */
-    struct pyccl_watchdog *watchdog; /* the watchdog thread, started on first use */
+    /* the layers' own parts (above) */
+    struct pyccl_torch *torch;       /* tensor.c */
+    struct pyccl_redops *redops;     /* args.c */
+    struct pyccl_libs *libs;         /* loader.c */
+    struct pyccl_cliques *cliques;   /* clique.c */
+    struct pyccl_comms *comms;       /* communicator.c */
+    struct pyccl_watchdog *watchdog; /* the timeouts layer: started on first use */
 } pyccl_state;
 
 /* One array as read and checked by the reader (tensor.c), the only code that

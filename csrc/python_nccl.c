@@ -505,7 +505,7 @@ enqueue_call(nccl_call *x)
         return -1;
     }
     int rc = pyccl_call_submit(st, op, tasks, n, x->redop, NULL,
-                               have_comms ? NULL : st->clique_call_lock, comms, ncomms);
+                               have_comms ? NULL : pyccl_clique_call_lock(st), comms, ncomms);
     pyccl_call_end_all(comms, ncomms);
     return rc;
 }

@@ -10,6 +10,7 @@
 #include "loader.h"
 
 #include <limits.h>
+#include <stddef.h>
 #include <string.h>
 
 cudaError_t
@@ -70,10 +71,111 @@ const pyccl_dtype_info pyccl_dtype_table[PYCCL_NDTYPES] = {
     {"float8_e8m0fnu", "Float8_e8m0fnu", -1, 1, 0},
 };
 
+/* The reader's part of the module state: the torch objects looked up on
+ * first use (import pyccl._C needs no torch) and the attribute names read
+ * off tensors, arrays and streams, interned once. */
+struct pyccl_torch {
+    int torch_ready;
+    int closed;                  /* the module was torn down (m_clear): no more GPU work */
+    PyObject *Tensor;            /* torch.Tensor */
+    PyObject *Stream;            /* torch.cuda.Stream */
+    PyObject *strided;           /* torch.strided */
+    PyObject *current_raw_stream;/* torch._C._cuda_getCurrentRawStream or NULL */
+    PyObject *dtypes[PYCCL_NDTYPES]; /* torch.<attr> for each table row, or NULL */
+    PyObject *s_is_cuda, *s_layout, *s_dtype, *s_is_contiguous, *s_numel,
+             *s_get_device, *s_data_ptr, *s_cuda_stream, *s_device_index,
+             *s_itemsize, *s_cai, *s_shape, *s_typestr, *s_data, *s_strides,
+             *s_device;
+};
+
+/* The attribute names looked up on every call. */
+static const struct {
+    size_t off;
+    const char *text;
+} interned[] = {
+    {offsetof(struct pyccl_torch, s_is_cuda), "is_cuda"},
+    {offsetof(struct pyccl_torch, s_layout), "layout"},
+    {offsetof(struct pyccl_torch, s_dtype), "dtype"},
+    {offsetof(struct pyccl_torch, s_is_contiguous), "is_contiguous"},
+    {offsetof(struct pyccl_torch, s_numel), "numel"},
+    {offsetof(struct pyccl_torch, s_get_device), "get_device"},
+    {offsetof(struct pyccl_torch, s_data_ptr), "data_ptr"},
+    {offsetof(struct pyccl_torch, s_cuda_stream), "cuda_stream"},
+    {offsetof(struct pyccl_torch, s_device_index), "device_index"},
+    {offsetof(struct pyccl_torch, s_itemsize), "itemsize"},
+    {offsetof(struct pyccl_torch, s_device), "device"},
+    {offsetof(struct pyccl_torch, s_cai), "__cuda_array_interface__"},
+    {offsetof(struct pyccl_torch, s_shape), "shape"},
+    {offsetof(struct pyccl_torch, s_typestr), "typestr"},
+    {offsetof(struct pyccl_torch, s_data), "data"},
+    {offsetof(struct pyccl_torch, s_strides), "strides"},
+};
+
+static PyObject **
+interned_slot(struct pyccl_torch *t, size_t i)
+{
+    return (PyObject **)((char *)t + interned[i].off);
+}
+
+int
+pyccl_torch_state_init(pyccl_state *st)
+{
+    struct pyccl_torch *t = st->torch = PyMem_Calloc(1, sizeof *t);
+    if (t == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t i = 0; i < sizeof interned / sizeof interned[0]; i++) {
+        if ((*interned_slot(t, i) = PyUnicode_InternFromString(interned[i].text)) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int
+pyccl_torch_state_traverse(pyccl_state *st, visitproc visit, void *arg)
+{
+    if (st->torch != NULL) {
+        Py_VISIT(st->torch->Tensor);
+        Py_VISIT(st->torch->Stream);
+    }
+    return 0;
+}
+
+void
+pyccl_torch_state_clear(pyccl_state *st)
+{
+    struct pyccl_torch *t = st->torch;
+    if (t == NULL) {
+        return;
+    }
+    t->closed = 1;
+    t->torch_ready = 0;
+    Py_CLEAR(t->Tensor);
+    Py_CLEAR(t->Stream);
+    Py_CLEAR(t->strided);
+    Py_CLEAR(t->current_raw_stream);
+    for (int i = 0; i < PYCCL_NDTYPES; i++) {
+        Py_CLEAR(t->dtypes[i]);
+    }
+    for (size_t i = 0; i < sizeof interned / sizeof interned[0]; i++) {
+        Py_CLEAR(*interned_slot(t, i));
+    }
+}
+
+void
+pyccl_torch_state_free(pyccl_state *st)
+{
+    pyccl_torch_state_clear(st);
+    PyMem_Free(st->torch);
+    st->torch = NULL;
+}
+
 int
 pyccl_torch_init(pyccl_state *st)
 {
-    if (st->torch_ready) {
+    if (st->torch->torch_ready) {
         return 0;
     }
     PyObject *torch = PyImport_ImportModule("torch");
@@ -82,21 +184,21 @@ pyccl_torch_init(pyccl_state *st)
     }
     PyObject *cuda = NULL, *tc = NULL;
     int rc = -1;
-    Py_XSETREF(st->Tensor, PyObject_GetAttrString(torch, "Tensor"));
-    Py_XSETREF(st->strided, PyObject_GetAttrString(torch, "strided"));
+    Py_XSETREF(st->torch->Tensor, PyObject_GetAttrString(torch, "Tensor"));
+    Py_XSETREF(st->torch->strided, PyObject_GetAttrString(torch, "strided"));
     cuda = PyImport_ImportModule("torch.cuda");
-    if (st->Tensor == NULL || st->strided == NULL || cuda == NULL) {
+    if (st->torch->Tensor == NULL || st->torch->strided == NULL || cuda == NULL) {
         goto done;
     }
-    Py_XSETREF(st->Stream, PyObject_GetAttrString(cuda, "Stream"));
-    if (st->Stream == NULL) {
+    Py_XSETREF(st->torch->Stream, PyObject_GetAttrString(cuda, "Stream"));
+    if (st->torch->Stream == NULL) {
         goto done;
     }
     for (int i = 0; i < PYCCL_NDTYPES; i++) {
         /* Older torch lacks some dtypes: leave those rows NULL. */
-        Py_XSETREF(st->dtypes[i],
+        Py_XSETREF(st->torch->dtypes[i],
                    PyObject_GetAttrString(torch, pyccl_dtype_table[i].attr));
-        if (st->dtypes[i] == NULL) {
+        if (st->torch->dtypes[i] == NULL) {
             PyErr_Clear();
         }
     }
@@ -105,12 +207,12 @@ pyccl_torch_init(pyccl_state *st)
         goto done;
     }
     /* Absent in CPU-only torch builds; only GPU work needs it. */
-    Py_XSETREF(st->current_raw_stream,
+    Py_XSETREF(st->torch->current_raw_stream,
                PyObject_GetAttrString(tc, "_cuda_getCurrentRawStream"));
-    if (st->current_raw_stream == NULL) {
+    if (st->torch->current_raw_stream == NULL) {
         PyErr_Clear();
     }
-    st->torch_ready = 1;
+    st->torch->torch_ready = 1;
     rc = 0;
 done:
     Py_XDECREF(tc);
@@ -122,7 +224,7 @@ done:
 int
 pyccl_is_tensor(pyccl_state *st, PyObject *obj)
 {
-    return PyObject_TypeCheck(obj, (PyTypeObject *)st->Tensor);
+    return PyObject_TypeCheck(obj, (PyTypeObject *)st->torch->Tensor);
 }
 
 static PyObject *
@@ -244,22 +346,22 @@ int
 pyccl_check_tensor(pyccl_state *st, const char *op, const char *what,
                    PyObject *obj, PyObject **ref_dtype, pyccl_tensor *t)
 {
-    int is_cuda = read_bool(obj, st->s_is_cuda, 0);
+    int is_cuda = read_bool(obj, st->torch->s_is_cuda, 0);
     if (is_cuda < 0) {
         return -1;
     }
-    PyObject *layout = PyObject_GetAttr(obj, st->s_layout);
+    PyObject *layout = PyObject_GetAttr(obj, st->torch->s_layout);
     if (layout == NULL) {
         return -1;
     }
-    int dense = layout == st->strided;
+    int dense = layout == st->torch->strided;
     Py_DECREF(layout);
     if (!is_cuda || !dense) {
         PyErr_SetString(PyExc_RuntimeError,
                         "input and output elements have to be cuda dense Tensors");
         return -1;
     }
-    PyObject *dtype = PyObject_GetAttr(obj, st->s_dtype);
+    PyObject *dtype = PyObject_GetAttr(obj, st->torch->s_dtype);
     if (dtype == NULL) {
         return -1;
     }
@@ -278,7 +380,7 @@ pyccl_check_tensor(pyccl_state *st, const char *op, const char *what,
             return -1;
         }
     }
-    int contiguous = read_bool(obj, st->s_is_contiguous, 1);
+    int contiguous = read_bool(obj, st->torch->s_is_contiguous, 1);
     if (contiguous < 0) {
         return -1;
     }
@@ -297,15 +399,15 @@ fill_tensor(pyccl_state *st, const char *op, const char *what, PyObject *obj,
             PyObject *dtype, pyccl_tensor *t)
 {
     int64_t numel, device, ptr;
-    if (read_checked(obj, st->s_numel, 1, op, what, ".numel()", 0, INT64_MAX,
+    if (read_checked(obj, st->torch->s_numel, 1, op, what, ".numel()", 0, INT64_MAX,
                      "0 or more", &numel) < 0 ||
-        read_checked(obj, st->s_get_device, 1, op, what, ".get_device()", 0,
+        read_checked(obj, st->torch->s_get_device, 1, op, what, ".get_device()", 0,
                      INT_MAX, "a CUDA device index (0 to 2147483647)",
                      &device) < 0) {
         return -1;
     }
     /* an address is unsigned: read it as such */
-    PyObject *pv = call0(obj, st->s_data_ptr);
+    PyObject *pv = call0(obj, st->torch->s_data_ptr);
     if (pv == NULL) {
         return -1;
     }
@@ -341,7 +443,7 @@ fill_tensor(pyccl_state *st, const char *op, const char *what, PyObject *obj,
     t->itemsize = 0;
     t->dtype_name[0] = '\0';
     for (int i = 0; i < PYCCL_NDTYPES; i++) {
-        if (st->dtypes[i] == dtype) {
+        if (st->torch->dtypes[i] == dtype) {
             t->dtype = i;
             t->itemsize = pyccl_dtype_table[i].itemsize;
             break;
@@ -353,7 +455,7 @@ fill_tensor(pyccl_state *st, const char *op, const char *what, PyObject *obj,
          * be gone when they are made. */
         int64_t isz;
         PyObject *iv;
-        if (PyObject_GetOptionalAttr(dtype, st->s_itemsize, &iv) < 0) {
+        if (PyObject_GetOptionalAttr(dtype, st->torch->s_itemsize, &iv) < 0) {
             return -1;
         }
         if (iv == NULL) {
@@ -576,7 +678,7 @@ pyccl_stream(pyccl_state *st, const char *op, const char *what,
 {
     int64_t raw;
     if (stream == NULL || stream == Py_None) {
-        if (st->current_raw_stream == NULL) {
+        if (st->torch->current_raw_stream == NULL) {
             PyErr_Format(PyExc_RuntimeError,
                          "%s: this torch build has no CUDA support", op);
             return -1;
@@ -585,7 +687,7 @@ pyccl_stream(pyccl_state *st, const char *op, const char *what,
         if (dev == NULL) {
             return -1;
         }
-        PyObject *v = PyObject_CallOneArg(st->current_raw_stream, dev);
+        PyObject *v = PyObject_CallOneArg(st->torch->current_raw_stream, dev);
         Py_DECREF(dev);
         if (v == NULL) {
             return -1;
@@ -598,14 +700,14 @@ pyccl_stream(pyccl_state *st, const char *op, const char *what,
         *out = (cudaStream_t)(intptr_t)raw;
         return 0;
     }
-    if (!PyObject_TypeCheck(stream, (PyTypeObject *)st->Stream)) {
+    if (!PyObject_TypeCheck(stream, (PyTypeObject *)st->torch->Stream)) {
         PyErr_Format(PyExc_TypeError,
                      "%s: %s must be a torch.cuda.Stream or None, got %.200s",
                      op, what, Py_TYPE(stream)->tp_name);
         return -1;
     }
     int64_t sdev;
-    if (read_stream_attr(stream, st->s_device_index, op, what, ".device_index",
+    if (read_stream_attr(stream, st->torch->s_device_index, op, what, ".device_index",
                          0, INT32_MAX, "a CUDA device index (0 to 2147483647)",
                          &sdev) < 0) {
         return -1;
@@ -616,7 +718,7 @@ pyccl_stream(pyccl_state *st, const char *op, const char *what,
                      op, what, (long long)sdev, owner, device);
         return -1;
     }
-    if (read_stream_attr(stream, st->s_cuda_stream, op, what, ".cuda_stream",
+    if (read_stream_attr(stream, st->torch->s_cuda_stream, op, what, ".cuda_stream",
                          0, -1, "a CUDA stream handle (0 to 2**64-1)", &raw) < 0) {
         return -1;
     }
@@ -695,10 +797,10 @@ read_cai(pyccl_state *st, const char *op, const char *what, PyObject *obj,
              *mask = NULL, *mask_key = NULL;
     int rc = -1;
     if (!PyDict_Check(cai) ||
-        (shape = cai_get(cai, st->s_shape)) == NULL ||
-        (typestr = cai_get(cai, st->s_typestr)) == NULL ||
-        (data = cai_get(cai, st->s_data)) == NULL ||
-        ((strides = cai_get(cai, st->s_strides)) == NULL && PyErr_Occurred()) ||
+        (shape = cai_get(cai, st->torch->s_shape)) == NULL ||
+        (typestr = cai_get(cai, st->torch->s_typestr)) == NULL ||
+        (data = cai_get(cai, st->torch->s_data)) == NULL ||
+        ((strides = cai_get(cai, st->torch->s_strides)) == NULL && PyErr_Occurred()) ||
         (mask_key = PyUnicode_FromString("mask")) == NULL ||
         ((mask = cai_get(cai, mask_key)) == NULL && PyErr_Occurred()) ||
         !PyTuple_Check(shape) || !PyUnicode_Check(typestr) ||
@@ -842,7 +944,7 @@ pyccl_read_array(pyccl_state *st, const char *op, const char *what,
 {
     if (!pyccl_is_tensor(st, obj)) {
         PyObject *cai;
-        if (PyObject_GetOptionalAttr(obj, st->s_cai, &cai) < 0) {
+        if (PyObject_GetOptionalAttr(obj, st->torch->s_cai, &cai) < 0) {
             return -1;
         }
         if (cai == NULL) {
@@ -856,13 +958,13 @@ pyccl_read_array(pyccl_state *st, const char *op, const char *what,
         Py_DECREF(cai);
         return rc;
     }
-    int is_cuda = read_bool(obj, st->s_is_cuda, 0);
+    int is_cuda = read_bool(obj, st->torch->s_is_cuda, 0);
     if (is_cuda < 0) {
         return -1;
     }
     if (!is_cuda) {
         PyObject *dev;
-        if (PyObject_GetOptionalAttr(obj, st->s_device, &dev) < 0) {
+        if (PyObject_GetOptionalAttr(obj, st->torch->s_device, &dev) < 0) {
             return -1;
         }
         if (dev == NULL) { /* a tensor-like without .device */
@@ -877,11 +979,11 @@ pyccl_read_array(pyccl_state *st, const char *op, const char *what,
         Py_DECREF(dev);
         return -1;
     }
-    PyObject *layout = PyObject_GetAttr(obj, st->s_layout);
+    PyObject *layout = PyObject_GetAttr(obj, st->torch->s_layout);
     if (layout == NULL) {
         return -1;
     }
-    if (layout != st->strided) {
+    if (layout != st->torch->strided) {
         PyErr_Format(PyExc_ValueError,
                      "%s: %s must be a dense (strided) tensor, got layout %S",
                      op, what, layout);
@@ -889,7 +991,7 @@ pyccl_read_array(pyccl_state *st, const char *op, const char *what,
         return -1;
     }
     Py_DECREF(layout);
-    int contiguous = read_bool(obj, st->s_is_contiguous, 1);
+    int contiguous = read_bool(obj, st->torch->s_is_contiguous, 1);
     if (contiguous < 0) {
         return -1;
     }
@@ -897,7 +999,7 @@ pyccl_read_array(pyccl_state *st, const char *op, const char *what,
         PyErr_Format(PyExc_ValueError, "%s: %s must be contiguous", op, what);
         return -1;
     }
-    PyObject *dtype = PyObject_GetAttr(obj, st->s_dtype);
+    PyObject *dtype = PyObject_GetAttr(obj, st->torch->s_dtype);
     if (dtype == NULL) {
         return -1;
     }
@@ -912,7 +1014,7 @@ pyccl_read_array(pyccl_state *st, const char *op, const char *what,
 pyccl_state *
 pyccl_state_ready(pyccl_state *st)
 {
-    if (st != NULL && st->cliques == NULL) { /* torn down at interpreter exit */
+    if (st != NULL && st->torch->closed) { /* torn down at interpreter exit */
         PyErr_SetString(PyExc_RuntimeError, "pyccl: the interpreter is shutting down");
         return NULL;
     }

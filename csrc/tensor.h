@@ -1,14 +1,15 @@
 /* What tensor.c offers: the one reader of tensors, arrays and streams (it
  * fills the pyccl_tensor of pyccl.h), the dtype table, the device guard, the
- * module state with torch looked up, the size and overlap checks.  A shared
- * piece (the lowest layer): one header per file there. */
+ * module state with torch looked up, the size and overlap checks, and the
+ * reader's own part of the module state (st->torch, defined in tensor.c).
+ * A shared piece (the lowest layer): one header per file there. */
 #ifndef PYCCL_TENSOR_H
 #define PYCCL_TENSOR_H
 
 #include "pyccl.h"
 
-/* The rows of pyccl_dtype_info (pyccl.h), as pyccl_state.dtypes holds their
- * torch objects. */
+/* The rows of pyccl_dtype_info (pyccl.h), as the reader's state (tensor.c)
+ * holds their torch objects. */
 extern const pyccl_dtype_info pyccl_dtype_table[PYCCL_NDTYPES];
 
 /* The one device guard, without the GIL: make `device` current on this
@@ -22,6 +23,14 @@ void pyccl_device_leave(const pyccl_api *a, int device, int prev);
 pyccl_state *pyccl_state_ready(pyccl_state *st);
 /* The same for the module behind the Communicator type (or a method's type). */
 pyccl_state *pyccl_state_of_type(PyTypeObject *tp);
+/* st->torch, the reader's part of the module state: made with the interned
+ * names (-1 with an exception), visited, cleared (from then on
+ * pyccl_state_ready refuses), freed (module.c's exec, m_traverse, m_clear,
+ * m_free). */
+int pyccl_torch_state_init(pyccl_state *st);
+int pyccl_torch_state_traverse(pyccl_state *st, visitproc visit, void *arg);
+void pyccl_torch_state_clear(pyccl_state *st);
+void pyccl_torch_state_free(pyccl_state *st);
 int pyccl_torch_init(pyccl_state *st);
 int pyccl_is_tensor(pyccl_state *st, PyObject *obj);
 /* The torch-order checks of one tensor: cuda dense, dtype == *ref_dtype

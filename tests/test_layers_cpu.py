@@ -133,3 +133,77 @@ def test_architecture_table_lists_the_same_layers_and_files():
     ours = [(name, sorted(files)) for name, files in LAYERS]
     assert _docs_table() == ours
 
+
+
+# The module state, pyccl.h's pyccl_state: what every layer shares (exception and heap types, the
+# NCCL/CUDA table, `exiting`) and one pointer to each layer's own part.  A new member belongs in the
+# part of the layer that uses it, unless every layer does.
+STATE_MAX_MEMBERS = 14
+# Each part: its member in pyccl_state -> (its struct, the one file that defines it).  The file's
+# layer owns the part: only files of that layer reach it (`st->part`), and its members can be named
+# only where the definition is seen (a .c file, or a header of that layer that only the layer
+# includes); elsewhere the type is incomplete and the compiler refuses them.
+STATE_PARTS = {
+    "torch": ("pyccl_torch", "tensor.c"),
+    "redops": ("pyccl_redops", "args.c"),
+    "libs": ("pyccl_libs", "loader.c"),
+    "cliques": ("pyccl_cliques", "clique.c"),
+    "comms": ("pyccl_comms", "communicator.c"),
+    "watchdog": ("pyccl_watchdog", "watch.h"),
+}
+
+
+def _state_members():
+    """pyccl_state's members as (declaration, name) pairs, from pyccl.h."""
+    text = _strip_comments(_read("pyccl.h"))
+    m = re.search(r"typedef\s+struct\s*\{([^{}]*)\}\s*pyccl_state\s*;", text)
+    assert m, "pyccl.h: no `typedef struct {...} pyccl_state;` (members without nested braces)"
+    members = []
+    for decl in m.group(1).split(";"):
+        decl = " ".join(decl.split())
+        if not decl:
+            continue
+        # `PyObject *a, *b;` declares two members
+        head, *more = decl.split(",")
+        for part in [head] + more:
+            name = re.search(r"(\w+)\s*(?:\[[^\]]*\])*\s*$", part)
+            assert name, f"pyccl_state: cannot read the member in {decl!r}"
+            members.append((decl, name.group(1)))
+    return members
+
+
+def test_module_state_holds_only_what_every_layer_shares():
+    members = _state_members()
+    assert len(members) <= STATE_MAX_MEMBERS, (
+        f"pyccl_state has {len(members)} members (at most {STATE_MAX_MEMBERS}): "
+        "put a layer's own state in its part")
+    parts = {name: re.match(r"struct\s+(\w+)\s*\*", decl).group(1)
+             for decl, name in members if re.match(r"struct\s+pyccl_\w+\s*\*", decl)}
+    assert parts == {name: struct for name, (struct, _) in STATE_PARTS.items()}
+
+
+def test_every_state_pointer_is_named_st():
+    """The next test finds the parts reached as `st->part`: every pyccl_state pointer is `st`."""
+    other = []
+    for rel in _csrc_files():
+        text = _strip_comments(_read(rel))
+        for m in re.finditer(r"\bpyccl_state\s*\*\s*(?:const\s+)?(\w+)\s*(\(?)", text):
+            if not m.group(2) and m.group(1) != "st":  # `(`: a function returning one
+                other.append(f"{rel}: pyccl_state *{m.group(1)}")
+    assert other == []
+
+
+def test_state_parts_stay_in_their_layer():
+    defined, reached, seen = {}, [], []
+    for rel in _csrc_files():
+        text = _strip_comments(_read(rel))
+        for part, (struct, owner) in STATE_PARTS.items():
+            if re.search(r"\bstruct\s+%s\s*\{" % struct, text):
+                defined.setdefault(part, []).append(rel)
+            if LAYER_OF.get(rel) != LAYER_OF[owner] and re.search(r"\bst\s*->\s*%s\b" % part, text):
+                reached.append(f"{rel} ({LAYERS[LAYER_OF[rel]][0]}) reaches st->{part}")
+            if owner.endswith(".h") and owner in _includes(rel) and LAYER_OF[rel] != LAYER_OF[owner]:
+                seen.append(f"{rel} includes {owner}, which defines struct {struct}")
+    assert defined == {part: [owner] for part, (_, owner) in STATE_PARTS.items()}
+    assert reached == []
+    assert seen == []
