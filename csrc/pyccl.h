@@ -228,7 +228,7 @@ enum {
 };
 typedef struct {
     PyObject_HEAD
-    ncclComm_t comm;     /* NULL once destroyed */
+    ncclComm_t comm;     /* the one NCCL handle; NULL once destroyed, aborted or failed */
     int rank;
     int size;
     int device;
@@ -246,9 +246,10 @@ typedef struct {
                           * of it (locks a parent's thread held included) it cannot use */
     PyObject *weakreflist;
     PyObject *name;      /* str, made on first read of .name; NULL before */
-    /* Created with timeout= (or failed/aborted): the watchdog's record of it,
-     * owning the NCCL handle from then on (watchdog.c).  NULL otherwise, and
-     * then nothing below costs anything per call. */
+    /* Created with timeout= (or failed/aborted): the watchdog's record of it
+     * (watchdog.c), which uses `comm` and `mu` above, this communicator's
+     * one handle and one lock.  NULL otherwise, and then nothing below costs
+     * anything per call. */
     struct pyccl_watch *watch;
     double timeout;      /* seconds, 0 for none; kept after destroy() */
     /* NCCL's config.blocking of `comm` (1 without a timeout; with one, the

@@ -33,7 +33,11 @@ struct pyccl_watch {
     pthread_mutex_t *mu;
     struct pyccl_watch *next; /* in the watchdog's list, under its mutex */
     const pyccl_api *api;
-    ncclComm_t comm;          /* NULL once aborted or destroyed */
+    /* The communicator's handle (its `comm`): stored once, read and cleared
+     * through here under mu (atomically where a claim aborts it without
+     * mu); NULL once aborted, failed or destroyed. */
+    ncclComm_t *comm;
+    ncclComm_t closing_comm;  /* destroy(): the handle, moved here (comm points here) */
     /* A failed communicator's handle, revoked (ncclCommRevoke: its work
      * stopped, the handle kept) where the loaded NCCL has the call, so that
      * shrink() can make a communicator of the ranks left; aborted when the
@@ -112,7 +116,8 @@ void fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for
 int failed_kind(const struct pyccl_watch *w);
 void free_watch(struct pyccl_watch *w);
 void lock_watch(struct pyccl_watch *w);
-struct pyccl_watch * new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout);
+/* c's watch (its lock and handle are c's), not yet registered. */
+struct pyccl_watch * new_watch(pyccl_state *st, pyccl_comm *c, double timeout);
 /* c (without timeout) failed as `kind` for `reason`: its handle aborted, a
  * record of the failure as its watch.  -1 with MemoryError. */
 int mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason);

@@ -255,13 +255,13 @@ hold(pyccl_comm *c, ncclComm_t *comm)
         *comm = c->comm;
         return &c->mu;
     }
-    if (w->timeout <= 0 || failed_kind(w) || w->comm == NULL || w->closing) {
+    if (w->timeout <= 0 || failed_kind(w) || *w->comm == NULL || w->closing) {
         /* aborted, failed or being destroyed (a record without a timeout:
          * an aborted communicator's) */
         pyccl_unlock(&c->mu);
         return NULL;
     }
-    *comm = w->comm;
+    *comm = *w->comm;
     /* one call in NCCL, as an enqueue is: the watchdog claims it and aborts
      * the handle when it is stuck past the timeout and the grace */
     call_begin(w, 1);

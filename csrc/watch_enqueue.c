@@ -164,11 +164,11 @@ settle_watches(const pyccl_api *a, const char *op, const watch_set *g, ncclResul
         else if (polled < 0) {
             fail_interrupted(w, op);
         }
-        else if (r != ncclSuccess && w->comm != NULL) {
+        else if (r != ncclSuccess && *w->comm != NULL) {
             /* In non-blocking mode a failed call may leave the
              * communicator in error: then it is unusable. */
             ncclResult_t e = ncclSuccess;
-            a->ncclCommGetAsyncError(w->comm, &e);
+            a->ncclCommGetAsyncError(*w->comm, &e);
             if (e != ncclSuccess && e != ncclInProgress) {
                 *which = j;
                 watch_fail(w, PYCCL_FAIL_NCCL, (int)e,
@@ -179,7 +179,7 @@ settle_watches(const pyccl_api *a, const char *op, const watch_set *g, ncclResul
                      last);
             }
         }
-        else if (r == ncclSuccess && w->comm != NULL) {
+        else if (r == ncclSuccess && *w->comm != NULL) {
             for (Py_ssize_t i = 0; i < g->nrows && rec_err == cudaSuccess; i++) {
                 int dup = 0;
                 if (g->rows[i].j != j) {
@@ -274,8 +274,9 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *
         g->fresh[j] = in_group && !group_has(g->ws[j]);
     }
     /* Each row's watch, by its handle: with every communicator usable (else
-     * nothing is enqueued), a watched one's handle is its watch's (never
-     * replaced, only cleared when it fails) and differs from every other's. */
+     * nothing is enqueued), a watched one's handle is never replaced, only
+     * cleared when it fails (then the call raises), and differs from every
+     * other's. */
     for (Py_ssize_t i = 0; i < n; i++) {
         g->rows[i].j = -1;
         g->rows[i].stream = tasks[i].stream;
@@ -312,14 +313,12 @@ all_well(const watch_set *g, const timed_outcome *o)
     return ok;
 }
 
-/* The handles the watch aborted are forgotten (their communicators' comm
- * cleared); the watch whose failure the call raises: the one that failed
- * first (acquiring, or from `which` on after the calls), or -1. */
+/* The watch whose failure the call raises: the one that failed first
+ * (acquiring, or from `which` on after the calls), or -1. */
 static int
-forget_failed(watch_set *g, const timed_outcome *o)
+first_failed(watch_set *g, const timed_outcome *o)
 {
     if (o->got == 1) {
-        g->owners[o->which]->comm = NULL;
         return o->which;
     }
     if (o->refused || o->got < 0) {
@@ -329,7 +328,6 @@ forget_failed(watch_set *g, const timed_outcome *o)
     for (int k = 0; k < g->n; k++) {
         int j = (k + o->which) % g->n; /* the one that failed first, first */
         if (o->polled < 0 || failed_kind(g->ws[j])) {
-            g->owners[j]->comm = NULL;
             first = first < 0 ? j : first;
         }
     }
@@ -347,7 +345,7 @@ raise_outcome(pyccl_state *st, const char *op, watch_set *g, const timed_outcome
         (void)pyccl_comm_alive(st, op, g->bad);
         return -1;
     }
-    int failed = forget_failed(g, o);
+    int failed = first_failed(g, o);
     if (failed >= 0) {
         return raise_failure(st, op, g->ws[failed]);
     }
@@ -470,7 +468,7 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
             continue;
         }
         pyccl_lock(w->mu, PYCCL_LOCK_COMM);
-        if (w->comm != NULL && r == ncclInProgress) {
+        if (*w->comm != NULL && r == ncclInProgress) {
             /* NCCL launches the group in its own thread: poll until done,
              * busy keeping the watchdog and other threads off meanwhile */
             w->busy++;
@@ -488,17 +486,17 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
                 fail_interrupted(w, g[i].op);
             }
         }
-        else if (w->comm != NULL && r != ncclSuccess) {
+        else if (*w->comm != NULL && r != ncclSuccess) {
             /* the group failed: in non-blocking mode that may leave the
              * communicator in error, and then it is unusable */
             ncclResult_t e = ncclSuccess;
-            a->ncclCommGetAsyncError(w->comm, &e);
+            a->ncclCommGetAsyncError(*w->comm, &e);
             if (e != ncclSuccess && e != ncclInProgress) {
                 fail_nccl(w, g[i].op, e);
             }
         }
         for (int k = i; k < n && rec_err == cudaSuccess; k++) {
-            if (g[k].w == w && w->comm != NULL &&
+            if (g[k].w == w && *w->comm != NULL &&
                 (r == ncclSuccess || r == ncclInProgress)) {
                 call_begin(w, 1);
                 rec_err = watch_record(w, g[k].stream, g[k].op);
@@ -514,7 +512,6 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
     int rc = interrupted ? -1 : 0; /* KeyboardInterrupt is set */
     for (int i = 0; i < n; i++) {
         if (failed_kind(g[i].w)) {
-            ((pyccl_comm *)g[i].comm)->comm = NULL;
             if (rc == 0) {
                 rc = raise_failure(st, g[i].op, g[i].w);
             }

@@ -118,7 +118,7 @@ int
 pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
                    double timeout)
 {
-    struct pyccl_watch *w = new_watch(st, c, c->comm, timeout);
+    struct pyccl_watch *w = new_watch(st, c, timeout);
     if (w != NULL) {
         w->timeout_text = pyccl_secs(timeout);
         w->blocking = c->blocking;
@@ -191,7 +191,7 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
     if (got == 0) {
         double deadline = pyccl_now_s() + w->timeout;
         /* NULL config: the child is non-blocking like its parent */
-        r = a->ncclCommSplit(w->comm, color, key, slot, NULL);
+        r = a->ncclCommSplit(*w->comm, color, key, slot, NULL);
         if (r == ncclSuccess || r == ncclInProgress) {
             w->busy++;
             polled = poll_watch(&wt, w, deadline, &res);
@@ -203,16 +203,16 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
         if (polled == 0 && res == ncclSuccess && *slot != NULL) {
             polled = child_ready(&wt, a, *slot, deadline, &res, &rank, &size);
         }
-        pyccl_nccl_failed(a, res, w->comm, last, sizeof last);
+        pyccl_nccl_failed(a, res, *w->comm, last, sizeof last);
         if (polled == 1) {
             fail_timeout(w, "split", "its peers");
         }
         else if (polled < 0) {
             fail_interrupted(w, "split");
         }
-        else if (res != ncclSuccess && w->comm != NULL) {
+        else if (res != ncclSuccess && *w->comm != NULL) {
             ncclResult_t e = ncclSuccess;
-            a->ncclCommGetAsyncError(w->comm, &e);
+            a->ncclCommGetAsyncError(*w->comm, &e);
             if (e != ncclSuccess && e != ncclInProgress) {
                 fail_nccl(w, "split", e);
             }
@@ -225,9 +225,6 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
     }
     waiter_finish(&wt);
     if (got < 0 || polled < 0) {
-        if (got == 0) {
-            c->comm = NULL;
-        }
         return -1; /* leaks the slot: NCCL may still write it */
     }
     if (got > 0 || polled > 0 || failed_kind(w)) {
@@ -271,10 +268,13 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
         return 0;
     }
     w->closing = 1;
-    pyccl_unlock(w->mu);
-    /* From here on the Communicator looks destroyed to other threads (which
-     * then never reach w), while this one finishes w off. */
+    /* The handle goes with the watch that finishes it off, and from here on
+     * the Communicator looks destroyed to other threads (which then never
+     * reach w). */
+    w->closing_comm = *w->comm;
+    w->comm = &w->closing_comm;
     c->comm = NULL;
+    pyccl_unlock(w->mu);
     c->watch = NULL;
     unregister_watch(st, w);
     if (__atomic_load_n(&c->abort_asked, __ATOMIC_ACQUIRE) && !failed_kind(w)) {
@@ -287,20 +287,20 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
         Py_END_ALLOW_THREADS
     }
     int rc = 0;
-    if (!failed_kind(w) && w->comm != NULL) {
+    if (!failed_kind(w) && *w->comm != NULL) {
         /* First the tracked work, then NCCL's finalize, each bounded by the
          * timeout: peers that are gone must not hang destroy(). */
         rc = wait_work(st, op, w, w->timeout, may_raise);
-        if (rc == 0 && w->comm != NULL) {
+        if (rc == 0 && *w->comm != NULL) {
             int polled = 0;
             ncclResult_t res = ncclSuccess;
             waiter wt;
             waiter_start(&wt, 0); /* a half-finalized comm cannot be left */
             pyccl_lock(w->mu, PYCCL_LOCK_COMM);
             if (a->ncclCommFinalize != NULL) {
-                ncclResult_t r = a->ncclCommFinalize(w->comm);
+                ncclResult_t r = a->ncclCommFinalize(*w->comm);
                 if (r == ncclSuccess || r == ncclInProgress) {
-                    polled = poll_comm(&wt, a, w->comm, pyccl_now_s() + w->timeout,
+                    polled = poll_comm(&wt, a, *w->comm, pyccl_now_s() + w->timeout,
                                        &res);
                 }
                 else {
@@ -311,8 +311,8 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
                 fail_timeout(w, op, "its outstanding work");
             }
             else {
-                ncclComm_t comm = w->comm;
-                w->comm = NULL;
+                ncclComm_t comm = *w->comm;
+                *w->comm = NULL;
                 ncclResult_t r = a->ncclCommDestroy(comm);
                 res = res != ncclSuccess ? res : r;
             }
@@ -380,7 +380,6 @@ pyccl_watch_abort(pyccl_state *st, pyccl_comm *c)
     }
     Py_END_ALLOW_THREADS
     pyccl_unlock(w->mu);
-    c->comm = NULL;
     return 0;
 }
 
@@ -440,7 +439,6 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
     }
     struct pyccl_watch *w = c->watch;
     if (w != NULL && failed_kind(w) && failed_kind(w) != PYCCL_FAIL_ABORTED) {
-        c->comm = NULL;
         return pyccl_failure_exception(st, "get_async_error", failed_kind(w),
                                        w->code, w->reason, w->timeout);
     }
@@ -465,8 +463,8 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
     }
     else {
         lock_watch(w);
-        if (w->comm != NULL && !w->busy && !w->in_group) {
-            r = a->ncclCommGetAsyncError(w->comm, &e);
+        if (*w->comm != NULL && !w->busy && !w->in_group) {
+            r = a->ncclCommGetAsyncError(*w->comm, &e);
             if (r == ncclSuccess && e != ncclSuccess && e != ncclInProgress) {
                 /* what the watchdog would do within 10 ms */
                 Py_BEGIN_ALLOW_THREADS
@@ -476,7 +474,6 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
         }
         pyccl_unlock(w->mu);
         if (failed_kind(w)) {
-            c->comm = NULL;
             return pyccl_failure_exception(st, "get_async_error",
                                            failed_kind(w), w->code, w->reason,
                                            w->timeout);
@@ -549,7 +546,7 @@ pyccl_watch_shrink(pyccl_state *st, pyccl_comm *c, int *exclude, int n,
     }
     failed = failed_kind(w) != 0;
     /* a failed communicator: its revoked handle (none once aborted) */
-    ncclComm_t parent = failed ? w->revoked : w->comm;
+    ncclComm_t parent = failed ? w->revoked : *w->comm;
     double deadline = pyccl_now_s() + w->timeout;
     if (parent == NULL) {
         none = 1;

@@ -27,7 +27,7 @@ int
 mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
 {
     const pyccl_api *a = &st->api;
-    struct pyccl_watch *w = new_watch(st, c, NULL, 0.0);
+    struct pyccl_watch *w = new_watch(st, c, 0.0);
     if (w == NULL) {
         return -1;
     }
@@ -63,7 +63,6 @@ fail_comm(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
     watch_fail(w, kind, 0, "%s", reason);
     Py_END_ALLOW_THREADS
     pyccl_unlock(w->mu);
-    c->comm = NULL;
 }
 
 void
@@ -109,7 +108,6 @@ pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c)
     if (w == NULL || !failed_kind(w)) {
         return 0;
     }
-    c->comm = NULL; /* aborted: nothing may use the handle any more */
     return raise_failure(st, op, w);
 }
 
@@ -236,11 +234,11 @@ int
 poll_watch(waiter *wt, struct pyccl_watch *w, double deadline, ncclResult_t *res)
 {
     for (;;) {
-        if (w->comm == NULL) {
+        if (*w->comm == NULL) {
             return 2; /* aborted meanwhile (abort() from a signal handler) */
         }
         ncclResult_t e = ncclSuccess;
-        w->api->ncclCommGetAsyncError(w->comm, &e);
+        w->api->ncclCommGetAsyncError(*w->comm, &e);
         if (e != ncclInProgress) {
             *res = e;
             return 0;

@@ -220,8 +220,8 @@ watch_fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...)
     va_end(ap);
     w->code = code;
     __atomic_store_n(&w->failed, kind, __ATOMIC_RELEASE);
-    ncclComm_t comm = w->comm;
-    __atomic_store_n(&w->comm, NULL, __ATOMIC_RELEASE);
+    ncclComm_t comm = *w->comm;
+    __atomic_store_n(w->comm, NULL, __ATOMIC_RELEASE);
     if (comm != NULL) {
         /* A timeout or an error (not abort()): revoked where NCCL can, which
          * stops its work as an abort does but keeps the handle for shrink() */
@@ -262,7 +262,7 @@ call_end(struct pyccl_watch *w, const char *op)
     /* claimed: -1 by the watchdog, -2 by abort(), which aborted the handle */
     const int by_abort = mine == -2;
     __atomic_store_n(&w->call_since, 0, __ATOMIC_RELEASE);
-    __atomic_store_n(&w->comm, NULL, __ATOMIC_RELEASE);
+    __atomic_store_n(w->comm, NULL, __ATOMIC_RELEASE);
     if (by_abort) {
         watch_fail(w, PYCCL_FAIL_ABORTED, 0, "the communicator (rank %d of %d) has been aborted",
                    w->rank, w->size);
@@ -280,7 +280,7 @@ int
 watch_claim_call(struct pyccl_watch *w)
 {
     int64_t since = __atomic_load_n(&w->call_since, __ATOMIC_ACQUIRE);
-    ncclComm_t comm = __atomic_load_n(&w->comm, __ATOMIC_ACQUIRE);
+    ncclComm_t comm = __atomic_load_n(w->comm, __ATOMIC_ACQUIRE);
     if (w->blocking || !__atomic_load_n(&w->claimable, __ATOMIC_RELAXED)) {
         return 0; /* see struct pyccl_watch and call_begin: the caller waits for the lock */
     }
@@ -306,7 +306,7 @@ force_abort(struct pyccl_watch *w, int64_t now)
         (double)(now - since) * 1e-9 <= w->timeout + PYCCL_STUCK_GRACE) {
         return;
     }
-    ncclComm_t comm = __atomic_load_n(&w->comm, __ATOMIC_ACQUIRE);
+    ncclComm_t comm = __atomic_load_n(w->comm, __ATOMIC_ACQUIRE);
     if (w->blocking || !__atomic_load_n(&w->claimable, __ATOMIC_RELAXED)) {
         return; /* see struct pyccl_watch and call_begin */
     }
@@ -374,7 +374,7 @@ check(struct pyccl_watch *w, double now)
         return;
     }
     ncclResult_t ae = ncclSuccess;
-    if (w->api->ncclCommGetAsyncError(w->comm, &ae) == ncclSuccess &&
+    if (w->api->ncclCommGetAsyncError(*w->comm, &ae) == ncclSuccess &&
         ae != ncclSuccess && ae != ncclInProgress) {
         fail_nccl(w, w->nq > 0 ? w->q[0].op : "watchdog", ae);
     }
@@ -396,7 +396,7 @@ watchdog_main(void *arg)
                 force_abort(w, now_ns()); /* in use: unless stuck, next round */
                 continue;
             }
-            if (!w->failed && w->comm != NULL && !w->busy && !w->in_group &&
+            if (!w->failed && *w->comm != NULL && !w->busy && !w->in_group &&
                 !w->closing) {
                 /* Only ever the devices of watched communicators: going
                  * "back" to device 0 would give a process that does not use
@@ -514,7 +514,7 @@ unregister_watch(pyccl_state *st, struct pyccl_watch *w)
 }
 
 struct pyccl_watch *
-new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout)
+new_watch(pyccl_state *st, pyccl_comm *c, double timeout)
 {
     struct pyccl_watch *w = PyMem_RawCalloc(1, sizeof *w);
     if (w == NULL) {
@@ -523,7 +523,7 @@ new_watch(pyccl_state *st, pyccl_comm *c, ncclComm_t comm, double timeout)
     }
     w->mu = &c->mu;
     w->api = &st->api;
-    w->comm = comm;
+    w->comm = &c->comm;
     w->device = c->device;
     w->rank = c->rank;
     w->size = c->size;
@@ -580,7 +580,7 @@ pyccl_watchdog_at_exit(pyccl_state *st)
         if (pyccl_trylock(w->mu, PYCCL_LOCK_COMM) != 0) {
             continue; /* another thread is inside: leave it */
         }
-        if (!w->failed && w->comm != NULL && !w->busy && !w->in_group &&
+        if (!w->failed && *w->comm != NULL && !w->busy && !w->in_group &&
             !w->closing && w->nq > 0) {
             const char *bad_op = NULL;
             int prev;
