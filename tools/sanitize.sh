@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The sanitizer job: build pyccl._C with AddressSanitizer and
 # UndefinedBehaviorSanitizer in a scratch copy of the tree (the normal in-place
-# build is left alone), then run the CPU tier's memory-safety tests under it:
+# build is left alone), as a debug build (PYCCL_DEBUG=1: every lock checked
+# against csrc/locks.h's order; a broken order aborts the process), then run the CPU tier's memory-safety tests under it:
 #   tests/test_bad_input.py tests/test_api_cpu.py tests/test_nccl_cpu.py
 #   tests/test_timeout_cpu.py tests/test_fuzz_cpu.py tests/test_lifecycle_cpu.py
 # (test_bench_cpu.py is left out: it tests the benchmark runner's Python, not
@@ -34,7 +35,7 @@ rm -f "$scratch"/pyccl/_C*.so
 
 san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 echo "sanitize: building _C with $san in $scratch"
-(cd "$scratch" && CC="$cc" CFLAGS="$san -O1 -g" LDFLAGS="$san" PYCCL_CUDA_ARCHS="${PYCCL_CUDA_ARCHS:-90}" \
+(cd "$scratch" && CC="$cc" CFLAGS="$san -O1 -g" LDFLAGS="$san" PYCCL_DEBUG=1 PYCCL_CUDA_ARCHS="${PYCCL_CUDA_ARCHS:-90}" \
     "$py" setup.py -q build_ext --inplace >"$scratch/build.log" 2>&1) || {
     tail -50 "$scratch/build.log"; echo "sanitize: build failed"; exit 1; }
 
