@@ -1324,6 +1324,27 @@ def test_peers_bench_sizes_end_at_the_largest():
     assert pb._sizes(8, 32, 2) == [8, 16, 32]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("ranks", [2, 3, 4, 8])
+def test_symm_accuracy_bound_scales_with_the_rank_count(dtype, ranks):
+    """peers_bench symm's check: sums of `ranks` random inputs rounded in the format (after each
+    add, or once from float32) stay within the bound; a sum missing one rank's input, or the
+    maximum instead of the sum, is far outside it."""
+    pb = _peers_bench()
+    g = torch.Generator().manual_seed(ranks)
+    xs = [torch.randn(1 << 16, generator=g).to(dtype) for _ in range(ranks)]
+    step = xs[0].clone()
+    for x in xs[1:]:
+        step = (step + x).to(dtype)  # each partial sum rounded to the format
+    once = torch.stack([x.float() for x in xs]).sum(0).to(dtype)
+    assert pb.rounding_error_ratio(step, xs, dtype) <= 1.0
+    assert pb.rounding_error_ratio(once, xs, dtype) <= 1.0
+    missing = torch.stack([x.double() for x in xs[1:]]).sum(0).to(dtype)
+    assert pb.rounding_error_ratio(missing, xs, dtype) > 10.0
+    maximum = torch.stack(xs).max(0).values
+    assert pb.rounding_error_ratio(maximum, xs, dtype) > 10.0
+
+
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs or more")
 @pytest.mark.parametrize("what", ["symm", "ddp"])
 def test_peers_bench_and_sweep_need_two_gpus(what, tmp_path):
