@@ -1361,3 +1361,8 @@ def test_peers_bench_and_sweep_need_two_gpus(what, tmp_path):
     r = subprocess.run(["bash", str(root / "tools" / "sweep.sh")], capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, OUT=str(tmp_path), PYTHON="false"))
     assert r.returncode == 1 and r.stdout.strip() == "sweep: false cannot import torch"
+    for bad in ("1", "x", "-3", "2.5"):
+        r = subprocess.run(["bash", str(root / "tools" / "sweep.sh")], capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, OUT=str(tmp_path), SWEEP_RANKS=bad))
+        assert r.returncode == 2 and r.stdout.strip() == (
+            f"sweep: SWEEP_RANKS must be a whole number of 2 or more, got '{bad}'"), r.stdout

@@ -10,7 +10,8 @@
 # Writes nt.txt (and nt-mpi.txt: nccl-tests built with MPI, one process per GPU, where mpicc is
 # found), algos.txt/json, cmp.txt/json, cmpg.txt/json, symm.txt/json, ddp.txt under $OUT (or
 # ./sweep-out); about 8 minutes on 2 H100s.  SWEEP_ARCH (default 90) is the compute
-# capability nccl-tests is built for.
+# capability nccl-tests is built for.  SWEEP_RANKS (default: every GPU) runs it at that many ranks,
+# one GPU each, the first ones (one call per rank count: OUT=r3 SWEEP_RANKS=3 bash tools/sweep.sh).
 # Exit status: 0, or 1 when a step failed or timed out (the others still run).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -19,6 +20,10 @@ SRC=${1:+$(realpath "$1")}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
+R=${SWEEP_RANKS:-}
+if [ -n "$R" ] && ! [[ "$R" =~ ^[0-9]+$ && "$R" -ge 2 ]]; then
+  echo "sweep: SWEEP_RANKS must be a whole number of 2 or more, got '$R'"; exit 2
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if ! G=$($PY -c 'import torch; print(torch.cuda.device_count())'); then
   echo "sweep: $PY cannot import torch"; exit 1
@@ -26,6 +31,11 @@ fi
 if [ "$G" -lt 2 ]; then
   echo "sweep: needs 2 or more GPUs, one rank each (this machine has $G)"; exit 1
 fi
+if [ -n "$R" ]; then
+  [ "$R" -le "$G" ] || { echo "sweep: SWEEP_RANKS=$R, but this machine has $G GPUs"; exit 1; }
+  G=$R
+fi
+echo "sweep: $G ranks, one GPU each"
 rc=0
 step() {  # a step's command; its failure is remembered, the sweep goes on
   "$@" || { echo "sweep: failed (exit $?): $*"; rc=1; }
