@@ -22,9 +22,12 @@
  *                         watch_state.c `tl_lost_mu`   them open (never nested)
  *
  * The clique locks (clique.c's clique_lock, clique_call_lock: Python locks taken
- * with the GIL) come before all of these.  No lock here is held while
- * taking the GIL: a thread waits for one with the GIL released
- * (pyccl_lock_released), so the GIL comes first too. */
+ * with the GIL) come before all of these.  A thread holding a set-up's or a
+ * communicator's lock may take the GIL (to raise, to run a signal handler),
+ * so no thread waits for one of those with the GIL held: it waits with the
+ * GIL released (pyccl_lock_released), and the debug build checks that too.
+ * The other locks' holders never take the GIL, and their sections are
+ * short: a GIL holder may wait for them. */
 #ifndef PYCCL_LOCKS_H
 #define PYCCL_LOCKS_H
 
@@ -56,8 +59,9 @@ typedef struct {
 } pyccl_held_lock;
 extern _Thread_local pyccl_held_lock pyccl_held[PYCCL_HELD_MAX];
 extern _Thread_local int pyccl_nheld;
-/* Takes two locks against the order: the check's own test (it aborts). */
-void pyccl_lock_selftest(void);
+/* The check's own test (it aborts): two locks taken against the order, or
+ * (gil) a communicator-class lock waited for with the GIL held. */
+void pyccl_lock_selftest(int gil);
 
 static inline void
 pyccl_lock_broken(const char *what, pthread_mutex_t *mu, int cls, const pyccl_held_lock *h)
@@ -80,6 +84,10 @@ pyccl_lock_broken(const char *what, pthread_mutex_t *mu, int cls, const pyccl_he
 static inline void
 pyccl_lock_check(pthread_mutex_t *mu, int cls)
 {
+    if ((cls == PYCCL_LOCK_SETUP || cls == PYCCL_LOCK_COMM) && !Py_IsFinalizing() &&
+        PyGILState_Check()) {
+        pyccl_lock_broken("waiting with the GIL held for", mu, cls, NULL);
+    }
     for (int i = 0; i < pyccl_nheld && i < PYCCL_HELD_MAX; i++) {
         const pyccl_held_lock *h = &pyccl_held[i];
         if (h->mu == mu) {

@@ -155,19 +155,25 @@ communicator_by_name(PyObject *m, PyObject *name)
 }
 
 #ifdef PYCCL_DEBUG_LOCKS
-/* Debug builds: two locks taken against csrc/locks.h's order, which the
- * check turns into an abort naming both (the CPU tier's proof that it runs). */
+/* Debug builds: two locks taken against csrc/locks.h's order (or, given a
+ * true argument, a communicator-class lock waited for with the GIL held),
+ * which the check turns into an abort naming them (the CPU tier's proof that
+ * it runs). */
 static PyObject *
-debug_break_lock_order(PyObject *m, PyObject *Py_UNUSED(ignored))
+debug_break_lock_order(PyObject *m, PyObject *gil)
 {
-    pyccl_lock_selftest();
+    int with_gil = PyObject_IsTrue(gil);
+    if (with_gil < 0) {
+        return NULL;
+    }
+    pyccl_lock_selftest(with_gil);
     Py_RETURN_NONE;
 }
 #endif
 
 static PyMethodDef module_methods[] = {
 #ifdef PYCCL_DEBUG_LOCKS
-    {"_debug_break_lock_order", debug_break_lock_order, METH_NOARGS, NULL},
+    {"_debug_break_lock_order", debug_break_lock_order, METH_O, NULL},
 #endif
     {"_set_library_candidates",
      (PyCFunction)(void (*)(void))set_library_candidates, METH_FASTCALL, NULL},

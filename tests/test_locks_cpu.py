@@ -1,5 +1,6 @@
 """The one lock order of csrc/locks.h: every lock of pyccl._C is taken through its calls, and a
-debug build (PYCCL_DEBUG=1) checks the order at every lock.  The stand-in scenarios of threads
+debug build (PYCCL_DEBUG=1) checks the order at every lock, and that no thread waits for a
+set-up's or a communicator's lock with the GIL held (their holders may take the GIL).  The stand-in scenarios of threads
 racing destroy(), abort() and close() run on such a build here, and tools/sanitize.sh (in CI)
 runs the whole lifecycle and timeout files on one: a lock taken against the order, or twice,
 aborts the scenario's process with both locks named."""
@@ -76,12 +77,17 @@ def _env():
     return env
 
 
-def test_debug_build_aborts_on_a_broken_order(debug_build):
-    r = subprocess.run([sys.executable, "-c", "import pyccl._C as C; C._debug_break_lock_order()"],
+@pytest.mark.parametrize("gil, text", [
+    (False, r"taking the kernels' load_mu \(0x[0-9a-f]+\) while holding a region list's mu "
+            r"\(0x[0-9a-f]+\)"),
+    (True, r"waiting with the GIL held for a communicator's mu \(0x[0-9a-f]+\)"),
+])
+def test_debug_build_aborts_on_a_broken_order(debug_build, gil, text):
+    r = subprocess.run([sys.executable, "-c",
+                        f"import pyccl._C as C; C._debug_break_lock_order({gil})"],
                        cwd=debug_build, env=_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == -signal.SIGABRT, (r.returncode, r.stderr[-2000:])
-    assert re.search(r"pyccl: lock order broken: taking the kernels' load_mu \(0x[0-9a-f]+\) while "
-                     r"holding a region list's mu \(0x[0-9a-f]+\); the order is csrc/locks.h's",
+    assert re.search(r"pyccl: lock order broken: " + text + r"; the order is csrc/locks.h's",
                      r.stderr), r.stderr[-2000:]
 
 
