@@ -7,8 +7,9 @@ one-shot and two-shot kernels (torch.ops.symm_mem), and a DDP training step on b
   python tools/peers_bench.py timeout [-b 8] [-e 64M] [-f 8] [-n 200]
 
 symm: µs per call, CUDA events around -n back-to-back calls, median of 5 loops, maximum over
-ranks, eager and replayed from a CUDA graph; each size is checked against a float64 reference
-first (random data).  A kernel torch does not have, or that refuses a size or dtype, reads N/A.
+ranks, eager and replayed from a CUDA graph; each size is checked first against the exact sum
+of the ranks' random inputs, within what rounding in its format allows at the run's rank count
+(rounding_error_ratio).  A kernel torch does not have, or that refuses a size or dtype, reads N/A.
 ddp: ms per training step (forward, backward with DDP's gradient all-reduce, SGD step) of an
 MLP, median of 5 loops of --steps steps, maximum over ranks, the same seeds on both backends, with
 the host's time per step beside it (equal to it where the step is host-bound); --profile N adds
@@ -109,9 +110,14 @@ def rounding_error_ratio(got, every, dtype):
     of N terms added in any order, each partial sum rounded to `dtype` (unit roundoff u), is off
     the exact sum by at most gamma(N-1) * sum|x| with gamma(k) = k*u / (1 - k*u) (Higham,
     "Accuracy and Stability of Numerical Algorithms", 4.2); u * |sum| more covers a sum kept in
-    a wider format and rounded once at the end.  So the bound grows with the rank count, and a
-    result missing a rank's term, or reduced with another op, is far outside it.  At most 1.0
-    when the result is right."""
+    a wider format and rounded once at the end (a margin: from 2 ranks on gamma(N-1) * sum|x|
+    alone covers that too).  Relative to sum|x|, not |sum|: random inputs of both signs cancel,
+    and the error of a rounded sum follows its partial sums, not the sum.  The inputs' own
+    rounding (symm draws them in float32 and rounds them to `dtype`) is no error of the
+    all-reduce: the exact sum is taken of the inputs as the ranks hold them.  So the bound grows
+    with the rank count, and a result missing a rank's term, or reduced with another op, is far
+    outside it wherever the inputs are not all small (the CPU tests: from 1000 elements).  At
+    most 1.0 when the result is right."""
     u = _UNIT_ROUNDOFF[dtype]
     k = len(every) - 1
     stacked = torch.stack([e.double() for e in every])
