@@ -1391,6 +1391,22 @@ def test_symm_accuracy_bound_grows_where_the_fixed_tolerance_did_not():
     assert ((got.double() - exact).abs() > two_ranks).any()
 
 
+def test_peers_bench_symm_table_prints_the_launch_floor_above_the_eager_columns():
+    pb = _peers_bench()
+    floor = {"launch_floor_us": 2.5, "launch_floor_host_us": 2.25}
+    rows = [{"kernel": "one_shot", "dtype": "float", "bytes": 8, "eager_us": 9.5, "graph_us": 4.0,
+             **floor},
+            {"kernel": "two_shot", "dtype": "float", "bytes": 8, "na": "ValueError: too small"}]
+    lines = pb.symm_table(rows, 3)
+    assert lines[0] == "torch symm_mem all_reduce, 3 ranks, µs per call (max over ranks)"
+    assert lines[1] == ("launch floor (torch.cuda._sleep(0) back to back, as the eager columns): "
+                        "2.50 µs per call, host 2.25 µs per call")
+    assert lines[3].split() == ["float", "8", "9.50", "4.00", "N/A", "N/A"]
+    assert lines[4] == "N/A two_shot float 8 (na): ValueError: too small"
+    # every kernel refused: no floor line (nothing eager to read it against)
+    assert not any(x.startswith("launch floor") for x in pb.symm_table(rows[1:], 2))
+
+
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs or more")
 @pytest.mark.parametrize("what", ["symm", "ddp"])
 def test_peers_bench_and_sweep_need_two_gpus(what, tmp_path):

@@ -10,6 +10,10 @@ symm: µs per call, CUDA events around -n back-to-back calls, median of 5 loops,
 ranks, eager and replayed from a CUDA graph; each size is checked first against the exact sum
 of the ranks' random inputs, within what rounding in its format allows at the run's rank count
 (rounding_error_ratio).  A kernel torch does not have, or that refuses a size or dtype, reads N/A.
+Above the table, the launch floor measured in the same processes the same way as the eager
+columns: torch.cuda._sleep(0) back to back, one kernel of one thread that returns at once,
+launched through torch's direct binding (no operator dispatch): a floor under any eager call
+from Python that launches a kernel, GPU µs per call and the host's µs per call.
 ddp: ms per training step (forward, backward with DDP's gradient all-reduce, SGD step) of an
 MLP, median of 5 loops of --steps steps, maximum over ranks, the same seeds on both backends, with
 the host's time per step beside it (equal to it where the step is host-bound); --profile N adds
@@ -129,12 +133,51 @@ def rounding_error_ratio(got, every, dtype):
     return (err / bound.clamp_min(tiny)).max().item()
 
 
+def _launch_floor(iters):
+    """GPU µs and host µs per call of torch.cuda._sleep(0) back to back (see _timed_loops), the
+    maximum over ranks: at::cuda::sleep launches spin_kernel<<<1, 1>>> on the current stream, and
+    with 0 cycles the kernel returns at once, so this is a bare kernel launch from Python."""
+    for _ in range(10):
+        torch.cuda._sleep(0)
+    gpu_s, host_s = _timed_loops(lambda _i: torch.cuda._sleep(0), iters)
+    return _max_over_ranks(gpu_s * 1e6), _max_over_ranks(host_s * 1e6)
+
+
+def symm_table(rows, world):
+    """The symm mode's printed lines: the launch floor, the table, what read N/A and why."""
+    lines = [f"torch symm_mem all_reduce, {world} ranks, µs per call (max over ranks)"]
+    floor = next((r for r in rows if "launch_floor_us" in r), None)
+    if floor is not None:
+        lines.append(f"launch floor (torch.cuda._sleep(0) back to back, as the eager columns): "
+                     f"{floor['launch_floor_us']:.2f} µs per call, host "
+                     f"{floor['launch_floor_host_us']:.2f} µs per call")
+    lines.append(f"{'dtype':>8} {'bytes':>10} {'one_shot eager':>15} {'graph':>8} "
+                 f"{'two_shot eager':>15} {'graph':>8}")
+    by = {}
+    for r in rows:
+        by.setdefault((r["dtype"], r["bytes"]), {})[r["kernel"]] = r
+    for (dname, nbytes), ks in by.items():
+        cells = []
+        for k in ("one_shot", "two_shot"):
+            r = ks.get(k, {})
+            eager, graph = r.get("eager_us"), r.get("graph_us")
+            cells += [f"{eager:15.2f}" if eager is not None else f"{'N/A':>15}",
+                      f"{graph:8.2f}" if graph is not None else f"{'N/A':>8}"]
+        lines.append(f"{dname:>8} {nbytes:>10} " + " ".join(cells))
+    for r in rows:
+        for key in ("na", "graph_na"):
+            if key in r:
+                lines.append(f"N/A {r['kernel']} {r['dtype']} {r['bytes']} ({key}): {r[key]}")
+    return lines
+
+
 def _symm_worker(rank, world, port, args, queue):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, device_id=torch.device("cuda", rank))
     import torch.distributed._symmetric_memory as symm_mem
     group = dist.group.WORLD.group_name
+    floor_us, floor_host_us = _launch_floor(args.iters)
     rows = []
     for dname in args.dtype.split(","):
         dtype = {"float": torch.float32, "bfloat16": torch.bfloat16}[dname]
@@ -175,6 +218,7 @@ def _symm_worker(rank, world, port, args, queue):
                     raise AssertionError(f"{name} {dname} {nbytes} B at {world} ranks: an error "
                                          f"{worst:.2f} times what rounding in {dname} allows")
                 row["eager_us"] = _max_over_ranks(_events_us(fn, args.iters))
+                row["launch_floor_us"], row["launch_floor_host_us"] = floor_us, floor_host_us
                 graph = None
                 try:
                     graph = _capture(fn, args.iters)
@@ -348,24 +392,7 @@ def main(argv=None):
             print(f"{r['bytes']:>10} " + " ".join(f"{r[k][0]:7.1f}/{r[k][1]:<7.1f}" for k in names))
     elif args.what == "symm":
         rows = _spawn(_symm_worker, world, args)
-        print(f"torch symm_mem all_reduce, {world} ranks, µs per call (max over ranks)")
-        print(f"{'dtype':>8} {'bytes':>10} {'one_shot eager':>15} {'graph':>8} "
-              f"{'two_shot eager':>15} {'graph':>8}")
-        by = {}
-        for r in rows:
-            by.setdefault((r["dtype"], r["bytes"]), {})[r["kernel"]] = r
-        for (dname, nbytes), ks in by.items():
-            cells = []
-            for k in ("one_shot", "two_shot"):
-                r = ks.get(k, {})
-                eager, graph = r.get("eager_us"), r.get("graph_us")
-                cells += [f"{eager:15.2f}" if eager is not None else f"{'N/A':>15}",
-                          f"{graph:8.2f}" if graph is not None else f"{'N/A':>8}"]
-            print(f"{dname:>8} {nbytes:>10} " + " ".join(cells))
-        for r in rows:
-            for key in ("na", "graph_na"):
-                if key in r:
-                    print(f"N/A {r['kernel']} {r['dtype']} {r['bytes']} ({key}): {r[key]}")
+        print("\n".join(symm_table(rows, world)))
     else:
         rows = [_spawn(_ddp_worker, world, b, args) for b in ("nccl", "pyccl")]
         same = rows[0].pop("final") == rows[1].pop("final")
