@@ -12,6 +12,7 @@ import importlib.util
 import multiprocessing
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -1428,3 +1429,86 @@ def test_peers_bench_and_sweep_need_two_gpus(what, tmp_path):
                            timeout=120, env=dict(os.environ, OUT=str(tmp_path), SWEEP_RANKS=bad))
         assert r.returncode == 2 and r.stdout.strip() == (
             f"sweep: SWEEP_RANKS must be a whole number of 2 or more, got '{bad}'"), r.stdout
+
+
+def _sweep(tmp_path, *argv, gpus=4, fail="", **extra):
+    """tools/sweep.sh with a stand-in for python: it says the machine has `gpus` GPUs, and every
+    step it is run for writes its command line (exit 1 for a step whose line contains `fail`)."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/usr/bin/env bash\nif [ "$1" = -c ]; then echo "$FAKE_GPUS"; exit 0; fi\n'
+                    'echo "ran: $*"\n[ -z "$FAKE_FAIL" ] || [[ "$*" != *"$FAKE_FAIL"* ]]\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    env = dict(os.environ, OUT=str(out), PYTHON=str(fake), FAKE_GPUS=str(gpus), FAKE_FAIL=fail,
+               **extra)
+    if "SWEEP_RANKS" not in extra:  # the caller's own setting would change what runs
+        env.pop("SWEEP_RANKS", None)
+    root = pathlib.Path(__file__).resolve().parent.parent
+    r = subprocess.run(["bash", str(root / "tools" / "sweep.sh"), *argv], capture_output=True,
+                       text=True, timeout=120, env=env)
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) if out.exists() else []
+    return r, out, files
+
+
+def test_sweep_ranks_runs_each_rank_count_into_its_own_folder(tmp_path):
+    r, out, files = _sweep(tmp_path, "--ranks", "4,2,3", "--only", "symm,ddp")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert files == [f"r{n}/{s}.txt" for n in (2, 3, 4) for s in ("ddp", "symm")]
+    for n in (2, 3, 4):
+        assert (out / f"r{n}" / "symm.txt").read_text() == (
+            f"ran: tools/peers_bench.py symm -g {n} --json {out}/r{n}/symm.json\n")
+        assert (out / f"r{n}" / "ddp.txt").read_text() == f"ran: tools/peers_bench.py ddp -g {n}\n"
+        assert f"sweep: {n} ranks, one GPU each, files in {out}/r{n}" in r.stdout
+    timed = [line.rsplit(":", 1)[0] for line in r.stdout.splitlines() if line.endswith(" s")]
+    assert timed == [f"sweep: {s} at {n} ranks" for n in (2, 3, 4) for s in ("symm", "ddp")]
+    r, out, files = _sweep(tmp_path, "--ranks", "all", "--only", "cmpg", gpus=3)
+    assert r.returncode == 0 and files == ["r2/cmpg.txt", "r3/cmpg.txt"], r.stdout
+
+
+def test_sweep_without_ranks_runs_once_into_out_as_before(tmp_path):
+    r, out, files = _sweep(tmp_path, gpus=3)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert files == ["algos.txt", "cmp.txt", "cmpg.txt", "ddp.txt", "symm.txt"]
+    assert r.stdout.splitlines()[0] == "sweep: 3 ranks, one GPU each"
+    assert (out / "algos.txt").read_text().startswith("ran: -m pyccl.bench -g 3 ")
+    r, out, files = _sweep(tmp_path, "--only", "symm", gpus=4, SWEEP_RANKS="3")
+    assert r.returncode == 0 and files == ["symm.txt"], r.stdout
+    assert (out / "symm.txt").read_text().startswith("ran: tools/peers_bench.py symm -g 3 ")
+
+
+def test_sweep_a_failed_step_is_named_the_others_still_run(tmp_path):
+    r, out, files = _sweep(tmp_path, "--ranks", "2,3", "--only", "algos,symm,ddp", fail="symm -g 2")
+    assert r.returncode == 1
+    assert r.stdout.count("sweep: failed (exit 1): timeout 150 ") == 1
+    assert f"peers_bench.py symm -g 2 --json {out}/r2/symm.json" in r.stdout
+    assert files == [f"r{n}/{s}.txt" for n in (2, 3) for s in ("algos", "ddp", "symm")]
+
+
+@pytest.mark.parametrize("argv, env, rc, message", [
+    (["--ranks", "1"], {}, 2, "sweep: --ranks: every rank count must be 2 or more, got '1'"),
+    (["--ranks", "2,0"], {}, 2, "sweep: --ranks: every rank count must be 2 or more, got '2,0'"),
+    (["--ranks=2,x"], {}, 2, "sweep: --ranks takes rank counts separated by commas (2,3,4) or 'all', got '2,x'"),
+    (["--ranks", "2,,3"], {}, 2, "sweep: --ranks takes rank counts separated by commas (2,3,4) or 'all', got '2,,3'"),
+    (["--ranks"], {}, 2, "sweep: --ranks needs a value"),
+    (["--only", "symm,foo"], {}, 2, "sweep: --only: unknown step 'foo' (choose from nt,algos,symm,ddp,cmp,cmpg)"),
+    (["--only", "symm,"], {}, 2, "sweep: --only takes steps separated by commas, got 'symm,'"),
+    (["--only", "nt"], {}, 2, "sweep: --only nt needs NCCL_TESTS_SOURCE"),
+    (["--ranks", "2"], {"SWEEP_RANKS": "2"}, 2, "sweep: give --ranks or SWEEP_RANKS, not both"),
+    (["a", "b"], {}, 2, "sweep: one NCCL_TESTS_SOURCE only, got 'a' and 'b'"),
+    (["--ranks", "2,5"], {}, 1, "sweep: --ranks asks for 5 ranks, but this machine has 4 GPUs"),
+    ([], {"SWEEP_RANKS": "5"}, 1, "sweep: SWEEP_RANKS=5, but this machine has 4 GPUs"),
+])
+def test_sweep_bad_command_lines_are_refused_with_their_message(tmp_path, argv, env, rc, message):
+    r, _, files = _sweep(tmp_path, *argv, **env)
+    assert (r.returncode, r.stdout.strip()) == (rc, message)
+    assert files == []
+
+
+def test_sweep_help_and_an_unknown_option(tmp_path):
+    r, _, _ = _sweep(tmp_path, "--help")
+    assert r.returncode == 0
+    assert r.stdout.startswith("Usage: bash tools/sweep.sh [--ranks LIST] [--only STEPS] [NCCL_TESTS_SOURCE]")
+    r, _, files = _sweep(tmp_path, "--rank", "2")
+    assert r.returncode == 2 and r.stdout.startswith("sweep: unknown option '--rank'\nUsage:")
+    assert files == []

@@ -5,25 +5,69 @@
 # torch.distributed (nccl and pyccl backends), torch.cuda.nccl and NCCL on symmetric windows
 # (--compare --registered, eager and CUDA graph), torch's symmetric-memory kernels and a DDP
 # step (tools/peers_bench.py).
-# Usage: bash tools/sweep.sh NCCL_TESTS_SOURCE   (a checkout of github.com/NVIDIA/nccl-tests;
-#        without it the nccl-tests part is left out)
+# Usage: bash tools/sweep.sh [--ranks LIST] [--only STEPS] [NCCL_TESTS_SOURCE]
+#        NCCL_TESTS_SOURCE: a checkout of github.com/NVIDIA/nccl-tests; without it the
+#        nccl-tests part is left out.
 # Writes nt.txt (and nt-mpi.txt: nccl-tests built with MPI, one process per GPU, where mpicc is
 # found), algos.txt/json, cmp.txt/json, cmpg.txt/json, symm.txt/json, ddp.txt under $OUT (or
-# ./sweep-out); about 8 minutes on 2 H100s.  SWEEP_ARCH (default 90) is the compute
+# ./sweep-out); about 8 minutes on 2 H100s at 2 ranks.  SWEEP_ARCH (default 90) is the compute
 # capability nccl-tests is built for.  SWEEP_RANKS (default: every GPU) runs it at that many ranks,
 # one GPU each, the first ones (one call per rank count: OUT=r3 SWEEP_RANKS=3 bash tools/sweep.sh).
-# Exit status: 0, or 1 when a step failed or timed out (the others still run).
+# --ranks LIST runs it at each rank count of LIST (comma-separated, each 2 or more; "all": 2 up
+# to the GPU count), one after another in one call, nccl-tests built once; each rank count's
+# files go under $OUT/rN (r2/symm.txt, r3/symm.txt, ...).
+# --only STEPS runs only these steps (comma-separated, of nt algos symm ddp cmp cmpg; default
+# all, nt where NCCL_TESTS_SOURCE is given), to split a sweep over calls of limited length.
+# Each step's seconds are printed ("sweep: STEP at N ranks: SECONDS s").
+# Exit status: 0; 1 when a step failed or timed out (the others still run), or the machine
+# cannot run it; 2 for a bad command line.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=$(realpath -m "${OUT:-$PWD/sweep-out}")
-SRC=${1:+$(realpath "$1")}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-cd "$(dirname "$0")/.."
+usage() { sed -n '8,10p' "$0" | sed 's/^# //'; }
+STEPS_ALL=nt,algos,symm,ddp,cmp,cmpg
+RANKS= ONLY= SRC=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --ranks|--only)
+      [ $# -ge 2 ] || { echo "sweep: $1 needs a value"; exit 2; }
+      if [ "$1" = --ranks ]; then RANKS=$2; else ONLY=$2; fi; shift 2 ;;
+    --ranks=*) RANKS=${1#--ranks=}; shift ;;
+    --only=*) ONLY=${1#--only=}; shift ;;
+    -h|--help) usage; exit 0 ;;
+    -*) echo "sweep: unknown option '$1'"; usage; exit 2 ;;
+    *) [ -z "$SRC" ] || { echo "sweep: one NCCL_TESTS_SOURCE only, got '$SRC' and '$1'"; exit 2; }
+       SRC=$1; shift ;;
+  esac
+done
+if [ -n "$RANKS" ] && [ "$RANKS" != all ] && ! [[ "$RANKS" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+  echo "sweep: --ranks takes rank counts separated by commas (2,3,4) or 'all', got '$RANKS'"; exit 2
+fi
+if [ -n "$RANKS" ] && [ "$RANKS" != all ]; then
+  for r in ${RANKS//,/ }; do
+    [ "$((10#$r))" -ge 2 ] || { echo "sweep: --ranks: every rank count must be 2 or more, got '$RANKS'"; exit 2; }
+  done
+fi
 R=${SWEEP_RANKS:-}
 if [ -n "$R" ] && ! [[ "$R" =~ ^[0-9]+$ && "$R" -ge 2 ]]; then
   echo "sweep: SWEEP_RANKS must be a whole number of 2 or more, got '$R'"; exit 2
 fi
+if [ -n "$R" ] && [ -n "$RANKS" ]; then
+  echo "sweep: give --ranks or SWEEP_RANKS, not both"; exit 2
+fi
+STEPS=${ONLY:-$STEPS_ALL}
+for s in ${STEPS//,/ }; do
+  [[ ",$STEPS_ALL," == *",$s,"* ]] || { echo "sweep: --only: unknown step '$s' (choose from $STEPS_ALL)"; exit 2; }
+done
+[[ "$STEPS" =~ ^[a-z]+(,[a-z]+)*$ ]] || { echo "sweep: --only takes steps separated by commas, got '$ONLY'"; exit 2; }
+if [ -n "$ONLY" ] && [[ ",$ONLY," == *",nt,"* ]] && [ -z "$SRC" ]; then
+  echo "sweep: --only nt needs NCCL_TESTS_SOURCE"; exit 2
+fi
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+OUT=$(realpath -m "${OUT:-$PWD/sweep-out}")
+SRC=${SRC:+$(realpath "$SRC")}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if ! G=$($PY -c 'import torch; print(torch.cuda.device_count())'); then
   echo "sweep: $PY cannot import torch"; exit 1
@@ -33,14 +77,22 @@ if [ "$G" -lt 2 ]; then
 fi
 if [ -n "$R" ]; then
   [ "$R" -le "$G" ] || { echo "sweep: SWEEP_RANKS=$R, but this machine has $G GPUs"; exit 1; }
-  G=$R
 fi
-echo "sweep: $G ranks, one GPU each"
+if [ "$RANKS" = all ]; then
+  LIST=$(seq 2 "$G")
+elif [ -n "$RANKS" ]; then
+  LIST=$(printf '%s\n' ${RANKS//,/ } | sed 's/^0*//' | sort -nu)
+  for r in $LIST; do
+    [ "$r" -le "$G" ] || { echo "sweep: --ranks asks for $r ranks, but this machine has $G GPUs"; exit 1; }
+  done
+else
+  LIST=${R:-$G}
+fi
 rc=0
 step() {  # a step's command; its failure is remembered, the sweep goes on
   "$@" || { echo "sweep: failed (exit $?): $*"; rc=1; }
 }
-if [ -n "$SRC" ]; then
+if [ -n "$SRC" ] && want nt; then
   # nccl-tests against the libnccl of the nvidia-nccl wheel that torch loads (one NCCL per process)
   NH=$($PY -c "import nvidia.nccl as m; print(list(m.__path__)[0])")
   export LD_LIBRARY_PATH=$NH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -53,45 +105,70 @@ if [ -n "$SRC" ]; then
       NVCC_GENCODE="-gencode=arch=compute_$A,code=sm_$A" > "$OUT/nt-build.log" 2>&1 \
     || { tail -20 "$OUT/nt-build.log"; echo "sweep: nccl-tests did not build"; exit 1; }
   NT=$B/build/all_reduce_perf
-  for d in float bfloat16; do
-    echo "### nccl-tests $d eager"; step timeout 60 $NT -b 8 -e 64M -f 4 -g "$G" -n 100 -w 20 -d $d
-    echo "### nccl-tests $d graph -G 10"; step timeout 60 $NT -b 8 -e 64M -f 4 -g "$G" -n 20 -w 5 -G 10 -d $d
-    echo "### nccl-tests $d symmetric -R 2"; step timeout 60 $NT -b 8 -e 64M -f 4 -g "$G" -n 100 -w 20 -R 2 -d $d
-  done > "$OUT/nt.txt" 2>&1
-  echo "### nccl-tests float 1G" >> "$OUT/nt.txt"
-  step timeout 60 $NT -b 64M -e 1G -f 4 -g "$G" -n 20 -w 5 >> "$OUT/nt.txt" 2>&1
-  grep -E "^###|Avg bus|^sweep:" "$OUT/nt.txt"
   # One process per GPU, as pyccl runs: nccl-tests built with MPI, where an MPI compiler is here
+  NTM=
   if MPICC=$(command -v mpicc); then
     MH=$(dirname "$(dirname "$MPICC")")
     step make -j"$(nproc)" -C "$B/src/src" build BUILDDIR="$B/build" NCCL_HOME="$B/nccl" MPI=1 \
         MPI_HOME="$MH" NAME_SUFFIX=_mpi NVCC_GENCODE="-gencode=arch=compute_$A,code=sm_$A" \
         >> "$OUT/nt-build.log" 2>&1
+    [ -x "$B/build/all_reduce_perf_mpi" ] && NTM=$B/build/all_reduce_perf_mpi
+  else
+    echo "sweep: no mpicc here: nccl-tests one process per GPU left out"
+  fi
+fi
+run_nt() {  # nccl-tests at $G ranks into $D
+  for d in float bfloat16; do
+    echo "### nccl-tests $d eager"; step timeout 60 $NT -b 8 -e 64M -f 4 -g "$G" -n 100 -w 20 -d $d
+    echo "### nccl-tests $d graph -G 10"; step timeout 60 $NT -b 8 -e 64M -f 4 -g "$G" -n 20 -w 5 -G 10 -d $d
+    echo "### nccl-tests $d symmetric -R 2"; step timeout 60 $NT -b 8 -e 64M -f 4 -g "$G" -n 100 -w 20 -R 2 -d $d
+  done > "$D/nt.txt" 2>&1
+  echo "### nccl-tests float 1G" >> "$D/nt.txt"
+  step timeout 60 $NT -b 64M -e 1G -f 4 -g "$G" -n 20 -w 5 >> "$D/nt.txt" 2>&1
+  grep -E "^###|Avg bus|^sweep:" "$D/nt.txt"
+  if [ -n "$NTM" ]; then
     RUN=(mpirun -np "$G")
     if mpirun --version 2>&1 | grep -q "Open MPI"; then  # Open MPI: as root, and pass the settings
       RUN+=(--allow-run-as-root -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
             -x NVSHMEM_DISABLE_NVLS -x LD_LIBRARY_PATH)
     fi
-    NTM=$B/build/all_reduce_perf_mpi
-    if [ -x "$NTM" ]; then
-      for d in float bfloat16; do
-        echo "### nccl-tests MPI $d eager"; step timeout 90 "${RUN[@]}" "$NTM" -b 8 -e 64M -f 4 -g 1 -n 100 -w 20 -d $d
-        echo "### nccl-tests MPI $d graph -G 10"; step timeout 90 "${RUN[@]}" "$NTM" -b 8 -e 64M -f 4 -g 1 -n 20 -w 5 -G 10 -d $d
-        echo "### nccl-tests MPI $d symmetric -R 2"; step timeout 90 "${RUN[@]}" "$NTM" -b 8 -e 64M -f 4 -g 1 -n 100 -w 20 -R 2 -d $d
-      done > "$OUT/nt-mpi.txt" 2>&1
-      grep -E "^###|Avg bus|^sweep:" "$OUT/nt-mpi.txt"
-    fi
-  else
-    echo "sweep: no mpicc here: nccl-tests one process per GPU left out"
+    for d in float bfloat16; do
+      echo "### nccl-tests MPI $d eager"; step timeout 90 "${RUN[@]}" "$NTM" -b 8 -e 64M -f 4 -g 1 -n 100 -w 20 -d $d
+      echo "### nccl-tests MPI $d graph -G 10"; step timeout 90 "${RUN[@]}" "$NTM" -b 8 -e 64M -f 4 -g 1 -n 20 -w 5 -G 10 -d $d
+      echo "### nccl-tests MPI $d symmetric -R 2"; step timeout 90 "${RUN[@]}" "$NTM" -b 8 -e 64M -f 4 -g 1 -n 100 -w 20 -R 2 -d $d
+    done > "$D/nt-mpi.txt" 2>&1
+    grep -E "^###|Avg bus|^sweep:" "$D/nt-mpi.txt"
   fi
-fi
-step timeout 200 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -n 100 --algos nccl,oneshot,twoshot,auto \
-    --json "$OUT/algos.json" --no-progress > "$OUT/algos.txt" 2>&1; tail -40 "$OUT/algos.txt"
-step timeout 150 $PY tools/peers_bench.py symm -g "$G" --json "$OUT/symm.json" > "$OUT/symm.txt" 2>&1
-tail -30 "$OUT/symm.txt"
-step timeout 100 $PY tools/peers_bench.py ddp -g "$G" > "$OUT/ddp.txt" 2>&1; tail -4 "$OUT/ddp.txt"
-step timeout 280 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -d float,bfloat16 --registered --compare -n 100 \
-    --repeats 3 --json "$OUT/cmp.json" --no-progress > "$OUT/cmp.txt" 2>&1; tail -50 "$OUT/cmp.txt"
-step timeout 150 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -G 10 -n 20 --registered \
-    --json "$OUT/cmpg.json" --no-progress > "$OUT/cmpg.txt" 2>&1; tail -30 "$OUT/cmpg.txt"
+}
+run_algos() {
+  step timeout 200 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -n 100 --algos nccl,oneshot,twoshot,auto \
+      --json "$D/algos.json" --no-progress > "$D/algos.txt" 2>&1; tail -40 "$D/algos.txt"
+}
+run_symm() {
+  step timeout 150 $PY tools/peers_bench.py symm -g "$G" --json "$D/symm.json" > "$D/symm.txt" 2>&1
+  tail -30 "$D/symm.txt"
+}
+run_ddp() {
+  step timeout 100 $PY tools/peers_bench.py ddp -g "$G" > "$D/ddp.txt" 2>&1; tail -4 "$D/ddp.txt"
+}
+run_cmp() {
+  step timeout 280 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -d float,bfloat16 --registered --compare -n 100 \
+      --repeats 3 --json "$D/cmp.json" --no-progress > "$D/cmp.txt" 2>&1; tail -50 "$D/cmp.txt"
+}
+run_cmpg() {
+  step timeout 150 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -G 10 -n 20 --registered \
+      --json "$D/cmpg.json" --no-progress > "$D/cmpg.txt" 2>&1; tail -30 "$D/cmpg.txt"
+}
+for G in $LIST; do
+  D=$OUT; [ -n "$RANKS" ] && D=$OUT/r$G
+  mkdir -p "$D"
+  echo "sweep: $G ranks, one GPU each${RANKS:+, files in $D}"
+  for s in nt algos symm ddp cmp cmpg; do
+    want $s || continue
+    [ $s != nt ] || [ -n "$SRC" ] || continue
+    t0=$SECONDS
+    run_$s
+    echo "sweep: $s at $G ranks: $((SECONDS - t0)) s"
+  done
+done
 exit $rc
