@@ -218,11 +218,7 @@ pyccl_call_abort_check(pyccl_state *st, pyccl_comm *c)
         return 1;
     }
     if (c->in_group > 0) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "abort: the communicator (rank %d of %d) was used inside "
-                     "a pyccl.group() that has not ended; end the group first",
-                     c->rank, c->size);
-        return -1;
+        return pyccl_raise_abort_in_group(c);
     }
     /* Without a timeout, NCCL's handle is in use by a thread inside a call
      * (not thread-safe to abort under it), except an own-kernel set-up, which

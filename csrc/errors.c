@@ -144,6 +144,16 @@ pyccl_raise_forked(const char *op, const pyccl_comm *c)
 }
 
 int
+pyccl_raise_abort_in_group(const pyccl_comm *c)
+{
+    PyErr_Format(PyExc_RuntimeError,
+                 "abort: the communicator (rank %d of %d) was used inside "
+                 "a pyccl.group() that has not ended; end the group first",
+                 c->rank, c->size);
+    return -1;
+}
+
+int
 pyccl_raise_unusable(const char *op, const pyccl_comm *c)
 {
     if (pyccl_raise_forked(op, c) < 0) {

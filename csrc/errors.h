@@ -45,6 +45,9 @@ int pyccl_raise_forked(const char *op, const pyccl_comm *c);
 /* c's own state (not its watch's): -1 raising RuntimeError when it is not
  * ready (above) or has been destroyed (also while destroy() runs), else 0. */
 int pyccl_raise_unusable(const char *op, const pyccl_comm *c);
+/* abort() refused: c holds work of a pyccl.group() that has not ended
+ * (RuntimeError, "... end the group first"); always -1. */
+int pyccl_raise_abort_in_group(const pyccl_comm *c);
 
 /* The exception instance for a failed communicator (kind PYCCL_FAIL_*):
  * the message is `reason`, prefixed with "<op>: " unless it names op. */

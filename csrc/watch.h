@@ -119,8 +119,10 @@ void lock_watch(struct pyccl_watch *w);
 /* c's watch (its lock and handle are c's), not yet registered. */
 struct pyccl_watch * new_watch(pyccl_state *st, pyccl_comm *c, double timeout);
 /* c (without timeout) failed as `kind` for `reason`: its handle aborted, a
- * record of the failure as its watch.  -1 with MemoryError. */
-int mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason);
+ * record of the failure as its watch.  -1 with MemoryError, or, for
+ * abort(), RuntimeError when a pyccl.group() of another thread took c
+ * meanwhile. */
+int mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason, int abort);
 /* c fails as `kind` for `reason` (the whole message), GIL held, nothing
  * raised: its watch failed, or a record made for a communicator without
  * one (no memory for it: c stays as it was).  The first failure stays. */

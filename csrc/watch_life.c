@@ -359,7 +359,7 @@ pyccl_watch_abort(pyccl_state *st, pyccl_comm *c)
         snprintf(reason, sizeof reason,
                  "the communicator (rank %d of %d) has been aborted", c->rank,
                  c->size);
-        return mark_untimed(st, c, PYCCL_FAIL_ABORTED, reason);
+        return mark_untimed(st, c, PYCCL_FAIL_ABORTED, reason, 1);
     }
     if (pyccl_trylock(w->mu, PYCCL_LOCK_COMM) != 0) {
         /* Another thread holds the lock: when it is inside an NCCL or CUDA
@@ -369,6 +369,12 @@ pyccl_watch_abort(pyccl_state *st, pyccl_comm *c)
         watch_claim_call(w);
         pyccl_lock(w->mu, PYCCL_LOCK_COMM);
         Py_END_ALLOW_THREADS
+    }
+    if (c->in_group > 0) {
+        /* another thread's pyccl.group() took c while this one waited (the
+         * door saw none): its work is in NCCL's group, the handle stays */
+        pyccl_unlock(w->mu);
+        return pyccl_raise_abort_in_group(c);
     }
     /* A thread polling it (busy) sees the abort and raises. */
     Py_BEGIN_ALLOW_THREADS

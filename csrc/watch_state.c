@@ -24,7 +24,7 @@
 #include <unistd.h>
 
 int
-mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
+mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason, int abort)
 {
     const pyccl_api *a = &st->api;
     struct pyccl_watch *w = new_watch(st, c, 0.0);
@@ -35,8 +35,15 @@ mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
     w->failed = kind;
     /* Under c's lock: no other thread is inside NCCL on the handle (an
      * own-kernel set-up waits between its calls), and none uses it after. */
+    pyccl_comm_lock(c);
+    if (abort && c->in_group > 0) {
+        /* another thread's pyccl.group() took c while this one waited for
+         * the lock (the door saw none): its work is in NCCL's group */
+        pyccl_unlock(&c->mu);
+        free_watch(w);
+        return pyccl_raise_abort_in_group(c);
+    }
     Py_BEGIN_ALLOW_THREADS
-    pyccl_lock(&c->mu, PYCCL_LOCK_COMM);
     ncclComm_t comm = c->comm;
     c->comm = NULL;
     if (comm != NULL && a->loaded) {
@@ -53,7 +60,7 @@ fail_comm(pyccl_state *st, pyccl_comm *c, int kind, const char *reason)
 {
     struct pyccl_watch *w = c->watch;
     if (w == NULL) {
-        if (mark_untimed(st, c, kind, reason) < 0) {
+        if (mark_untimed(st, c, kind, reason, 0) < 0) {
             PyErr_Clear();
         }
         return;
