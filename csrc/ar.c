@@ -208,11 +208,10 @@ turn_off(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, int gone,
                  op, f->rank, f->nranks, f->timeout_text.s, where);
     }
     int rc;
-    if (gone ? c->watch != NULL : r == ncclInProgress) {
+    if (gone || r == ncclInProgress) {
+        /* the enqueue raises c's failure, or that it is destroyed (without
+         * a watch, c is gone only then, or not ready) */
         rc = pyccl_call_track(st, op, c, s, gone ? NULL : f->host_err, gone ? NULL : msg);
-    } else if (gone) {
-        /* without a watch, c is gone only once destroyed (or not ready) */
-        rc = pyccl_raise_unusable(op, c);
     } else {
         pyccl_raise_nccl(st, op, r, f->last);
         return -1;

@@ -60,68 +60,24 @@ pyccl_call_end_all(pyccl_comm *const *cs, Py_ssize_t n)
 
 /* ---------------- submit ---------------- */
 
-/* A communicator without timeout was used on stream s (for wait(), which
- * records an event on each): a compare when s is its last stream again.
- * -1 with MemoryError. */
-static int
-note_stream(pyccl_comm *c, cudaStream_t s)
-{
-    if (c->nstreams > 0 && s == c->last_stream) {
-        return 0;
-    }
-    c->last_stream = s;
-    for (int i = 0; i < c->nstreams; i++) {
-        if (c->streams[i] == s) {
-            return 0;
-        }
-    }
-    cudaStream_t *v = PyMem_Realloc(c->streams, (size_t)(c->nstreams + 1) * sizeof *v);
-    if (v == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    v[c->nstreams++] = s;
-    c->streams = v;
-    return 0;
-}
-
 int
 pyccl_call_submit(pyccl_state *st, const char *op, const pyccl_task *tasks,
                   Py_ssize_t n, int redop, const pyccl_premul *premul,
                   PyThread_type_lock serialize, pyccl_comm *const *comms,
                   Py_ssize_t ncomms)
 {
-    int timed = 0;
-    for (Py_ssize_t j = 0; j < ncomms; j++) {
-        pyccl_comm *c = comms[j];
-        timed |= c->watch != NULL;
-        for (Py_ssize_t i = 0; c->watch == NULL && i < n; i++) {
-            /* for wait(): the streams its work went to */
-            if (tasks[i].comm == c->comm && note_stream(c, tasks[i].stream) < 0) {
-                return -1;
-            }
-        }
-    }
-    /* Each joins this thread's open pyccl.group() (refused, before anything
-     * is enqueued, when it holds the other kind), the watch once it checked
-     * its communicators. */
-    return timed ? pyccl_enqueue_timed(st, op, tasks, n, redop, premul, comms, ncomms)
-                 : pyccl_enqueue(st, op, tasks, n, redop, premul, serialize, comms, ncomms);
+    return pyccl_enqueue(st, op, tasks, n, redop, premul, serialize, comms, ncomms);
 }
 
 int
 pyccl_call_run(pyccl_state *st, const char *op, pyccl_comm *c, const pyccl_task *tasks,
                Py_ssize_t n, int redop, const pyccl_premul *premul)
 {
-    /* The call begins: a communicator with a watch is checked by the watch's
-     * enqueue before it enqueues anything (its failure first, as
-     * pyccl_call_begin would: nothing runs between), the others here. */
+    /* The call begins: the enqueue checks c before it enqueues anything
+     * (its failure first, as pyccl_call_begin would: nothing runs between). */
     pyccl_watch_reap(st);
-    if (c->watch == NULL && pyccl_raise_unusable(op, c) < 0) {
-        return -1;
-    }
     pyccl_call_hold(c);
-    int rc = pyccl_call_submit(st, op, tasks, n, redop, premul, NULL, &c, 1);
+    int rc = pyccl_enqueue(st, op, tasks, n, redop, premul, NULL, &c, 1);
     pyccl_call_end(c);
     return rc;
 }
@@ -131,21 +87,19 @@ pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s,
                  int *stop, const char *gave_up)
 {
     /* never inside a pyccl.group(): the own kernels leave those to NCCL */
-    if (c->watch == NULL && gave_up == NULL) {
-        return note_stream(c, s);
-    }
     if (gave_up != NULL) {
         /* failed now (the watch's record where c had none): the enqueue
          * below finds the failure and raises it, enqueuing nothing */
         pyccl_comm_time_out(st, c, stop, gave_up);
-        if (c->watch == NULL) {
+        if (!pyccl_comm_failed(c)) {
             return 0; /* no memory for the record: c stays as it was */
         }
     }
-    /* watched as an NCCL call's rows are: an event after it, with room made
-     * in the watch first, and a failure (before or now) raised */
+    /* a row of the kernel launched: noted (without a watch) or watched as
+     * an NCCL call's rows are (an event after it, with room made in the
+     * watch first), and a failure (before or now) raised */
     const pyccl_task launched = {.coll = PYCCL_LAUNCHED, .comm = c->comm, .stream = s};
-    return pyccl_enqueue_timed(st, op, &launched, 1, ncclSum, NULL, &c, 1);
+    return pyccl_enqueue(st, op, &launched, 1, ncclSum, NULL, NULL, &c, 1);
 }
 
 /* ---------------- destroy and abort ---------------- */

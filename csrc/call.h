@@ -55,19 +55,19 @@ int pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_
                      int *stop, const char *gave_up);
 
 /* Submit NCCL tasks of a begun call: on `comms` (their communicators,
- * repeats allowed; NULL and 0 for a clique's, which `serialize` covers):
- * the streams of communicators without a timeout noted for wait(), then one
- * hook below: the watch's enqueue when one of them has a timeout (which
- * checks them first), else pyccl_enqueue; inside a pyccl.group(), either
- * joins it, each communicator noted as in the group until its end.
- * `premul`: a premul_sum op to make for the call (NULL: `redop`). */
+ * repeats allowed; NULL and 0 for a clique's, which `serialize` covers),
+ * through the one enqueue (timeouts.h's pyccl_enqueue: the communicators
+ * checked, the streams of those without a timeout noted for wait(), the
+ * watched ones tracked); inside a pyccl.group() it joins the group, each
+ * communicator noted as in the group until its end.  `premul`: a
+ * premul_sum op to make for the call (NULL: `redop`). */
 int pyccl_call_submit(pyccl_state *st, const char *op, const pyccl_task *tasks,
                       Py_ssize_t n, int redop, const pyccl_premul *premul,
                       PyThread_type_lock serialize, pyccl_comm *const *comms,
                       Py_ssize_t ncomms);
-/* One call on one communicator, whole: begin, submit, end (a communicator
- * with a watch is checked by the watch's enqueue, first thing, as begin
- * would).  -1 with an exception. */
+/* One call on one communicator, whole: begin, submit, end (the enqueue
+ * checks the communicator, first thing, as begin would).  -1 with an
+ * exception. */
 int pyccl_call_run(pyccl_state *st, const char *op, pyccl_comm *c, const pyccl_task *tasks,
                    Py_ssize_t n, int redop, const pyccl_premul *premul);
 

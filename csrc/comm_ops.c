@@ -4,7 +4,7 @@
  * Each method: parse (fast call, keywords by name) -> read the arrays (a CUDA
  * torch.Tensor, or __cuda_array_interface__) -> check them against this
  * communicator (device, dtype, sizes, ranks) -> pyccl_task rows ->
- * pyccl_enqueue.  Collectives with per-peer buffers (list outputs here;
+ * pyccl_enqueue (timeouts.h).  Collectives with per-peer buffers (list outputs here;
  * all_to_all, gather, scatter in comm_p2p.c) become one NCCL group of
  * broadcast/reduce or send/recv rows, so they stay zero-copy.  split() is
  * comm_split.c's. */
@@ -709,16 +709,10 @@ pyccl_comm_barrier(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
 int
 ops_wait_call(call_ctx *x, cudaStream_t s)
 {
-    pyccl_comm *c = x->c;
-    const pyccl_api *a = &x->st->api;
-    if (c->watch != NULL) {
-        /* like any call on it: bounded, interruptible */
-        return pyccl_watch_wait(x->st, x->op, c, pyccl_comm_timeout(c));
-    }
-    /* an event on s, polled: Ctrl-C ends the wait as it ends wait()'s (a
-     * stream synchronize could not be interrupted while a peer is gone) */
-    (void)a;
-    return pyccl_wait_stream(x->st, x->op, c, s);
+    /* bounded by the communicator's timeout where it has one; Ctrl-C ends
+     * it as it ends wait()'s (a stream synchronize could not be interrupted
+     * while a peer is gone) */
+    return pyccl_wait_stream(x->st, x->op, x->c, s);
 }
 
 /* all_reduce_coalesced(tensors, op=SUM, *, algo=None): pack, one collective,

@@ -131,7 +131,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    pyccl_comms_lock(&x.c, 1);
+    pyccl_lock(&x.c->mu, PYCCL_LOCK_COMM); /* no watch: the one lock */
     r = api->ncclCommSplit(x.c->comm, color, key, &nc, NULL);
     if (r == ncclSuccess && nc != NULL) {
         r = api->ncclCommUserRank(nc, &rank);
@@ -140,7 +140,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         }
     }
     pyccl_nccl_failed(api, r, x.c->comm, last, sizeof last);
-    pyccl_comms_unlock(&x.c, 1);
+    pyccl_unlock(&x.c->mu);
     Py_END_ALLOW_THREADS
     pyccl_call_end(x.c);
     if (r != ncclSuccess) {
@@ -273,7 +273,7 @@ pyccl_comm_shrink(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     ncclResult_t r;
     char last[PYCCL_LAST_ERROR_SIZE] = "";
     Py_BEGIN_ALLOW_THREADS
-    pyccl_comms_lock(&c, 1);
+    pyccl_lock(&c->mu, PYCCL_LOCK_COMM); /* no watch: the one lock */
     r = api->ncclCommShrink(c->comm, ex, (int)n, &nc, NULL, NCCL_SHRINK_DEFAULT);
     if (r == ncclSuccess && nc != NULL) {
         r = api->ncclCommUserRank(nc, &rank);
@@ -282,7 +282,7 @@ pyccl_comm_shrink(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         }
     }
     pyccl_nccl_failed(api, r, c->comm, last, sizeof last);
-    pyccl_comms_unlock(&c, 1);
+    pyccl_unlock(&c->mu);
     Py_END_ALLOW_THREADS
     pyccl_call_end(c);
     if (r != ncclSuccess) {

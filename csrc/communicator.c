@@ -666,10 +666,11 @@ static PyMethodDef comm_methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "wait($self, /, timeout=None)\n--\n\nBlock (GIL released; Ctrl-C "
      "interrupts) until the work enqueued on this communicator so far has "
-     "finished on the GPU. timeout: seconds, default the communicator's "
-     "(none: wait as long as it takes). Raises NcclTimeoutError if it does "
-     "not finish in time (the communicator is aborted once its own timeout "
-     "passed), or the error that aborted it. Without a timeout of its own "
+     "finished on the GPU. timeout: seconds at most; default: as long as "
+     "each call's work finishes within the communicator's timeout (none: "
+     "as long as it takes). Raises NcclTimeoutError if it does not finish "
+     "in time (the communicator is aborted once a call's work exceeded its "
+     "own timeout), or the error that aborted it. Without a timeout of its own "
      "it waits for everything enqueued so far on the streams it was used "
      "on."},
     {"get_async_error", comm_get_async_error, METH_NOARGS,

@@ -15,50 +15,6 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-/* The next communicator of cs after `after` in address order that has no
- * watch (each once, however often cs repeats it). */
-static pyccl_comm *
-next_untimed(pyccl_comm *const *cs, Py_ssize_t n, uintptr_t after)
-{
-    pyccl_comm *next = NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uintptr_t p = (uintptr_t)cs[i];
-        if (cs[i]->watch == NULL && p > after && (next == NULL || p < (uintptr_t)next)) {
-            next = cs[i];
-        }
-    }
-    return next;
-}
-
-/* Lock (or unlock) each communicator of cs without a watch, in address
- * order, so that two calls over the same set never deadlock. */
-static void
-each_untimed(pyccl_comm *const *cs, Py_ssize_t n, int lock)
-{
-    if (n == 1) { /* the Communicator methods: no search */
-        if (cs[0]->watch == NULL) {
-            lock ? pyccl_lock(&cs[0]->mu, PYCCL_LOCK_COMM) : pyccl_unlock(&cs[0]->mu);
-        }
-        return;
-    }
-    for (pyccl_comm *c = next_untimed(cs, n, 0); c != NULL;
-         c = next_untimed(cs, n, (uintptr_t)c)) {
-        lock ? pyccl_lock(&c->mu, PYCCL_LOCK_COMM) : pyccl_unlock(&c->mu);
-    }
-}
-
-void
-pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n)
-{
-    each_untimed(cs, n, 1);
-}
-
-void
-pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n)
-{
-    each_untimed(cs, n, 0);
-}
-
 static ncclResult_t
 enqueue_one(const pyccl_api *a, const pyccl_task *t, int redop)
 {
@@ -143,13 +99,10 @@ nccl_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n, int redop,
 
 ncclResult_t
 pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n, int redop,
-                    const pyccl_premul *premul, pyccl_comm *const *comms, Py_ssize_t ncomms,
-                    char *last, size_t last_size)
+                    const pyccl_premul *premul, char *last, size_t last_size)
 {
     ncclComm_t failed;
-    pyccl_comms_lock(comms, ncomms); /* one thread at a time in NCCL */
     ncclResult_t r = nccl_calls(a, tasks, n, redop, premul, &failed);
-    pyccl_comms_unlock(comms, ncomms);
     /* NCCL keeps its text per thread: this one's next NCCL call is not made
      * yet.  ncclInProgress is no error: a non-blocking communicator is still
      * working on the call (the watch polls it). */
@@ -157,38 +110,6 @@ pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n, i
         pyccl_nccl_failed(a, r, failed, last, last_size);
     }
     return r;
-}
-
-int
-pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
-              Py_ssize_t n, int redop, const pyccl_premul *premul,
-              PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms)
-{
-    ncclResult_t r = ncclSuccess;
-    char last[PYCCL_LAST_ERROR_SIZE] = "";
-    /* refused on every rank alike, before anything is enqueued */
-    int refused = pyccl_group_join(comms, ncomms, 0);
-    if (refused == 0) {
-        Py_BEGIN_ALLOW_THREADS
-        /* Taken without the GIL: a holder may be waiting for the GIL. */
-        if (serialize != NULL) {
-            PyThread_acquire_lock(serialize, WAIT_LOCK);
-        }
-        r = pyccl_enqueue_calls(&st->api, tasks, n, redop, premul, comms, ncomms, last,
-                                sizeof last);
-        if (serialize != NULL) {
-            PyThread_release_lock(serialize);
-        }
-        Py_END_ALLOW_THREADS
-    }
-    if (refused != 0) {
-        return refused < 0 ? -1 : pyccl_raise_mixed_group(st, op);
-    }
-    if (r != ncclSuccess) {
-        pyccl_raise_nccl(st, op, r, last);
-        return -1;
-    }
-    return 0;
 }
 
 /* ---------------- this thread's pyccl.group() ----------------

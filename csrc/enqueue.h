@@ -9,37 +9,20 @@
 
 #include "pyccl.h"
 
-/* Enqueue the tasks as one NCCL group (no group for a single task), GIL
- * released around exactly the NCCL calls; -1 with NcclError on failure.
- * Inside a pyccl.group(), the call joins it first (pyccl_group_join; refused
- * with NcclError when the group holds communicators with a timeout).
- * `serialize`, when not NULL, is held around the group: communicators shared
- * between threads must see their groups in one order on every rank.  The
- * locks of `comms` (the tasks' communicators, none with a watch; NULL for
- * a clique's, which `serialize` covers) are held around the calls too. */
-int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks,
-                  Py_ssize_t n, int redop, const pyccl_premul *premul,
-                  PyThread_type_lock serialize, pyccl_comm *const *comms, Py_ssize_t ncomms);
-/* The NCCL calls of pyccl_enqueue alone, without the GIL and raising
- * nothing: the locks of the communicators of `comms` without a watch held
- * around them (pyccl_comms_lock); a premul_sum op made for the call when
- * `premul` is not NULL (else `redop`).  NCCL's result, with
- * ncclGetLastError's text copied into `last` on error (ncclInProgress is no
- * error: a non-blocking communicator is still working on the call). */
+/* The NCCL calls of a call (timeouts.h's pyccl_enqueue), without the GIL and
+ * raising nothing, the caller holding the locks of the tasks' communicators:
+ * a premul_sum op made for the call when `premul` is not NULL (else
+ * `redop`).  NCCL's result, with ncclGetLastError's text copied into `last`
+ * on error (ncclInProgress is no error: a non-blocking communicator is still
+ * working on the call). */
 ncclResult_t pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n,
-                                 int redop, const pyccl_premul *premul,
-                                 pyccl_comm *const *comms, Py_ssize_t ncomms, char *last,
+                                 int redop, const pyccl_premul *premul, char *last,
                                  size_t last_size);
 /* Without the GIL, after an NCCL call on comm returned r: on a non-blocking
  * communicator, poll ncclCommGetAsyncError until the call is done (its
  * result), or ncclInProgress once `deadline` (monotonic s, 0: none) passed. */
 ncclResult_t pyccl_nccl_settle(const pyccl_api *a, ncclComm_t comm, ncclResult_t r,
                                double deadline);
-/* With the GIL released: the locks (mu) of the distinct communicators of cs
- * that have no watch, in address order (one order for every thread);
- * unlock the same list while still holding them. */
-void pyccl_comms_lock(pyccl_comm *const *cs, Py_ssize_t n);
-void pyccl_comms_unlock(pyccl_comm *const *cs, Py_ssize_t n);
 /* c->mu with the GIL held: released while waiting for the lock. */
 void pyccl_comm_lock(pyccl_comm *c);
 /* Depth of pyccl.group() on the calling thread (NCCL groups are per thread). */

@@ -3,8 +3,8 @@
  * A thread holding a lock of one class takes only locks of a later class
  * (below), never one of its own class, except the communicators' (several
  * at once: a call's watched communicators in the address order of their
- * watches, then its others in address order, by acquire_all and
- * pyccl_comms_lock).  A trylock never waits, so it is outside the order
+ * watches, then its others in address order: watch_enqueue.c's acquire_all
+ * and each_plain).  A trylock never waits, so it is outside the order
  * (the watchdog thread, holding the list of watches, trylocks each one).
  * Every lock is taken and released through these calls; builds with
  * PYCCL_DEBUG=1 (PYCCL_DEBUG_LOCKS) check the order at each lock and abort

@@ -310,7 +310,8 @@ module_exec(PyObject *m)
         PyModule_AddIntConstant(m, "MIN", ncclMin) < 0 ||
         PyModule_AddIntConstant(m, "AVG", ncclAvg) < 0 ||
         PyModule_AddIntConstant(m, "NCCL_UNIQUE_ID_BYTES", NCCL_UNIQUE_ID_BYTES) < 0 ||
-        PyModule_AddIntConstant(m, "NCCL_BUILD_VERSION", NCCL_VERSION_CODE) < 0) {
+        PyModule_AddIntConstant(m, "NCCL_BUILD_VERSION", NCCL_VERSION_CODE) < 0 ||
+        PyModule_AddIntConstant(m, "_MAX_PENDING", PYCCL_MAX_PENDING) < 0) {
         return -1;
     }
     if (PyModule_AddFunctions(m, pyccl_nccl_methods) < 0) {

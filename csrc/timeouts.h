@@ -3,15 +3,19 @@
  * (one layer; a caller need not know which file defines a call).  What the
  * five share among themselves is watch.h.
  *
- * A communicator created with timeout= is an NCCL non-blocking one
- * (ncclConfig_t.blocking = 0): every NCCL call on it is polled with
- * ncclCommGetAsyncError until done or its deadline, every enqueue records a
- * CUDA event on its stream, and one watchdog thread per process aborts it
- * (ncclCommAbort, which also stops its stuck kernels) when the oldest
- * unfinished event is older than the timeout or NCCL reports an asynchronous
- * error.  The next call raises. */
+ * A communicator created with timeout= records a CUDA event on its stream
+ * after each call's work, and one watchdog thread per process aborts it
+ * (ncclCommRevoke or ncclCommAbort, which also stop its stuck kernels) when
+ * an unfinished call's work has had the timeout to run or NCCL reports an
+ * asynchronous error; its handle is NCCL non-blocking (every host-side NCCL
+ * call polled until done or its deadline) or blocking (blocking=True).  The
+ * next call raises. */
 #ifndef PYCCL_TIMEOUTS_H
 #define PYCCL_TIMEOUTS_H
+
+/* Unfinished calls a communicator with a timeout tracks at most (one CUDA
+ * event each); the next call waits for room.  _C._MAX_PENDING. */
+#define PYCCL_MAX_PENDING 256
 
 #include "pyccl.h"
 
@@ -71,18 +75,22 @@ int pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out,
  * returns -1 on failure. */
 int pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
                        double timeout);
-/* pyccl_enqueue for tasks on communicators of which some have a watch
- * (comms: the communicators of the tasks, repeats allowed): the door's
- * submit (call.c) hands the call over whole.  Each communicator with a
- * watch is checked first (pyccl_comm_alive: its failure, then not ready or
- * destroyed), then the call joins this thread's open pyccl.group()
- * (pyccl_group_join), then, under the watches: room for another event, the
- * NCCL calls, their completion polled (outside a group), an event recorded
- * after them, and what went wrong raised.  -1 with an exception. */
-int pyccl_enqueue_timed(pyccl_state *st, const char *op,
-                        const pyccl_task *tasks, Py_ssize_t n, int redop,
-                        const pyccl_premul *premul, pyccl_comm *const *comms,
-                        Py_ssize_t ncomms);
+/* The one enqueue of every call, with or without a timeout: `tasks` on
+ * `comms` (their communicators, repeats allowed; NULL and 0 for a clique's,
+ * which `serialize` covers).  Each communicator is checked first (failed,
+ * not ready, destroyed, or a fork's copy: raised as pyccl_comm_alive would,
+ * nothing enqueued), the streams of those without a watch noted for wait(),
+ * then the call joins this thread's open pyccl.group() (pyccl_group_join),
+ * then, the GIL released: `serialize` and every communicator's lock (room
+ * for another event in each watch first), the NCCL calls (one NCCL group for
+ * several rows), and for the watched ones their completion polled (a
+ * non-blocking handle, outside a group) and an event recorded after them;
+ * what went wrong is raised at one place.  Rows of a kernel already launched
+ * (PYCCL_LAUNCHED) on communicators without a watch are noted only: nothing
+ * to lock or call.  -1 with an exception. */
+int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize_t n,
+                  int redop, const pyccl_premul *premul, PyThread_type_lock serialize,
+                  pyccl_comm *const *comms, Py_ssize_t ncomms);
 /* The outermost pyccl.group() of this thread ended with NCCL result r:
  * poll and track the watched communicators used inside it.  -1 with an
  * exception. */
@@ -98,18 +106,22 @@ int pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
  * exception (RuntimeError when the handle was aborted). */
 int pyccl_watch_shrink(pyccl_state *st, pyccl_comm *c, int *exclude, int n,
                        ncclComm_t *child, int *child_rank, int *child_size);
-/* The work enqueued on stream s so far done, for a communicator without a
- * timeout (barrier()): an event polled with the GIL released, Ctrl-C
- * (KeyboardInterrupt) between polls, as wait() does.  -1 with an exception. */
+/* barrier()'s wait: the work enqueued on stream s so far done, polled with
+ * the GIL released, Ctrl-C (KeyboardInterrupt) between polls, as wait()
+ * does: an event recorded on s now, or with a timeout the communicator's
+ * own events (bounded by it).  -1 with an exception. */
 int pyccl_wait_stream(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s);
 /* The work enqueued on c so far done (what wait() waits for): with a
- * timeout, bounded by it (c fails past it); without, as long as it takes,
+ * timeout, as long as each call's work finishes within it (c fails past
+ * it); without, as long as it takes,
  * Ctrl-C between polls.  Nothing to wait for once c failed.  -1 with an
  * exception. */
 int pyccl_comm_drain(pyccl_state *st, const char *op, pyccl_comm *c);
-/* barrier()'s wait: until c's work so far finished (GIL released). */
+/* Until c's work so far finished (GIL released), or `limit` s (raised
+ * without failing c); `limit` 0: none but c's timeout on each call's
+ * work.  barrier() and wait(). */
 int pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
-                     double timeout);
+                     double limit);
 /* Free c's watch, first finalizing the NCCL handle (bounded by the
  * timeout, aborted past it); -1 with NcclTimeoutError then, when
  * `may_raise`.  Leaves c->comm and c->watch NULL. */

@@ -14,16 +14,20 @@
 
 #pragma GCC visibility push(hidden)
 
-#define PYCCL_MAX_PENDING 64
 #define PYCCL_WATCH_PERIOD_NS 10000000L /* the watchdog's look every 10 ms */
 #define PYCCL_SIGNAL_PERIOD 0.02        /* s between signal checks in waits */
 #define PYCCL_STUCK_GRACE 1.0           /* s past the timeout for a call stuck in NCCL */
 
 typedef struct {
     cudaEvent_t ev;
-    double t;        /* when it was recorded (monotonic s) */
+    cudaStream_t stream; /* where it was recorded */
+    /* Where its deadline counts from (monotonic s): when it was recorded,
+     * moved on to when the event ahead of it on its stream was seen
+     * finished (its work cannot have started before: watch_retire). */
+    double t;
     const char *op;  /* the call it follows (a string literal) */
     uint64_t seq;
+    int seen, done;  /* watch_retire's marks */
 } pending_event;
 
 struct pyccl_watch {
@@ -64,6 +68,7 @@ struct pyccl_watch {
     int64_t call_since;
     int claimable;            /* the call of call_since may be claimed (call_begin) */
     pending_event *q;         /* unfinished events, oldest first */
+    int *idx;                 /* watch_retire's scratch: capq of them */
     int nq, capq;
     cudaEvent_t *pool;        /* finished events, for reuse */
     int npool, cappool;
@@ -129,7 +134,13 @@ int mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason, i
 void fail_comm(pyccl_state *st, pyccl_comm *c, int kind, const char *reason);
 int raise_failure(pyccl_state *st, const char *op, struct pyccl_watch *w);
 cudaError_t watch_record(struct pyccl_watch *w, cudaStream_t s, const char *op);
-cudaError_t watch_retire(struct pyccl_watch *w, int all, const char **bad_op);
+/* Drop w's finished events (back to its pool); cudaSuccess or the first
+ * real error of cudaEventQuery, *bad_op the call that event followed.  The
+ * comm's device must be current. */
+cudaError_t watch_retire(struct pyccl_watch *w, const char **bad_op);
+/* The unfinished event whose deadline comes first (index into w->q), or -1
+ * when none is. */
+int watch_due(const struct pyccl_watch *w);
 pyccl_state * watch_state_of(PyObject *self);
 /* Add w to the watchdog's list, starting its thread on first use; -1 with
  * RuntimeError when it cannot start. */

@@ -2,7 +2,7 @@
  * group's end are watch_enqueue.c's): waiting for a communicator's work
  * (comm.wait(), barrier()), and for one without a timeout the streams it was
  * used on; the NCCL calls of pyccl's own kernels' set-up and release, held
- * under the watch (their launches are rows of the timed enqueue). */
+ * under the watch (their launches are rows of the one enqueue). */
 #include "timeouts.h"
 #include "locks.h"
 #include "watch.h"
@@ -23,14 +23,18 @@
 /* ---------------- waiting for the work ---------------- */
 
 /* Until the work enqueued on w so far finished, or `limit` seconds (the
- * communicator's own deadline still applies inside).  0; 1 when w failed
- * (nothing raised: the caller raises it); -1 with an exception. */
+ * communicator's own deadline still applies inside); `limit` 0: until the
+ * work made no progress (no call of it finished) for the communicator's
+ * timeout, however long the whole takes.  0; 1 when w failed (nothing
+ * raised: the caller raises it); -1 with an exception. */
 int
 wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
           int interruptible)
 {
     int status = 0; /* 1 failed, 2 limit passed, -1 interrupted */
     const char *head_op = op;
+    const int stall = limit <= 0.0;
+    limit = stall ? w->timeout : limit;
     double start = pyccl_now_s();
     waiter wt;
     waiter_start(&wt, interruptible);
@@ -43,23 +47,27 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
         }
         if (w->nq > 0) {
             const char *bad_op = NULL;
-            int prev;
+            int prev, before = w->nq;
             pyccl_device_enter(w->api, w->device, &prev);
-            cudaError_t e = watch_retire(w, 1, &bad_op);
+            cudaError_t e = watch_retire(w, &bad_op);
             pyccl_device_leave(w->api, w->device, prev);
             if (e != cudaSuccess) {
                 fail_cuda(w, bad_op, e);
                 status = 1;
                 break;
             }
+            if (stall && w->nq < before) {
+                start = pyccl_now_s(); /* progress */
+            }
         }
         if (w->nq == 0 || w->q[0].seq > target) {
             break;
         }
         double now = pyccl_now_s();
-        if (now - w->q[0].t > w->timeout && !w->busy && !w->in_group) {
+        int due = watch_due(w);
+        if (now - w->q[due].t > w->timeout && !w->busy && !w->in_group) {
             /* its own deadline: what the watchdog is about to do */
-            fail_timeout(w, w->q[0].op, "its peers");
+            fail_timeout(w, w->q[due].op, "its peers");
             status = 1;
             break;
         }
@@ -92,9 +100,9 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
 
 int
 pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
-                 double timeout)
+                 double limit)
 {
-    int rc = wait_work(st, op, c->watch, timeout, 1);
+    int rc = wait_work(st, op, c->watch, limit, 1);
     if (rc > 0) {
         return pyccl_watch_check(st, op, c);
     }
@@ -122,12 +130,16 @@ pyccl_comm_drain(pyccl_state *st, const char *op, pyccl_comm *c)
     if (failed_kind(c->watch)) {
         return 0; /* its work was stopped with it */
     }
-    return pyccl_watch_wait(st, op, c, c->watch->timeout);
+    return pyccl_watch_wait(st, op, c, 0.0);
 }
 
 int
 pyccl_wait_stream(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s)
 {
+    if (c->watch != NULL) {
+        /* like any call on it: bounded, interruptible */
+        return pyccl_watch_wait(st, op, c, 0.0);
+    }
     return wait_stream_list(st, op, c, &s, 1, 0.0);
 }
 
@@ -279,7 +291,7 @@ pyccl_comm_held_call(const pyccl_api *a, pyccl_comm *c, pyccl_task *t, int redop
     }
     *gone = PYCCL_HELD_MADE;
     /* no communicators to lock: the one lock is held */
-    ncclResult_t r = pyccl_enqueue_calls(a, t, 1, redop, NULL, NULL, 0, NULL, 0);
+    ncclResult_t r = pyccl_enqueue_calls(a, t, 1, redop, NULL, NULL, 0);
     struct pyccl_watch *w = c->watch;
     if (w != NULL && w->timeout > 0 && call_end(w, "all_reduce")) {
         /* the watchdog aborted the handle under the stuck call */

@@ -1,9 +1,11 @@
-/* The door's hook for a call on watched communicators (pyccl_enqueue_timed:
- * its communicators checked, the group joined, back-pressure, the NCCL
- * calls, their completion, an event, and what went wrong raised at one
- * place) and the end of a group holding such calls; an own kernel's launch
- * is one of its rows (PYCCL_LAUNCHED).  A group left open by a thread that
- * ended is handed over at the thread's end and failed by the door's reap. */
+/* The one enqueue of every call (pyccl_enqueue: its communicators checked,
+ * the group joined, back-pressure, the NCCL calls, their completion, an
+ * event, and what went wrong raised at one place), with or without a
+ * timeout: a communicator's watch, where it has one, is a field looked at
+ * on the way; and the end of a group holding calls on watched
+ * communicators.  An own kernel's launch is one of its rows
+ * (PYCCL_LAUNCHED).  A group left open by a thread that ended is handed
+ * over at the thread's end and failed by the door's reap. */
 #include "timeouts.h"
 #include "locks.h"
 #include "watch.h"
@@ -43,12 +45,14 @@ acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room,
                 wait = 1;
                 break;
             }
-            if (need_room && w->nq >= 8) {
-                /* keep the queue short: the finished head, in stream order */
+            if (need_room && w->nq >= PYCCL_MAX_PENDING) {
+                /* the watchdog drops finished events every 10 ms; a queue
+                 * full sooner is looked at here, and waited for if the GPU
+                 * is that far behind */
                 const char *bad_op = NULL;
                 int prev;
                 pyccl_device_enter(w->api, w->device, &prev);
-                cudaError_t e = watch_retire(w, w->nq >= PYCCL_MAX_PENDING, &bad_op);
+                cudaError_t e = watch_retire(w, &bad_op);
                 pyccl_device_leave(w->api, w->device, prev);
                 if (e != cudaSuccess) {
                     fail_cuda(w, bad_op, e);
@@ -203,6 +207,42 @@ settle_watches(const pyccl_api *a, const char *op, const watch_set *g, ncclResul
     return rec_err;
 }
 
+/* A communicator without a watch was used on stream s (for wait(), which
+ * records an event on each): a compare when s is its last stream again.
+ * -1 with MemoryError. */
+static int
+note_stream(pyccl_comm *c, cudaStream_t s)
+{
+    if (c->nstreams > 0 && s == c->last_stream) {
+        return 0;
+    }
+    c->last_stream = s;
+    for (int i = 0; i < c->nstreams; i++) {
+        if (c->streams[i] == s) {
+            return 0;
+        }
+    }
+    cudaStream_t *v = PyMem_Realloc(c->streams, (size_t)(c->nstreams + 1) * sizeof *v);
+    if (v == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    v[c->nstreams++] = s;
+    c->streams = v;
+    return 0;
+}
+
+/* c may take the call: what pyccl_comm_alive raises otherwise (`me`: this
+ * process's id). */
+static int
+usable(const pyccl_comm *c, pid_t me)
+{
+    if (c->pid != me || c->pending || c->life != PYCCL_LIFE_USABLE) {
+        return 0;
+    }
+    return c->watch != NULL ? !failed_kind(c->watch) : c->comm != NULL;
+}
+
 static void
 watch_set_free(watch_set *g)
 {
@@ -216,9 +256,11 @@ watch_set_free(watch_set *g)
     }
 }
 
-/* -1 with MemoryError.  The first communicator whose watch failed already,
- * or that is not usable, is noted (g->bad), for the call to raise at its
- * end as the door's begin would (pyccl_call_run leaves the check to this). */
+/* -1 with MemoryError.  The first communicator that is not usable (its
+ * watch failed already, destroyed, not ready, a fork's copy) is noted
+ * (g->bad), for the call to raise at its end as the door's begin would
+ * (pyccl_call_run leaves the check to this); the streams of the others
+ * without a watch are noted for wait(). */
 static int
 watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *tasks,
                Py_ssize_t n, pyccl_comm *const *comms, Py_ssize_t ncomms, int in_group)
@@ -246,21 +288,29 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *
             return -1;
         }
     }
+    const pid_t me = ncomms > 0 ? getpid() : 0;
     for (Py_ssize_t i = 0; i < ncomms; i++) {
-        struct pyccl_watch *w = comms[i]->watch;
+        pyccl_comm *c = comms[i];
+        struct pyccl_watch *w = c->watch;
+        if (g->bad == NULL && !usable(c, me)) {
+            g->bad = c;
+        }
+        if (w == NULL) {
+            /* for wait(): the streams its work went to */
+            for (Py_ssize_t k = 0; g->bad == NULL && k < n; k++) {
+                if (tasks[k].comm == c->comm && note_stream(c, tasks[k].stream) < 0) {
+                    return -1;
+                }
+            }
+            continue;
+        }
         int seen = 0;
         for (int j = 0; j < g->n; j++) {
             seen |= g->ws[j] == w;
         }
-        if (w == NULL || seen) {
-            continue;
+        if (!seen) {
+            g->ws[g->n++] = w;
         }
-        /* a watched communicator's handle goes only when it fails or is
-         * destroyed: no other state to look at */
-        if (g->bad == NULL && (failed_kind(w) || comms[i]->life != PYCCL_LIFE_USABLE)) {
-            g->bad = comms[i];
-        }
-        g->ws[g->n++] = w;
     }
     /* one lock order for every thread */
     qsort(g->ws, (size_t)g->n, sizeof *g->ws, cmp_ptr);
@@ -388,26 +438,83 @@ add_to_group(const char *op, watch_set *g)
     return rc;
 }
 
+/* The next communicator of cs after `after` in address order that has no
+ * watch (each once, however often cs repeats it). */
+static pyccl_comm *
+next_plain(pyccl_comm *const *cs, Py_ssize_t n, uintptr_t after)
+{
+    pyccl_comm *next = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uintptr_t p = (uintptr_t)cs[i];
+        if (cs[i]->watch == NULL && p > after && (next == NULL || p < (uintptr_t)next)) {
+            next = cs[i];
+        }
+    }
+    return next;
+}
+
+/* Lock (or unlock) each communicator of cs without a watch, in address
+ * order (after the watched ones, locked by acquire_all: the one order of
+ * csrc/locks.h), so that two calls over the same set never deadlock. */
+static void
+each_plain(pyccl_comm *const *cs, Py_ssize_t n, int lock)
+{
+    if (n == 1) { /* the Communicator methods: no search */
+        if (cs[0]->watch == NULL) {
+            lock ? pyccl_lock(&cs[0]->mu, PYCCL_LOCK_COMM) : pyccl_unlock(&cs[0]->mu);
+        }
+        return;
+    }
+    for (pyccl_comm *c = next_plain(cs, n, 0); c != NULL; c = next_plain(cs, n, (uintptr_t)c)) {
+        lock ? pyccl_lock(&c->mu, PYCCL_LOCK_COMM) : pyccl_unlock(&c->mu);
+    }
+}
+
+/* Only rows of kernels already launched, on communicators without a watch:
+ * nothing to lock or call (their streams are noted). */
+static int
+launched_only(const watch_set *g, const pyccl_task *tasks, Py_ssize_t n)
+{
+    if (g->n > 0 || g->bad != NULL) {
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (tasks[i].coll != PYCCL_LAUNCHED) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 int
-pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
-                    Py_ssize_t n, int redop, const pyccl_premul *premul,
-                    pyccl_comm *const *comms, Py_ssize_t ncomms)
+pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize_t n,
+              int redop, const pyccl_premul *premul, PyThread_type_lock serialize,
+              pyccl_comm *const *comms, Py_ssize_t ncomms)
 {
     const pyccl_api *a = &st->api;
     int in_group = pyccl_group_depth() > 0;
     timed_outcome o = {.r = ncclSuccess, .rec_err = cudaSuccess};
     watch_set g;
     /* the communicators first, then this thread's open group (refused
-     * before anything is enqueued) */
+     * before anything is enqueued: a group holds one kind, watched or not) */
     if (watch_set_fill(&g, st, op, tasks, n, comms, ncomms, in_group) < 0 ||
-        (g.bad == NULL && (o.refused = pyccl_group_join(comms, ncomms, 1)) < 0)) {
+        (g.bad == NULL && !launched_only(&g, tasks, n) &&
+         (o.refused = pyccl_group_join(comms, ncomms, g.n > 0)) < 0)) {
         watch_set_free(&g);
         return -1;
+    }
+    if (launched_only(&g, tasks, n)) {
+        watch_set_free(&g);
+        return 0;
     }
     struct pyccl_watch **ws = g.ws;
     if (!o.refused && g.bad == NULL) {
         waiter wt;
         waiter_start(&wt, 1);
+        if (serialize != NULL) {
+            /* taken without the GIL: a holder may be waiting for the GIL */
+            PyThread_acquire_lock(serialize, WAIT_LOCK);
+        }
         o.got = acquire_all(&wt, ws, g.n, !in_group, &o.which);
         if (o.got == 0) {
             /* one NCCL call, outside any group, is all a claim may end */
@@ -415,10 +522,12 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
             for (int j = 0; j < g.n; j++) {
                 call_begin(ws[j], claimable);
             }
-            /* communicators without a watch in the same call are locked too
-             * (NCCL refuses the group, but only at its end) */
-            o.r = pyccl_enqueue_calls(a, tasks, n, redop, premul, comms, ncomms, o.last,
-                                      sizeof o.last);
+            /* then the communicators without a watch (one thread at a time
+             * in NCCL; with watched ones in the same call NCCL refuses the
+             * group, but only at its end) */
+            each_plain(comms, ncomms, 1);
+            o.r = pyccl_enqueue_calls(a, tasks, n, redop, premul, o.last, sizeof o.last);
+            each_plain(comms, ncomms, 0);
             for (int j = 0; j < g.n; j++) {
                 call_end(ws[j], op);
             }
@@ -436,6 +545,9 @@ pyccl_enqueue_timed(pyccl_state *st, const char *op, const pyccl_task *tasks,
                 }
                 o.rec_err = settle_watches(a, op, &g, o.r, o.polled, o.last, &o.which);
             }
+        }
+        if (serialize != NULL) {
+            PyThread_release_lock(serialize);
         }
         waiter_finish(&wt);
     }

@@ -288,9 +288,10 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
     }
     int rc = 0;
     if (!failed_kind(w) && *w->comm != NULL) {
-        /* First the tracked work, then NCCL's finalize, each bounded by the
-         * timeout: peers that are gone must not hang destroy(). */
-        rc = wait_work(st, op, w, w->timeout, may_raise);
+        /* First the tracked work (as long as it keeps finishing within the
+         * timeout), then NCCL's finalize (bounded by the timeout): peers that
+         * are gone must not hang destroy(). */
+        rc = wait_work(st, op, w, 0.0, may_raise);
         if (rc == 0 && *w->comm != NULL) {
             int polled = 0;
             ncclResult_t res = ncclSuccess;
@@ -426,9 +427,7 @@ pyccl_comm_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         }
         Py_RETURN_NONE;
     }
-    if (limit == 0.0) {
-        limit = c->watch->timeout;
-    }
+    /* without a limit: as long as the work keeps finishing within the timeout */
     if (pyccl_watch_wait(st, "wait", c, limit) < 0) {
         return NULL;
     }

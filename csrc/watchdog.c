@@ -5,8 +5,9 @@
  * Each call on a watched communicator records a CUDA event on its stream
  * after its work (not while the stream is captured into a CUDA graph:
  * replays are not watched; inside pyccl.group() when the outermost group
- * ends).  When the oldest unfinished event is older than the timeout, or
- * NCCL reports an asynchronous error, the watchdog marks the communicator
+ * ends).  When an unfinished event's work has had the timeout to run (from
+ * its record, or from when the event ahead of it on its stream was seen
+ * finished if that came later), or NCCL reports an asynchronous error, the watchdog marks the communicator
  * failed and ends its handle (ncclCommRevoke where NCCL has it, so that
  * shrink() can use it, else ncclCommAbort); either makes stuck NCCL kernels
  * return, so the stream and a host blocked on it move on.  The next call, or
@@ -20,15 +21,17 @@
  * GIL released).  The watchdog (trylock) never touches a communicator a
  * thread is using: locked, `busy` (a thread polls an NCCL call in progress
  * and enforces the deadline itself) or `in_group` (NCCL uses it at the
- * group's end).  A communicator holds at most PYCCL_MAX_PENDING unfinished
- * events (the next call waits for room), so the host never runs far ahead
- * of a stuck GPU into NCCL's or CUDA's blocking queues; an NCCL launch or
+ * group's end).  The watchdog drops finished events (the calling thread
+ * does only when PYCCL_MAX_PENDING are unfinished: a query costs the caller
+ * more than the record).  A communicator holds at most PYCCL_MAX_PENDING
+ * unfinished events (the next call waits for room), so the host never runs
+ * far ahead of a stuck GPU into NCCL's or CUDA's blocking queues; an NCCL launch or
  * event record stuck behind other work for the timeout plus
  * PYCCL_STUCK_GRACE is claimed (call_begin) and its non-blocking handle
  * aborted without the lock, which lets the call return.
  *
  * watch_state.c has what the door asks of a watched communicator and the
- * waits with the GIL released, watch_enqueue.c the timed enqueue and a
+ * waits with the GIL released, watch_enqueue.c the one enqueue (a watch a field of it) and a
  * group's end, watch_calls.c the waits for work and the own kernels'
  * set-up, watch_life.c creation, split, destroy, abort. */
 #include "timeouts.h"
@@ -80,43 +83,107 @@ pool_put(struct pyccl_watch *w, cudaEvent_t ev)
     w->pool[w->npool++] = ev;
 }
 
-/* Drop the finished events: all of them (`all`), or the finished ones at
- * the head only (the cheap in-order case of the enqueue path).  Returns
- * cudaSuccess or the first real error of cudaEventQuery, with *bad_op the
- * call that event followed.  The comm's device must be current. */
+/* 1: ev finished; 0: not yet; -1: a real error (the first kept in *bad,
+ * *bad_op the call it followed). */
+static int
+probe(const pyccl_api *a, const pending_event *p, int *not_ready, cudaError_t *bad,
+      const char **bad_op)
+{
+    cudaError_t e = a->cudaEventQuery(p->ev);
+    if (e == cudaSuccess) {
+        return 1;
+    }
+    if (e == cudaErrorNotReady) {
+        *not_ready = 1;
+        return 0;
+    }
+    if (*bad == cudaSuccess) {
+        *bad = e;
+        *bad_op = p->op;
+    }
+    return -1;
+}
+
+/* The finished events of one stream, whose events are q[idx[0..m-1]] in
+ * the order recorded: a prefix, since a stream runs its work in order.  Its
+ * length, found with the newest event's query alone when all finished (the
+ * usual case) and by bisection otherwise: each query costs the calling
+ * thread about 1.5 us, so a long queue is never queried event by event.
+ * -1 on a real error. */
+static int
+finished_prefix(const pyccl_api *a, const pending_event *q, const int *idx, int m,
+                int *not_ready, cudaError_t *bad, const char **bad_op)
+{
+    int lo = 0, hi = m; /* idx[< lo] finished, idx[>= hi] not */
+    int p = probe(a, &q[idx[m - 1]], not_ready, bad, bad_op);
+    if (p < 0) {
+        return -1;
+    }
+    if (p == 1) {
+        return m;
+    }
+    hi = m - 1;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        p = probe(a, &q[idx[mid]], not_ready, bad, bad_op);
+        if (p < 0) {
+            return -1;
+        }
+        lo = p == 1 ? mid + 1 : lo;
+        hi = p == 1 ? hi : mid;
+    }
+    return lo;
+}
+
 cudaError_t
-watch_retire(struct pyccl_watch *w, int all, const char **bad_op)
+watch_retire(struct pyccl_watch *w, const char **bad_op)
 {
     const pyccl_api *a = w->api;
     cudaError_t bad = cudaSuccess;
-    int k = 0, i = 0, not_ready = 0;
+    int not_ready = 0;
+    if (w->nq == 0) {
+        return cudaSuccess;
+    }
     /* Relaxed: a query must not invalidate a CUDA graph capture that this
      * thread (or, in global mode, any thread) has going on. */
     enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     a->cudaThreadExchangeStreamCaptureMode(&mode);
-    for (; i < w->nq; i++) {
-        cudaError_t e = a->cudaEventQuery(w->q[i].ev);
-        if (e == cudaSuccess) {
+    const double now = pyccl_now_s();
+    for (int i = 0; i < w->nq; i++) {
+        w->q[i].seen = w->q[i].done = 0;
+    }
+    for (int first = 0; first < w->nq && bad == cudaSuccess; first++) {
+        if (w->q[first].seen) {
+            continue; /* its stream was looked at */
+        }
+        int m = 0;
+        for (int i = first; i < w->nq; i++) {
+            if (w->q[i].stream == w->q[first].stream) {
+                w->q[i].seen = 1;
+                w->idx[m++] = i;
+            }
+        }
+        int k = finished_prefix(a, w->q, w->idx, m, &not_ready, &bad, bad_op);
+        for (int j = 0; j < k; j++) {
+            w->q[w->idx[j]].done = 1;
+        }
+        /* the rest of the stream's work started at the earliest when the
+         * event ahead finished: their deadlines count from now at most */
+        for (int j = k > 0 ? k : m; j < m; j++) {
+            pending_event *p = &w->q[w->idx[j]];
+            p->t = p->t < now ? now : p->t;
+        }
+    }
+    int kept = 0;
+    for (int i = 0; i < w->nq; i++) {
+        if (w->q[i].done) {
             pool_put(w, w->q[i].ev);
-            continue;
         }
-        if (e == cudaErrorNotReady) {
-            not_ready = 1;
-        }
-        else if (bad == cudaSuccess) {
-            bad = e;
-            *bad_op = w->q[i].op;
-        }
-        w->q[k++] = w->q[i];
-        if (!all) {
-            i++;
-            break;
+        else {
+            w->q[kept++] = w->q[i];
         }
     }
-    for (; i < w->nq; i++) {
-        w->q[k++] = w->q[i];
-    }
-    w->nq = k;
+    w->nq = kept;
     a->cudaThreadExchangeStreamCaptureMode(&mode);
     if (not_ready) {
         /* cudaErrorNotReady is kept as the thread's last error: clear it, or
@@ -124,6 +191,16 @@ watch_retire(struct pyccl_watch *w, int all, const char **bad_op)
         a->cudaGetLastError();
     }
     return bad;
+}
+
+int
+watch_due(const struct pyccl_watch *w)
+{
+    int due = -1;
+    for (int i = 0; i < w->nq; i++) {
+        due = due < 0 || w->q[i].t < w->q[due].t ? i : due;
+    }
+    return due;
 }
 
 /* Destroy every event (the communicator is gone). */
@@ -171,11 +248,15 @@ watch_record(struct pyccl_watch *w, cudaStream_t s, const char *op)
     if (w->nq == w->capq) {
         int cap = w->capq ? 2 * w->capq : 2 * PYCCL_MAX_PENDING;
         pending_event *q = PyMem_RawRealloc(w->q, (size_t)cap * sizeof *q);
-        if (q == NULL) {
+        if (q != NULL) {
+            w->q = q;
+        }
+        int *idx = q == NULL ? NULL : PyMem_RawRealloc(w->idx, (size_t)cap * sizeof *idx);
+        if (idx == NULL) {
             e = cudaErrorMemoryAllocation;
             goto out;
         }
-        w->q = q;
+        w->idx = idx;
         w->capq = cap;
     }
     if (w->npool > 0) {
@@ -193,6 +274,7 @@ watch_record(struct pyccl_watch *w, cudaStream_t s, const char *op)
     }
     if (e == cudaSuccess) {
         w->q[w->nq].ev = ev;
+        w->q[w->nq].stream = s;
         w->q[w->nq].t = pyccl_now_s();
         w->q[w->nq].op = op;
         w->q[w->nq].seq = ++w->seq;
@@ -364,13 +446,14 @@ static void
 check(struct pyccl_watch *w, double now)
 {
     const char *bad_op = "a collective";
-    cudaError_t e = watch_retire(w, 1, &bad_op);
+    cudaError_t e = watch_retire(w, &bad_op);
     if (e != cudaSuccess) {
         fail_cuda(w, bad_op, e);
         return;
     }
-    if (w->nq > 0 && now - w->q[0].t > w->timeout) {
-        fail_timeout(w, w->q[0].op, "its peers");
+    int due = watch_due(w);
+    if (due >= 0 && now - w->q[due].t > w->timeout) {
+        fail_timeout(w, w->q[due].op, "its peers");
         return;
     }
     ncclResult_t ae = ncclSuccess;
@@ -543,6 +626,7 @@ free_watch(struct pyccl_watch *w)
     }
     drop_events(w);
     PyMem_RawFree(w->q);
+    PyMem_RawFree(w->idx);
     PyMem_RawFree(w->pool);
     PyMem_RawFree(w);
 }
@@ -585,7 +669,7 @@ pyccl_watchdog_at_exit(pyccl_state *st)
             const char *bad_op = NULL;
             int prev;
             pyccl_device_enter(w->api, w->device, &prev);
-            watch_retire(w, 1, &bad_op);
+            watch_retire(w, &bad_op);
             pyccl_device_leave(w->api, w->device, prev);
             if (w->nq > 0) {
                 watch_fail(w, PYCCL_FAIL_ABORTED, 0,

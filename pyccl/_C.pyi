@@ -27,6 +27,7 @@ MIN: Final[int]
 AVG: Final[int]
 NCCL_UNIQUE_ID_BYTES: Final[int]
 NCCL_BUILD_VERSION: Final[int]
+_MAX_PENDING: Final[int]  # unfinished calls tracked per communicator with a timeout
 
 class CudaError(RuntimeError):
     """A CUDA runtime call failed (or no GPU is available)."""

@@ -295,10 +295,61 @@ def back_pressure():
     dt, err = timed(loop)
     assert type(err) is pyccl.NcclTimeoutError, repr(err)
     assert str(err).startswith("all_reduce: rank 0 of 2 timed out after 0.5 s"), str(err)
-    assert n[0] <= 64, n[0]
+    assert n[0] <= pyccl._C._MAX_PENDING, n[0]
     assert dt < 1.5, dt
     clean()
     return n[0]
+
+
+def queue_not_queried():
+    """The calling thread records an event per call and queries none while fewer than
+    _C._MAX_PENDING calls are unfinished (a query costs it more than the record): the watchdog
+    drops the finished ones; at the bound the caller looks itself, and finds room."""
+    c = new(timeout=30)
+    a = Array([1.0])
+    c.all_reduce(a)
+    c.wait()
+    put("op_time", 0.002)
+    records, mine = get("event_records"), get("my_queries")
+    for _ in range(pyccl._C._MAX_PENDING // 2):
+        c.all_reduce(a)
+    assert get("event_records") - records == pyccl._C._MAX_PENDING // 2
+    assert get("my_queries") == mine, get("my_queries") - mine
+    put("op_time", 0.0)
+    for _ in range(2 * pyccl._C._MAX_PENDING):  # past the bound: the caller queries
+        c.all_reduce(a)
+    assert get("my_queries") > mine
+    c.wait()
+    assert c.get_async_error() is None
+    clean()
+    return "ok"
+
+
+def deadline_after_the_work_ahead():
+    """Four calls of 0.25 s each, enqueued at once, on a communicator with a 0.4 s timeout: the
+    last finishes 1 s after its enqueue, yet none timed out (each call's deadline counts from
+    when the one ahead of it on its stream finished); a stuck one still times out."""
+    c = new(timeout=0.4)
+    a = Array([1.0])
+    c.all_reduce(a)
+    c.wait()
+    put("op_time", 0.25)
+    t0 = time.monotonic()
+    for _ in range(4):
+        c.all_reduce(a)
+    c.wait()
+    took = time.monotonic() - t0
+    assert 0.9 <= took < 2.0, took
+    assert c.get_async_error() is None
+    assert a.tolist() == [float(2 ** 5)], a.tolist()
+    put("op_time", 0.0)
+    put("peer_dead", 1)
+    c.all_reduce(a)
+    dt, err = timed(c.wait)
+    assert type(err) is pyccl.NcclTimeoutError, repr(err)
+    assert 0.3 <= dt < 1.0, dt
+    clean()
+    return took
 
 
 def async_error():

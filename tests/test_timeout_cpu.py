@@ -194,6 +194,8 @@ def run_fake(lib, scenario, timeout=60):
     "launch_queue_full",       # a launch blocked behind the stuck kernel: aborted after timeout + 1 s
     "lifecycle",               # destroyed on GC and by `with`; 50 create/use/destroy leave nothing
     "names",                   # Communicator.name: unique, found while alive, gone with the object
+    "queue_not_queried",       # the caller queries no event below _C._MAX_PENDING unfinished
+    "deadline_after_the_work_ahead",  # a call's deadline counts from the end of the one ahead
 ])
 def test_fake_gpu(fakegpu, scenario):
     run_fake(fakegpu, scenario)
@@ -206,7 +208,8 @@ def test_fake_gpu(fakegpu, scenario):
 BOTH_KINDS = ["graph_capture", "mixed_group", "wait_limit_not_aborted", "async_error",
               "abort_from_thread", "drop_in", "two_comms_one_call", "threads_share_comm", "lifecycle",
               "names", "collective_timeout", "watchdog_alone", "back_pressure", "destroy_stuck",
-              "exit_with_stuck_work", "blocking_kind"]
+              "exit_with_stuck_work", "blocking_kind", "queue_not_queried",
+              "deadline_after_the_work_ahead"]
 
 
 @pytest.mark.parametrize("scenario", BOTH_KINDS)
@@ -231,7 +234,7 @@ def test_fake_watchdog_aborts_without_any_call(fakegpu):
 
 def test_fake_back_pressure(fakegpu):
     enqueued, _ = run_fake(fakegpu, "back_pressure")
-    assert 1 <= enqueued <= 64
+    assert 1 <= enqueued <= pyccl._C._MAX_PENDING
 
 
 def test_fake_destroy_is_bounded(fakegpu):

@@ -76,13 +76,21 @@ FAULTS = [
                 "        if (0) { /* MUTANT: never kept */\n            w->revoked = comm;\n")],
         tests=["tests/test_timeout_cpu.py", "-k", "shrink"]),
     dict(name="an own kernel's launch on a timed communicator not tracked", tier="cpu", file="csrc/call.c",
-        edits=[("    return pyccl_enqueue_timed(st, op, &launched, 1, ncclSum, NULL, &c, 1);\n",
+        edits=[("    return pyccl_enqueue(st, op, &launched, 1, ncclSum, NULL, NULL, &c, 1);\n",
                 "    (void)launched;\n    return 0; /* MUTANT: no event, no room made, no failure raised */\n")],
         tests=["tests/test_own_lifecycle_cpu.py", "-k", "stuck_own_kernel_is_watched"]),
     dict(name="watchdog fires at half the timeout", tier="cpu", file="csrc/watchdog.c", edits=[(
-        "    if (w->nq > 0 && now - w->q[0].t > w->timeout) {\n",
-        "    if (w->nq > 0 && now - w->q[0].t > w->timeout / 2) {\n")],
+        "    if (due >= 0 && now - w->q[due].t > w->timeout) {\n",
+        "    if (due >= 0 && now - w->q[due].t > w->timeout / 2) {\n")],
         tests=["tests/test_timeout_cpu.py"]),
+    dict(name="a call's deadline counts from its record alone", tier="cpu", file="csrc/watchdog.c", edits=[(
+        "            p->t = p->t < now ? now : p->t;\n",
+        "            (void)p; /* MUTANT: the work ahead counts against it */\n")],
+        tests=["tests/test_timeout_cpu.py", "-k", "deadline_after"]),
+    dict(name="the caller queries every call's queue", tier="cpu", file="csrc/watch_enqueue.c", edits=[(
+        "            if (need_room && w->nq >= PYCCL_MAX_PENDING) {\n",
+        "            if (need_room && w->nq >= 1) { /* MUTANT */\n")],
+        tests=["tests/test_timeout_cpu.py", "-k", "queue_not_queried"]),
     dict(name="broadcast from rank 0 whatever the root", tier="gpu", file="csrc/enqueue.c", edits=[(
         "        return a->ncclBroadcast(t->send, t->recv, t->count, type, t->peer,\n",
         "        return a->ncclBroadcast(t->send, t->recv, t->count, type, 0,\n")],

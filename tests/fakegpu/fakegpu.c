@@ -95,6 +95,7 @@ static fstream streams[64];
 static int nstreams;
 static __thread int cur_dev;
 static __thread cudaError_t last_error;
+static __thread double my_queries; /* cudaEventQuery calls of this thread */
 static __thread int group_depth;
 static __thread int capture_mode; /* cudaStreamCaptureModeGlobal = 0, Relaxed = 2 */
 static __thread struct { struct fcomm *c; uintptr_t s; int bytes; void *recv; const void *send; size_t n; } group_ops[256];
@@ -126,6 +127,9 @@ fake_get(const char *key)
 #undef GET
     if (strcmp(key, "last_error") == 0) {
         return last_error; /* the calling thread's */
+    }
+    if (strcmp(key, "my_queries") == 0) {
+        return my_queries; /* the calling thread's */
     }
     return NAN;
 }
@@ -967,6 +971,7 @@ cudaEventQuery(struct fevent *ev)
     }
     else {
         event_queries++;
+        my_queries++;
         if (capturing && capture_mode != 2) {
             capture_violations++; /* would invalidate the capture */
         }
