@@ -231,9 +231,16 @@ watch_record(struct pyccl_watch *w, cudaStream_t s, const char *op)
     const pyccl_api *a = w->api;
     cudaError_t e;
     cudaEvent_t ev = NULL;
-    /* Stream 0 is the current device's legacy stream. */
-    int prev;
-    pyccl_device_enter(a, w->device, &prev);
+    /* The device made current only where it matters: for the handles that
+     * name the current device's stream (0, cudaStreamLegacy,
+     * cudaStreamPerThread) and for a new event (made on the current
+     * device); an event is recorded on any other stream of its device
+     * whatever is current.  A cudaGetDevice saved per call. */
+    int prev = -1;
+    const int enter = (uintptr_t)s <= 2 || w->npool == 0;
+    if (enter) {
+        pyccl_device_enter(a, w->device, &prev);
+    }
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     if (a->cudaStreamIsCapturing(s, &cs) != cudaSuccess) {
         /* Another thread captures in global mode: treat as capturing. */
@@ -281,7 +288,9 @@ watch_record(struct pyccl_watch *w, cudaStream_t s, const char *op)
         w->nq++;
     }
 out:
-    pyccl_device_leave(a, w->device, prev);
+    if (enter) {
+        pyccl_device_leave(a, w->device, prev);
+    }
     return e;
 }
 
