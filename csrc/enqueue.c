@@ -115,22 +115,25 @@ pyccl_enqueue_calls(const pyccl_api *a, const pyccl_task *tasks, Py_ssize_t n, i
 /* ---------------- this thread's pyccl.group() ----------------
  * NCCL's group state is per thread, and so is pyccl.group(): its depth, the
  * kind of the communicators in the open group (with a timeout or not; -1:
- * none yet), and the communicators used in it, each once with a reference
- * (NCCL uses them at the group's end) and counted in c->in_group until then,
- * which the door reads to refuse destroy() and abort(). */
+ * none yet), and one list of what was used in it: each communicator once,
+ * with a reference (NCCL uses it at the group's end), counted in
+ * c->in_group until then (the one group count: the door reads it to refuse
+ * destroy() and abort(), the watchdog to leave the communicator alone); and
+ * the work on watched communicators, once per stream, which the timeouts
+ * layer tracks when the group ends. */
 static _Thread_local int group_depth;
 static _Thread_local int group_timed = -1;
-static _Thread_local PyObject **group_comms;
+static _Thread_local pyccl_group_entry *group_v;
 static _Thread_local Py_ssize_t group_n, group_cap;
 
 /* A thread that ends with its pyccl.group() open (its work queued, never
- * run) hands the communicators of that group over, here: their list goes
- * on `lost` at the thread's end (a pthread key's destructor, without the
- * GIL), and the next entry of the door that looks (pyccl_group_reap, with
- * the GIL) takes them out of the group and has them failed.  Process-wide
- * by nature, so kept in statics, under lost_mu. */
+ * run) hands its list over, here: it goes on `lost` at the thread's end (a
+ * pthread key's destructor, without the GIL), and the next entry of the
+ * door that looks (pyccl_group_reap, with the GIL) takes the communicators
+ * out of the group and has them failed.  Process-wide by nature, so kept in
+ * statics, under lost_mu. */
 typedef struct lost_group {
-    PyObject **v;
+    pyccl_group_entry *v;
     Py_ssize_t n;
     struct lost_group *next;
 } lost_group;
@@ -151,9 +154,9 @@ group_thread_end(void *unused)
     if (g == NULL) {
         return; /* kept in the group for good: the communicators stay refused */
     }
-    g->v = group_comms;
+    g->v = group_v;
     g->n = group_n;
-    group_comms = NULL;
+    group_v = NULL;
     group_n = group_cap = 0;
     pyccl_lock(&lost_mu, PYCCL_LOCK_LOST);
     g->next = lost;
@@ -166,6 +169,13 @@ static void
 make_group_key(void)
 {
     (void)pthread_key_create(&group_key, group_thread_end);
+}
+
+static void
+in_group_add(pyccl_comm *c, int d)
+{
+    /* written with the GIL; the watchdog reads it without */
+    __atomic_add_fetch(&c->in_group, d, __ATOMIC_RELEASE);
 }
 
 void
@@ -183,16 +193,16 @@ pyccl_group_reap(void (*lost_one)(pyccl_comm *c, void *arg), void *arg)
         lost_group *g = all;
         all = g->next;
         for (Py_ssize_t i = 0; i < g->n; i++) {
-            pyccl_comm *c = (pyccl_comm *)g->v[i];
-            /* failed while still counted in the group: lost_one may release
-             * the GIL, and destroy() must not free c's watch meanwhile */
-            lost_one(c, arg);
-            c->in_group--;
+            if (g->v[i].counted) {
+                pyccl_comm *c = (pyccl_comm *)g->v[i].comm;
+                /* failed while still counted in the group: lost_one may
+                 * release the GIL, and destroy() must not free c's watch
+                 * meanwhile */
+                lost_one(c, arg);
+                in_group_add(c, -1);
+            }
         }
-        for (Py_ssize_t i = 0; i < g->n; i++) {
-            Py_DECREF(g->v[i]);
-        }
-        PyMem_Free(g->v);
+        pyccl_group_release(g->v, g->n, 0);
         free(g);
     }
 }
@@ -203,26 +213,53 @@ pyccl_group_depth(void)
     return group_depth;
 }
 
+/* Room for one more entry; -1 with MemoryError. */
+static int
+group_room(void)
+{
+    if (group_n < group_cap) {
+        return 0;
+    }
+    Py_ssize_t cap = group_cap ? 2 * group_cap : 8;
+    pyccl_group_entry *v = PyMem_RawRealloc(group_v, (size_t)cap * sizeof *v);
+    if (v == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    group_v = v;
+    group_cap = cap;
+    return 0;
+}
+
 int
 pyccl_group_note(pyccl_comm *c)
 {
     for (Py_ssize_t i = 0; i < group_n; i++) {
-        if (group_comms[i] == (PyObject *)c) {
+        if (group_v[i].counted && group_v[i].comm == (PyObject *)c) {
             return 0;
         }
     }
-    if (group_n == group_cap) {
-        Py_ssize_t cap = group_cap ? 2 * group_cap : 8;
-        PyObject **v = PyMem_Realloc(group_comms, (size_t)cap * sizeof *v);
-        if (v == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        group_comms = v;
-        group_cap = cap;
+    if (group_room() < 0) {
+        return -1;
     }
-    group_comms[group_n++] = Py_NewRef((PyObject *)c);
-    c->in_group++;
+    group_v[group_n++] = (pyccl_group_entry){.comm = Py_NewRef((PyObject *)c), .counted = 1};
+    in_group_add(c, 1);
+    return 0;
+}
+
+int
+pyccl_group_note_work(pyccl_comm *c, cudaStream_t s, const char *op)
+{
+    for (Py_ssize_t i = 0; i < group_n; i++) {
+        if (group_v[i].work && group_v[i].comm == (PyObject *)c && group_v[i].stream == s) {
+            return 0;
+        }
+    }
+    if (group_room() < 0) {
+        return -1;
+    }
+    group_v[group_n++] = (pyccl_group_entry){
+        .comm = Py_NewRef((PyObject *)c), .stream = s, .op = op, .work = 1};
     return 0;
 }
 
@@ -246,20 +283,28 @@ pyccl_group_join(pyccl_comm *const *comms, Py_ssize_t ncomms, int timed)
     return 0;
 }
 
-void
-pyccl_group_done(void)
+pyccl_group_entry *
+pyccl_group_take(Py_ssize_t *n)
 {
-    PyObject **v = group_comms;
-    Py_ssize_t n = group_n;
-    group_comms = NULL;
+    pyccl_group_entry *v = group_v;
+    *n = group_n;
+    group_v = NULL;
     group_n = group_cap = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        ((pyccl_comm *)v[i])->in_group--;
+    return v;
+}
+
+void
+pyccl_group_release(pyccl_group_entry *v, Py_ssize_t n, int leave)
+{
+    for (Py_ssize_t i = 0; leave && i < n; i++) {
+        if (v[i].counted) {
+            in_group_add((pyccl_comm *)v[i].comm, -1);
+        }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_DECREF(v[i]);
+        Py_DECREF(v[i].comm);
     }
-    PyMem_Free(v);
+    PyMem_RawFree(v);
 }
 
 /* ncclGroupStart (start) or ncclGroupEnd, GIL released around exactly

@@ -18,8 +18,8 @@
  *   PYCCL_LOCK_WATCHDOG   the watchdog's `mu`          the list of watches, the thread's tick
  *   PYCCL_LOCK_REGIONS    ar_setup.c `live_mu`,        the communicators exit releases; regions
  *                         `parked_mu`                  peers may still map (never nested)
- *   PYCCL_LOCK_LOST       enqueue.c `lost_mu`,         the groups of threads that ended with
- *                         watch_state.c `tl_lost_mu`   them open (never nested)
+ *   PYCCL_LOCK_LOST       enqueue.c `lost_mu`          the groups of threads that ended with
+ *                                                      them open
  *
  * The clique locks (clique.c's clique_lock, clique_call_lock: Python locks taken
  * with the GIL) come before all of these.  A thread holding a set-up's or a

@@ -690,8 +690,10 @@ nccl_group(PyObject *m, int start)
         /* communicators with a timeout: poll and track the group's work
          * (ncclInProgress is how a non-blocking group ends); then every
          * communicator used in the group leaves it */
-        int rc = pyccl_watch_group_end(st, r);
-        pyccl_group_done();
+        Py_ssize_t n = 0;
+        pyccl_group_entry *used = pyccl_group_take(&n);
+        int rc = pyccl_watch_group_end(st, r, used, n);
+        pyccl_group_release(used, n, 1);
         if (rc < 0) {
             return NULL;
         }

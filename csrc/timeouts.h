@@ -18,6 +18,7 @@
 #define PYCCL_MAX_PENDING 256
 
 #include "pyccl.h"
+#include "enqueue.h"
 
 /* c's timeout in seconds; 0 when it has none.  Safe without the GIL.  (For
  * pyccl's own kernels: the deadline of a spin-wait on peers.) */
@@ -91,10 +92,11 @@ int pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
 int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize_t n,
                   int redop, const pyccl_premul *premul, PyThread_type_lock serialize,
                   pyccl_comm *const *comms, Py_ssize_t ncomms);
-/* The outermost pyccl.group() of this thread ended with NCCL result r:
- * poll and track the watched communicators used inside it.  -1 with an
- * exception. */
-int pyccl_watch_group_end(pyccl_state *st, ncclResult_t r);
+/* The outermost pyccl.group() of this thread ended with NCCL result r,
+ * `used` what it used (pyccl_group_take): poll and track the work of its
+ * watched communicators.  -1 with an exception. */
+int pyccl_watch_group_end(pyccl_state *st, ncclResult_t r, const pyccl_group_entry *used,
+                          Py_ssize_t n);
 /* split() of a communicator with a watch (outside any group): the child's
  * non-blocking handle (NULL when not a member), rank and size; the caller
  * makes the Communicator and gives it a watch.  -1 with an exception. */

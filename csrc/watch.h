@@ -60,7 +60,9 @@ struct pyccl_watch {
     pyccl_secs_text timeout_text; /* as messages write it (pyccl_secs) */
     int registered;
     int busy;                 /* a thread polls an NCCL call in progress */
-    int in_group;             /* threads with it in an open pyccl.group() */
+    /* The communicator's group count (its `in_group`: pyccl.group()s not
+     * ended that hold work of it), read here without the GIL. */
+    const int *in_group;
     int closing;              /* destroy() is finalizing it */
     /* A thread is inside an NCCL/CUDA call on it (under mu) since this
      * (monotonic ns); 0: none; -1: the watchdog gave up on that call and
@@ -119,6 +121,8 @@ void fail_nccl(struct pyccl_watch *w, const char *op, ncclResult_t e);
 void fail_interrupted(struct pyccl_watch *w, const char *op);
 void fail_timeout(struct pyccl_watch *w, const char *op, const char *waiting_for);
 int failed_kind(const struct pyccl_watch *w);
+/* pyccl.group()s not ended that hold work of w's communicator. */
+int in_group_of(const struct pyccl_watch *w);
 void free_watch(struct pyccl_watch *w);
 void lock_watch(struct pyccl_watch *w);
 /* c's watch (its lock and handle are c's), not yet registered. */
@@ -155,25 +159,6 @@ int waiter_pause(waiter *wt);
 int poll_watch(waiter *wt, struct pyccl_watch *w, double deadline, ncclResult_t *res);
 void waiter_start(waiter *wt, int interruptible);
 int acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room, int *which);
-/* This thread's pyccl.group(): the watched communicators enqueued on inside
- * it, with their streams, polled and tracked when the outermost group ends
- * (NCCL launches the work then).  Each entry holds a reference to its
- * Communicator, which keeps the watch alive. */
-typedef struct {
-    PyObject *comm;
-    struct pyccl_watch *w;
-    cudaStream_t stream;
-    const char *op;
-} group_entry;
-/* This thread's entries, taken out of it (PyMem_Raw; *n of them): the
- * group's end settles them. */
-group_entry *group_take(int *n);
-/* This thread's open pyccl.group() holds work under w (the watch's own list
- * of it, settled at the group's end: pyccl_watch_group_end). */
-int group_has(struct pyccl_watch *w);
-/* Work of comm (w its watch) went to stream s inside the group: remembered
- * with a reference to comm for the group's end.  -1 with MemoryError. */
-int group_add(PyObject *comm, struct pyccl_watch *w, cudaStream_t s, const char *op);
 int wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit);
 int wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit, int interruptible);
 

@@ -65,7 +65,7 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
         }
         double now = pyccl_now_s();
         int due = watch_due(w);
-        if (now - w->q[due].t > w->timeout && !w->busy && !w->in_group) {
+        if (now - w->q[due].t > w->timeout && !w->busy && !in_group_of(w)) {
             /* its own deadline: what the watchdog is about to do */
             fail_timeout(w, w->q[due].op, "its peers");
             status = 1;

@@ -136,7 +136,6 @@ poll_in_progress(const pyccl_api *a, waiter *wt, struct pyccl_watch **ws, int nw
 typedef struct {
     struct pyccl_watch *ws_small[8], **ws;
     pyccl_comm *owners_small[8], **owners;
-    int fresh_small[8], *fresh;
     int n;
     struct watch_row {
         int j;
@@ -249,7 +248,6 @@ watch_set_free(watch_set *g)
     if (g->ws != g->ws_small) {
         PyMem_Free(g->ws);
         PyMem_Free(g->owners);
-        PyMem_Free(g->fresh);
     }
     if (g->rows != g->rows_small) {
         PyMem_Free(g->rows);
@@ -263,12 +261,11 @@ watch_set_free(watch_set *g)
  * without a watch are noted for wait(). */
 static int
 watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *tasks,
-               Py_ssize_t n, pyccl_comm *const *comms, Py_ssize_t ncomms, int in_group)
+               Py_ssize_t n, pyccl_comm *const *comms, Py_ssize_t ncomms)
 {
     g->n = 0;
     g->ws = g->ws_small;
     g->owners = g->owners_small;
-    g->fresh = g->fresh_small;
     g->rows = g->rows_small;
     g->nrows = n;
     g->bad = NULL;
@@ -282,8 +279,7 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *
     if (ncomms > 8) {
         g->ws = PyMem_Calloc((size_t)ncomms, sizeof *g->ws);
         g->owners = PyMem_Calloc((size_t)ncomms, sizeof *g->owners);
-        g->fresh = PyMem_Calloc((size_t)ncomms, sizeof *g->fresh);
-        if (g->ws == NULL || g->owners == NULL || g->fresh == NULL) {
+        if (g->ws == NULL || g->owners == NULL) {
             PyErr_NoMemory();
             return -1;
         }
@@ -321,7 +317,6 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *
                 break;
             }
         }
-        g->fresh[j] = in_group && !group_has(g->ws[j]);
     }
     /* Each row's watch, by its handle: with every communicator usable (else
      * nothing is enqueued), a watched one's handle is never replaced, only
@@ -413,29 +408,20 @@ raise_outcome(pyccl_state *st, const char *op, watch_set *g, const timed_outcome
     return -1;
 }
 
-/* Inside pyccl.group(): remember each communicator's tasks for the group's
- * end (which the watch then covers).  -1 with MemoryError. */
+/* Inside pyccl.group(): remember each watched communicator's streams for
+ * the group's end (which the watch then covers).  -1 with MemoryError. */
 static int
 add_to_group(const char *op, watch_set *g)
 {
-    int rc = 0;
     for (int j = 0; j < g->n; j++) {
         for (Py_ssize_t i = 0; i < g->nrows; i++) {
             if (g->rows[i].j == j &&
-                group_add((PyObject *)g->owners[j], g->ws[j], g->rows[i].stream, op) < 0) {
-                rc = -1;
+                pyccl_group_note_work(g->owners[j], g->rows[i].stream, op) < 0) {
+                return -1;
             }
         }
-        if (g->fresh[j] && !group_has(g->ws[j])) {
-            /* out of memory before the entry went in: undo the count */
-            Py_BEGIN_ALLOW_THREADS
-            pyccl_lock(g->ws[j]->mu, PYCCL_LOCK_COMM);
-            g->ws[j]->in_group--;
-            pyccl_unlock(g->ws[j]->mu);
-            Py_END_ALLOW_THREADS
-        }
     }
-    return rc;
+    return 0;
 }
 
 /* The next communicator of cs after `after` in address order that has no
@@ -497,7 +483,7 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize
     watch_set g;
     /* the communicators first, then this thread's open group (refused
      * before anything is enqueued: a group holds one kind, watched or not) */
-    if (watch_set_fill(&g, st, op, tasks, n, comms, ncomms, in_group) < 0 ||
+    if (watch_set_fill(&g, st, op, tasks, n, comms, ncomms) < 0 ||
         (g.bad == NULL && !launched_only(&g, tasks, n) &&
          (o.refused = pyccl_group_join(comms, ncomms, g.n > 0)) < 0)) {
         watch_set_free(&g);
@@ -535,7 +521,6 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize
                 /* NCCL launches nothing before the group's end */
                 o.r = o.r == ncclInProgress ? ncclSuccess : o.r;
                 for (int j = 0; j < g.n; j++) {
-                    ws[j]->in_group += o.r == ncclSuccess && g.fresh[j] && !ws[j]->failed;
                     pyccl_unlock(ws[j]->mu);
                 }
             }
@@ -557,12 +542,23 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize
     return rc;
 }
 
-int
-pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
+/* The watch of a group entry's work, or NULL (an entry that only counts
+ * its communicator in the group). */
+static struct pyccl_watch *
+work_watch(const pyccl_group_entry *e)
 {
-    int n = 0, interrupted = 0;
-    group_entry *g = group_take(&n);
-    if (n == 0) {
+    return e->work ? ((pyccl_comm *)e->comm)->watch : NULL;
+}
+
+int
+pyccl_watch_group_end(pyccl_state *st, ncclResult_t r, const pyccl_group_entry *g,
+                      Py_ssize_t n)
+{
+    int interrupted = 0, any = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        any |= work_watch(&g[i]) != NULL;
+    }
+    if (!any) {
         return 0;
     }
     const pyccl_api *a = &st->api;
@@ -570,11 +566,11 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
     waiter wt;
     waiter_start(&wt, 1);
     double t0 = pyccl_now_s();
-    for (int i = 0; i < n; i++) {
-        struct pyccl_watch *w = g[i].w;
-        int first = 1;
-        for (int k = 0; k < i; k++) {
-            first &= g[k].w != w;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        struct pyccl_watch *w = work_watch(&g[i]);
+        int first = w != NULL;
+        for (Py_ssize_t k = 0; first && k < i; k++) {
+            first &= work_watch(&g[k]) != w;
         }
         if (!first) {
             continue;
@@ -607,8 +603,8 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
                 fail_nccl(w, g[i].op, e);
             }
         }
-        for (int k = i; k < n && rec_err == cudaSuccess; k++) {
-            if (g[k].w == w && *w->comm != NULL &&
+        for (Py_ssize_t k = i; k < n && rec_err == cudaSuccess; k++) {
+            if (work_watch(&g[k]) == w && *w->comm != NULL &&
                 (r == ncclSuccess || r == ncclInProgress)) {
                 call_begin(w, 1);
                 rec_err = watch_record(w, g[k].stream, g[k].op);
@@ -617,26 +613,19 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r)
                 }
             }
         }
-        w->in_group--;
         pyccl_unlock(w->mu);
     }
     waiter_finish(&wt);
     int rc = interrupted ? -1 : 0; /* KeyboardInterrupt is set */
-    for (int i = 0; i < n; i++) {
-        if (failed_kind(g[i].w)) {
-            if (rc == 0) {
-                rc = raise_failure(st, g[i].op, g[i].w);
-            }
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
+        struct pyccl_watch *w = work_watch(&g[i]);
+        if (w != NULL && failed_kind(w)) {
+            rc = raise_failure(st, g[i].op, w);
         }
     }
     if (rc == 0 && rec_err != cudaSuccess) {
         pyccl_raise_cuda(st, "group end", "cudaEventRecord", rec_err);
         rc = -1;
     }
-    for (int i = 0; i < n; i++) {
-        Py_DECREF(g[i].comm);
-    }
-    PyMem_RawFree(g);
     return rc;
 }
-

@@ -253,7 +253,7 @@ pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
     struct pyccl_watch *w = c->watch;
     const pyccl_api *a = &st->api;
     lock_watch(w);
-    if (w->in_group > 0 || w->busy > 0) {
+    if (in_group_of(w) > 0 || w->busy > 0) {
         pyccl_unlock(w->mu);
         if (may_raise) {
             PyErr_Format(PyExc_RuntimeError,
@@ -468,7 +468,7 @@ pyccl_comm_get_async_error(PyObject *self, PyObject *Py_UNUSED(unused))
     }
     else {
         lock_watch(w);
-        if (*w->comm != NULL && !w->busy && !w->in_group) {
+        if (*w->comm != NULL && !w->busy && !in_group_of(w)) {
             r = a->ncclCommGetAsyncError(*w->comm, &e);
             if (r == ncclSuccess && e != ncclSuccess && e != ncclInProgress) {
                 /* what the watchdog would do within 10 ms */

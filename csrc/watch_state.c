@@ -3,9 +3,9 @@
  * its lock entered around a short NCCL call, a failure recorded for a
  * communicator (with or without a watch) that gives up; waits with the GIL
  * released (a signal between pauses) and the poll of an NCCL call in
- * progress; this thread's open pyccl.group() of watched communicators, and
- * the groups of threads that ended with theirs open (handed over at the
- * thread's end, failed at the door's next look: pyccl_watch_reap). */
+ * progress; the communicators of groups whose thread ended with them open
+ * (handed over at the thread's end by enqueue.c, failed at the door's next
+ * look: pyccl_watch_reap). */
 #include "timeouts.h"
 #include "locks.h"
 #include "watch.h"
@@ -128,7 +128,17 @@ pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c)
     if (c->watch != NULL && pyccl_watch_check(st, op, c) < 0) {
         return -1; /* timed out or aborted */
     }
-    return pyccl_raise_unusable(op, c);
+    if (pyccl_raise_unusable(op, c) < 0) {
+        if (pyccl_comm_failed(c)) {
+            /* failed between the two looks (abort() and the watchdog fail
+             * a watch without the GIL, the failure published before the
+             * handle goes): that is what happened to it */
+            PyErr_Clear();
+            return pyccl_watch_check(st, op, c);
+        }
+        return -1;
+    }
+    return 0;
 }
 
 int
@@ -262,52 +272,7 @@ poll_watch(waiter *wt, struct pyccl_watch *w, double deadline, ncclResult_t *res
     }
 }
 
-/* ---------------- a group of this thread ---------------- */
-
-static _Thread_local group_entry *tl_group;
-static _Thread_local int tl_group_n, tl_group_cap;
-
-/* As enqueue.c's list (pyccl_group_reap): a thread that ends with its group
- * open hands its entries over at its end; pyccl_watch_reap takes the
- * watches out of the group and fails the communicators. */
-typedef struct lost_entries {
-    group_entry *g;
-    int n;
-    struct lost_entries *next;
-} lost_entries;
-static pthread_key_t tl_key;
-static pthread_once_t tl_key_once = PTHREAD_ONCE_INIT;
-static pthread_mutex_t tl_lost_mu = PTHREAD_MUTEX_INITIALIZER;
-static lost_entries *tl_lost;
-static int tl_lost_any;
-
-static void
-tl_thread_end(void *unused)
-{
-    (void)unused;
-    if (tl_group_n == 0) {
-        return;
-    }
-    lost_entries *e = malloc(sizeof *e);
-    if (e == NULL) {
-        return;
-    }
-    e->g = tl_group;
-    e->n = tl_group_n;
-    tl_group = NULL;
-    tl_group_n = tl_group_cap = 0;
-    pyccl_lock(&tl_lost_mu, PYCCL_LOCK_LOST);
-    e->next = tl_lost;
-    tl_lost = e;
-    __atomic_store_n(&tl_lost_any, 1, __ATOMIC_RELEASE);
-    pyccl_unlock(&tl_lost_mu);
-}
-
-static void
-make_tl_key(void)
-{
-    (void)pthread_key_create(&tl_key, tl_thread_end);
-}
+/* ---------------- groups of threads that ended ---------------- */
 
 /* A communicator whose group's thread ended: failed, with what happened. */
 static void
@@ -326,85 +291,5 @@ fail_lost(pyccl_comm *c, void *arg)
 void
 pyccl_watch_reap(pyccl_state *st)
 {
-    if (__atomic_load_n(&tl_lost_any, __ATOMIC_ACQUIRE)) {
-        pyccl_lock(&tl_lost_mu, PYCCL_LOCK_LOST);
-        lost_entries *all = tl_lost;
-        tl_lost = NULL;
-        __atomic_store_n(&tl_lost_any, 0, __ATOMIC_RELEASE);
-        pyccl_unlock(&tl_lost_mu);
-        while (all != NULL) {
-            lost_entries *e = all;
-            all = e->next;
-            for (int i = 0; i < e->n; i++) {
-                struct pyccl_watch *w = e->g[i].w;
-                int first = 1; /* counted once per watch in its group */
-                for (int k = 0; k < i; k++) {
-                    first &= e->g[k].w != w;
-                }
-                if (first) {
-                    lock_watch(w);
-                    w->in_group -= w->in_group > 0;
-                    pyccl_unlock(w->mu);
-                }
-            }
-            for (int i = 0; i < e->n; i++) {
-                Py_DECREF(e->g[i].comm);
-            }
-            PyMem_RawFree(e->g);
-            free(e);
-        }
-    }
     pyccl_group_reap(fail_lost, st);
-}
-
-int
-group_has(struct pyccl_watch *w)
-{
-    for (int i = 0; i < tl_group_n; i++) {
-        if (tl_group[i].w == w) {
-            return 1;
-        }
-    }
-    return 0;
-}
-
-int
-group_add(PyObject *comm, struct pyccl_watch *w, cudaStream_t s,
-          const char *op)
-{
-    for (int i = 0; i < tl_group_n; i++) {
-        if (tl_group[i].w == w && tl_group[i].stream == s) {
-            return 0;
-        }
-    }
-    if (tl_group_n == tl_group_cap) {
-        int cap = tl_group_cap ? 2 * tl_group_cap : 8;
-        group_entry *g = PyMem_RawRealloc(tl_group, (size_t)cap * sizeof *g);
-        if (g == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        tl_group = g;
-        tl_group_cap = cap;
-    }
-    if (tl_group_n == 0) { /* handed over if the thread ends first */
-        pthread_once(&tl_key_once, make_tl_key);
-        pthread_setspecific(tl_key, (void *)1);
-    }
-    tl_group[tl_group_n].comm = Py_NewRef(comm);
-    tl_group[tl_group_n].w = w;
-    tl_group[tl_group_n].stream = s;
-    tl_group[tl_group_n].op = op;
-    tl_group_n++;
-    return 0;
-}
-
-group_entry *
-group_take(int *n)
-{
-    group_entry *g = tl_group;
-    *n = tl_group_n;
-    tl_group = NULL;
-    tl_group_n = tl_group_cap = 0;
-    return g;
 }

@@ -60,6 +60,12 @@ now_ns(void)
 }
 
 int
+in_group_of(const struct pyccl_watch *w)
+{
+    return __atomic_load_n(w->in_group, __ATOMIC_ACQUIRE);
+}
+
+int
 failed_kind(const struct pyccl_watch *w)
 {
     return __atomic_load_n(&w->failed, __ATOMIC_ACQUIRE);
@@ -488,7 +494,7 @@ watchdog_main(void *arg)
                 force_abort(w, now_ns()); /* in use: unless stuck, next round */
                 continue;
             }
-            if (!w->failed && *w->comm != NULL && !w->busy && !w->in_group &&
+            if (!w->failed && *w->comm != NULL && !w->busy && !in_group_of(w) &&
                 !w->closing) {
                 /* Only ever the devices of watched communicators: going
                  * "back" to device 0 would give a process that does not use
@@ -616,6 +622,7 @@ new_watch(pyccl_state *st, pyccl_comm *c, double timeout)
     w->mu = &c->mu;
     w->api = &st->api;
     w->comm = &c->comm;
+    w->in_group = &c->in_group;
     w->device = c->device;
     w->rank = c->rank;
     w->size = c->size;
@@ -673,7 +680,7 @@ pyccl_watchdog_at_exit(pyccl_state *st)
         if (pyccl_trylock(w->mu, PYCCL_LOCK_COMM) != 0) {
             continue; /* another thread is inside: leave it */
         }
-        if (!w->failed && *w->comm != NULL && !w->busy && !w->in_group &&
+        if (!w->failed && *w->comm != NULL && !w->busy && !in_group_of(w) &&
             !w->closing && w->nq > 0) {
             const char *bad_op = NULL;
             int prev;
