@@ -31,6 +31,21 @@ pyccl_call_hold(pyccl_comm *c)
     c->inflight++;
 }
 
+int
+pyccl_call_hold_wait(pyccl_comm *c)
+{
+    /* the same decision as abort()'s below: a watched communicator's handle
+     * can be aborted under a thread using it, so a wait there is counted
+     * (destroy() waits for it to leave the watch); without a watch abort()
+     * is refused while a call is in flight, and is how such a wait ends
+     * early, so the wait is not counted */
+    if (c->watch == NULL) {
+        return 0;
+    }
+    c->inflight++;
+    return 1;
+}
+
 void
 pyccl_call_end(pyccl_comm *c)
 {

@@ -37,6 +37,11 @@ void pyccl_call_end(pyccl_comm *c);
  * get_async_error(), which look at c's watch whatever its state (they
  * check it themselves); ended by pyccl_call_end. */
 void pyccl_call_hold(pyccl_comm *c);
+/* A wait on c's work (wait(), a registration's close) begins: counted in
+ * flight where abort() may end the handle under it (a communicator with a
+ * watch), so that destroy() waits for it; not where abort() is how such a
+ * wait ends early.  1 when counted (end it with pyccl_call_end). */
+int pyccl_call_hold_wait(pyccl_comm *c);
 /* The same for the n communicators of one call (repeats allowed): all
  * begun, or none and -1. */
 int pyccl_call_begin_all(pyccl_state *st, const char *op, pyccl_comm *const *cs,

@@ -516,16 +516,13 @@ comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
 
 /* wait() and get_async_error() look at the watch: counted in flight, so
  * destroy() from another thread waits for them to leave it.  A wait()
- * without a watch is not: it never touches the handle, and abort() from
- * another thread is how such a wait ends early. */
+ * without a watch is not (pyccl_call_hold_wait): it never touches the
+ * handle, and abort() from another thread is how such a wait ends early. */
 static PyObject *
 comm_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     pyccl_comm *c = (pyccl_comm *)self;
-    int held = c->watch != NULL;
-    if (held) {
-        pyccl_call_hold(c);
-    }
+    int held = pyccl_call_hold_wait(c);
     PyObject *res = pyccl_comm_wait(self, args, nargs, kwnames);
     if (held) {
         pyccl_call_end(c);

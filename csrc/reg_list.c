@@ -135,14 +135,9 @@ pyccl_reg_close(pyccl_state *st, pyccl_reg *r, int forget, int who)
         !pyccl_comm_failed(c) && !c->pending && st != NULL && st->api.loaded &&
         !st->exiting) {
         /* the work enqueued so far (which may use this memory) first, as
-         * wait() waits for it, counted in flight the same way: with a watch
-         * (which destroy() frees) so that destroy() waits; without one not,
-         * so that abort() can end the wait; the registration stays open
-         * when the wait fails */
-        const int held = c->watch != NULL;
-        if (held) {
-            pyccl_call_hold(c);
-        }
+         * wait() waits for it, counted in flight the same way; the
+         * registration stays open when the wait fails */
+        const int held = pyccl_call_hold_wait(c);
         int drained = pyccl_comm_drain(st, "Registration.close", c);
         if (held) {
             pyccl_call_end(c);
