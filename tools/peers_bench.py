@@ -16,7 +16,9 @@ launched through torch's direct binding (no operator dispatch): a floor under an
 from Python that launches a kernel, GPU µs per call and the host's µs per call.
 ddp: ms per training step (forward, backward with DDP's gradient all-reduce, SGD step) of an
 MLP, median of 5 loops of --steps steps, maximum over ranks, the same seeds on both backends, with
-the host's time per step beside it (equal to it where the step is host-bound); --profile N adds
+the host's time per step beside it (equal to it where the step is host-bound), and the same step
+without the all-reduce (under model.no_sync(), measured in the same processes): the floor no
+backend can go under; --profile N adds
 rank 0's N busiest ops per backend; at 2 ranks the parameters after training must be bitwise
 equal between the two backends (both add the same two numbers).
 timeout: what a timeout costs, float32 sum in place, the same processes and tensors: a
@@ -271,10 +273,17 @@ def _ddp_worker(rank, world, port, backend, args, queue):
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy().tobytes()
+
+    def local_step(i):  # the same step without DDP's gradient all-reduce
+        with model.no_sync():
+            step(i)
+    floor_gpu_s, floor_host_s = _timed_loops(local_step, args.steps)
+    floor_ms = _max_over_ranks(floor_gpu_s * 1e3)
     if rank == 0:
         queue.put({"backend": backend, "ms_per_step": ms, "host_ms_per_step": host_ms,
                    "params": sum(p.numel() for p in model.parameters()), "final": params,
-                   "profile": table})
+                   "profile": table, "no_sync_ms_per_step": floor_ms,
+                   "no_sync_host_ms_per_step": _max_over_ranks(floor_host_s * 1e3)})
     dist.destroy_process_group()
 
 
@@ -401,7 +410,9 @@ def main(argv=None):
               f"({rows[0]['params']} parameters), batch {args.batch} per rank")
         for r in rows:
             print(f"  backend {r['backend']:>6}: {r['ms_per_step']:.3f} ms per step "
-                  f"(host {r['host_ms_per_step']:.3f} ms)")
+                  f"(host {r['host_ms_per_step']:.3f} ms); without the all-reduce "
+                  f"(model.no_sync()): {r['no_sync_ms_per_step']:.3f} ms (host "
+                  f"{r['no_sync_host_ms_per_step']:.3f} ms)")
         for r in rows:
             table = r.pop("profile")
             if table:
