@@ -142,9 +142,11 @@ cudaError_t watch_record(struct pyccl_watch *w, cudaStream_t s, const char *op);
  * real error of cudaEventQuery, *bad_op the call that event followed.  The
  * comm's device must be current. */
 cudaError_t watch_retire(struct pyccl_watch *w, const char **bad_op);
-/* The unfinished event whose deadline comes first (index into w->q), or -1
- * when none is. */
-int watch_due(const struct pyccl_watch *w);
+/* The one place that decides that a watched communicator's work timed out
+ * (the watchdog's look and a wait's own): the unfinished event whose work
+ * has had the timeout to run by `now` (index into w->q; its deadline counts
+ * as pending_event.t says), or -1. */
+int watch_overdue(const struct pyccl_watch *w, double now);
 pyccl_state * watch_state_of(PyObject *self);
 /* Add w to the watchdog's list, starting its thread on first use; -1 with
  * RuntimeError when it cannot start. */

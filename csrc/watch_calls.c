@@ -64,10 +64,10 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
             break;
         }
         double now = pyccl_now_s();
-        int due = watch_due(w);
-        if (now - w->q[due].t > w->timeout && !w->busy && !in_group_of(w)) {
+        int late = watch_overdue(w, now);
+        if (late >= 0 && !w->busy && !in_group_of(w)) {
             /* its own deadline: what the watchdog is about to do */
-            fail_timeout(w, w->q[due].op, "its peers");
+            fail_timeout(w, w->q[late].op, "its peers");
             status = 1;
             break;
         }

@@ -200,13 +200,13 @@ watch_retire(struct pyccl_watch *w, const char **bad_op)
 }
 
 int
-watch_due(const struct pyccl_watch *w)
+watch_overdue(const struct pyccl_watch *w, double now)
 {
-    int due = -1;
+    int due = -1; /* the unfinished event whose deadline comes first */
     for (int i = 0; i < w->nq; i++) {
         due = due < 0 || w->q[i].t < w->q[due].t ? i : due;
     }
-    return due;
+    return due >= 0 && now - w->q[due].t > w->timeout ? due : -1;
 }
 
 /* Destroy every event (the communicator is gone). */
@@ -466,9 +466,9 @@ check(struct pyccl_watch *w, double now)
         fail_cuda(w, bad_op, e);
         return;
     }
-    int due = watch_due(w);
-    if (due >= 0 && now - w->q[due].t > w->timeout) {
-        fail_timeout(w, w->q[due].op, "its peers");
+    int late = watch_overdue(w, now);
+    if (late >= 0) {
+        fail_timeout(w, w->q[late].op, "its peers");
         return;
     }
     ncclResult_t ae = ncclSuccess;

@@ -80,8 +80,8 @@ FAULTS = [
                 "    (void)launched;\n    return 0; /* MUTANT: no event, no room made, no failure raised */\n")],
         tests=["tests/test_own_lifecycle_cpu.py", "-k", "stuck_own_kernel_is_watched"]),
     dict(name="watchdog fires at half the timeout", tier="cpu", file="csrc/watchdog.c", edits=[(
-        "    if (due >= 0 && now - w->q[due].t > w->timeout) {\n",
-        "    if (due >= 0 && now - w->q[due].t > w->timeout / 2) {\n")],
+        "    return due >= 0 && now - w->q[due].t > w->timeout ? due : -1;\n",
+        "    return due >= 0 && now - w->q[due].t > w->timeout / 2 ? due : -1;\n")],
         tests=["tests/test_timeout_cpu.py"]),
     dict(name="a call's deadline counts from its record alone", tier="cpu", file="csrc/watchdog.c", edits=[(
         "            p->t = p->t < now ? now : p->t;\n",
