@@ -75,6 +75,7 @@ struct pyccl_watch {
     cudaEvent_t *pool;        /* finished events, for reuse */
     int npool, cappool;
     uint64_t seq;             /* seq of the last event recorded */
+    uint64_t retired;         /* events found finished so far (by any thread) */
     /* The failure: reason and code are written once, under mu, before
      * `failed` is published (release); readers load it with acquire. */
     int failed;

@@ -39,7 +39,7 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
     waiter wt;
     waiter_start(&wt, interruptible);
     pyccl_lock(w->mu, PYCCL_LOCK_COMM);
-    uint64_t target = w->seq;
+    uint64_t target = w->seq, retired = w->retired;
     for (;;) {
         if (w->failed) {
             status = 1;
@@ -47,7 +47,7 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
         }
         if (w->nq > 0) {
             const char *bad_op = NULL;
-            int prev, before = w->nq;
+            int prev;
             pyccl_device_enter(w->api, w->device, &prev);
             cudaError_t e = watch_retire(w, &bad_op);
             pyccl_device_leave(w->api, w->device, prev);
@@ -56,9 +56,11 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
                 status = 1;
                 break;
             }
-            if (stall && w->nq < before) {
-                start = pyccl_now_s(); /* progress */
-            }
+        }
+        if (stall && w->retired != retired) {
+            /* progress, found here or by the watchdog meanwhile */
+            retired = w->retired;
+            start = pyccl_now_s();
         }
         if (w->nq == 0 || w->q[0].seq > target) {
             break;

@@ -189,6 +189,7 @@ watch_retire(struct pyccl_watch *w, const char **bad_op)
             w->q[kept++] = w->q[i];
         }
     }
+    w->retired += (uint64_t)(w->nq - kept);
     w->nq = kept;
     a->cudaThreadExchangeStreamCaptureMode(&mode);
     if (not_ready) {
