@@ -45,6 +45,10 @@ int pyccl_raise_forked(const char *op, const pyccl_comm *c);
 /* c's own state (not its watch's): -1 raising RuntimeError when it is not
  * ready (above) or has been destroyed (also while destroy() runs), else 0. */
 int pyccl_raise_unusable(const char *op, const pyccl_comm *c);
+/* What pyccl_raise_unusable looks at, raising nothing: c was made by this
+ * process (`me`: getpid()), is ready, and neither destroyed nor being
+ * destroyed.  1 when usable. */
+int pyccl_comm_usable(const pyccl_comm *c, pid_t me);
 /* abort() refused: c holds work of a pyccl.group() that has not ended
  * (RuntimeError, "... end the group first"); always -1. */
 int pyccl_raise_abort_in_group(const pyccl_comm *c);

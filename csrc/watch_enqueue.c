@@ -236,10 +236,7 @@ note_stream(pyccl_comm *c, cudaStream_t s)
 static int
 usable(const pyccl_comm *c, pid_t me)
 {
-    if (c->pid != me || c->pending || c->life != PYCCL_LIFE_USABLE) {
-        return 0;
-    }
-    return c->watch != NULL ? !failed_kind(c->watch) : c->comm != NULL;
+    return pyccl_comm_usable(c, me) && (c->watch == NULL || !failed_kind(c->watch));
 }
 
 static void
