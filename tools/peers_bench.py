@@ -3,7 +3,7 @@ one-shot and two-shot kernels (torch.ops.symm_mem), and a DDP training step on b
 "nccl" against backend "pyccl".  One process per GPU, every rank on a GPU of its own.
 
   python tools/peers_bench.py symm [-b 8] [-e 64M] [-f 4] [-n 100] [--dtype float,bfloat16]
-  python tools/peers_bench.py ddp [--steps 100] [--width 1024] [--layers 4] [--profile 15]
+  python tools/peers_bench.py ddp [--steps 100] [--rounds 5] [--width 1024] [--layers 4] [--profile 15]
   python tools/peers_bench.py timeout [-b 8] [-e 64M] [-f 8] [-n 200]
 
 symm: µs per call, CUDA events around -n back-to-back calls, median of 5 loops, maximum over
@@ -15,10 +15,14 @@ columns: torch.cuda._sleep(0) back to back, one kernel of one thread that return
 launched through torch's direct binding (no operator dispatch): a floor under any eager call
 from Python that launches a kernel, GPU µs per call and the host's µs per call.
 ddp: ms per training step (forward, backward with DDP's gradient all-reduce, SGD step) of an
-MLP, median of 5 loops of --steps steps, maximum over ranks, the same seeds on both backends, with
-the host's time per step beside it (equal to it where the step is host-bound), and the same step
-without the all-reduce (under model.no_sync(), measured in the same processes): the floor no
-backend can go under; --profile N adds
+MLP on backend "nccl" and on backend "pyccl" in the same processes (a "pyccl" group beside the
+"nccl" default group, one DDP copy of the model on each, from the same seed), and the same step
+without the all-reduce (a third copy under model.no_sync()): the floor no backend can go under.
+Each of the three is timed as the median of 5 loops of --steps steps, maximum over ranks, in each
+of --rounds rounds (the backends alternate which goes first, the floor between them); printed:
+the median over rounds with the host's time per step beside it (equal to it where the step is
+host-bound), each round's figure, pyccl / nccl per round, and per round the part above the floor
+of each (pyccl's over nccl's).  A machine's own drift moves all three alike.  --profile N adds
 rank 0's N busiest ops per backend; at 2 ranks the parameters after training must be bitwise
 equal between the two backends (both add the same two numbers).
 timeout: what a timeout costs, float32 sum in place, the same processes and tensors: a
@@ -236,55 +240,78 @@ def _symm_worker(rank, world, port, args, queue):
     dist.destroy_process_group()
 
 
-def _ddp_worker(rank, world, port, backend, args, queue):
+def _ddp_worker(rank, world, port, args, queue):
     import pyccl  # noqa: F401  (registers "pyccl")
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(64, args.width), torch.nn.ReLU()]
-    for _ in range(args.layers - 2):
-        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
-    layers.append(torch.nn.Linear(args.width, 1))
-    model = DDP(torch.nn.Sequential(*layers).cuda(), device_ids=[rank])
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    groups = {"nccl": None, "pyccl": dist.new_group(backend="pyccl")}
+
+    def make(pg):  # the same MLP, from the same seed, for each backend
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(64, args.width), torch.nn.ReLU()]
+        for _ in range(args.layers - 2):
+            layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
+        layers.append(torch.nn.Linear(args.width, 1))
+        model = DDP(torch.nn.Sequential(*layers).cuda(), device_ids=[rank], process_group=pg)
+        return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    # "floor": a third copy whose steps run under model.no_sync() (no all-reduce: the step no
+    # backend can go under), timed between the two backends' loops in every round
+    models = {name: make(pg) for name, pg in (*groups.items(), ("floor", None))}
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)
     xs = [torch.randn(args.batch, 64, device="cuda", generator=g) for _ in range(8)]
     ys = [x.sum(1, keepdim=True).sin() for x in xs]
 
-    def step(i):
-        loss = torch.nn.functional.mse_loss(model(xs[i % 8]), ys[i % 8])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    def stepper(name):
+        model, opt = models[name]
 
-    for i in range(10):
-        step(i)
-    gpu_s, host_s = _timed_loops(step, args.steps)
-    ms = _max_over_ranks(gpu_s * 1e3)
-    host_ms = _max_over_ranks(host_s * 1e3)
-    table = None
+        def step(i):
+            loss = torch.nn.functional.mse_loss(model(xs[i % 8]), ys[i % 8])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        if name != "floor":
+            return step
+
+        def local_step(i):
+            with model.no_sync():
+                step(i)
+        return local_step
+
+    steps = {name: stepper(name) for name in models}
+    for name in models:
+        for i in range(10):
+            steps[name](i)
+    times = {name: [] for name in models}
+    for r in range(args.rounds):  # the backends alternate which goes first
+        order = ("nccl", "floor", "pyccl") if r % 2 == 0 else ("pyccl", "floor", "nccl")
+        for name in order:
+            gpu_s, host_s = _timed_loops(steps[name], args.steps)
+            times[name].append((_max_over_ranks(gpu_s * 1e3), _max_over_ranks(host_s * 1e3)))
+    tables = {}
     if args.profile:  # where a step's time goes, rank 0's view
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(20):
-                step(i)
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile)
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy().tobytes()
-
-    def local_step(i):  # the same step without DDP's gradient all-reduce
-        with model.no_sync():
-            step(i)
-    floor_gpu_s, floor_host_s = _timed_loops(local_step, args.steps)
-    floor_ms = _max_over_ranks(floor_gpu_s * 1e3)
-    floor_host_ms = _max_over_ranks(floor_host_s * 1e3)  # every rank takes part
+        for name in groups:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for i in range(20):
+                    steps[name](i)
+                torch.cuda.synchronize()
+            tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                     row_limit=args.profile)
     if rank == 0:
-        queue.put({"backend": backend, "ms_per_step": ms, "host_ms_per_step": host_ms,
-                   "params": sum(p.numel() for p in model.parameters()), "final": params,
-                   "profile": table, "no_sync_ms_per_step": floor_ms,
-                   "no_sync_host_ms_per_step": floor_host_ms})
+        rows = []
+        for name, (model, _) in models.items():
+            final = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+            rows.append({"backend": name, "rounds_ms": [t[0] for t in times[name]],
+                         "rounds_host_ms": [t[1] for t in times[name]],
+                         "ms_per_step": statistics.median(t[0] for t in times[name]),
+                         "host_ms_per_step": statistics.median(t[1] for t in times[name]),
+                         "params": final.numel(), "final": final.numpy().tobytes(),
+                         "profile": tables.get(name)})
+        queue.put(rows)
     dist.destroy_process_group()
 
 
@@ -381,6 +408,8 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="ddp: rounds of timed loops, the backends alternating which goes first")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="ddp: also profile 20 steps per backend and print this many rows of "
                         "rank 0's ops by CPU time")
@@ -404,22 +433,31 @@ def main(argv=None):
         rows = _spawn(_symm_worker, world, args)
         print("\n".join(symm_table(rows, world)))
     else:
-        rows = [_spawn(_ddp_worker, world, b, args) for b in ("nccl", "pyccl")]
-        same = rows[0].pop("final") == rows[1].pop("final")
+        rows = _spawn(_ddp_worker, world, args)
+        nccl, pyccl_, floor = rows
+        same = nccl.pop("final") == pyccl_.pop("final")
+        floor.pop("final")
         # two ranks: both backends add the same two numbers; more: they sum in different orders
         print(f"DDP step, {world} ranks, MLP {args.layers} layers of {args.width} "
-              f"({rows[0]['params']} parameters), batch {args.batch} per rank")
+              f"({nccl['params']} parameters), batch {args.batch} per rank; both backends and "
+              f"the floor in the same processes, {args.rounds} rounds, median over rounds")
         for r in rows:
-            print(f"  backend {r['backend']:>6}: {r['ms_per_step']:.3f} ms per step "
-                  f"(host {r['host_ms_per_step']:.3f} ms); without the all-reduce "
-                  f"(model.no_sync()): {r['no_sync_ms_per_step']:.3f} ms (host "
-                  f"{r['no_sync_host_ms_per_step']:.3f} ms)")
+            what = ("without the all-reduce (model.no_sync())" if r["backend"] == "floor"
+                    else f"backend {r['backend']}")
+            print(f"  {what + ':':<42} {r['ms_per_step']:.3f} ms per step (host "
+                  f"{r['host_ms_per_step']:.3f} ms); rounds: "
+                  + " ".join(f"{v:.3f}" for v in r["rounds_ms"]))
         for r in rows:
             table = r.pop("profile")
             if table:
                 print(f"profile, backend {r['backend']}, rank 0, 20 steps:\n{table}")
-        print(f"  pyccl / nccl: {rows[1]['ms_per_step'] / rows[0]['ms_per_step']:.3f}; "
-              f"parameters after training bitwise equal: {same}")
+        ratios = [p / n for p, n in zip(pyccl_["rounds_ms"], nccl["rounds_ms"])]
+        over = [(p - f) / (n - f) if n > f else float("nan")
+                for p, n, f in zip(pyccl_["rounds_ms"], nccl["rounds_ms"], floor["rounds_ms"])]
+        print(f"  pyccl / nccl: {pyccl_['ms_per_step'] / nccl['ms_per_step']:.3f} (rounds: "
+              + " ".join(f"{v:.3f}" for v in ratios) + "); above the floor, pyccl / nccl: "
+              + " ".join(f"{v:.2f}" for v in over)
+              + f"; parameters after training bitwise equal: {same}")
         if not same and world == 2:
             print("peers_bench: the two backends trained to different parameters")
             return 1

@@ -149,7 +149,7 @@ run_symm() {
   tail -30 "$D/symm.txt"
 }
 run_ddp() {
-  step timeout 100 $PY tools/peers_bench.py ddp -g "$G" > "$D/ddp.txt" 2>&1; tail -4 "$D/ddp.txt"
+  step timeout 100 $PY tools/peers_bench.py ddp -g "$G" > "$D/ddp.txt" 2>&1; tail -5 "$D/ddp.txt"
 }
 run_cmp() {
   step timeout 280 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -d float,bfloat16 --registered --compare -n 100 \
