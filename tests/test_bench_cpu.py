@@ -1469,8 +1469,12 @@ def test_sweep_ranks_runs_each_rank_count_into_its_own_folder(tmp_path):
 def test_sweep_without_ranks_runs_once_into_out_as_before(tmp_path):
     r, out, files = _sweep(tmp_path, gpus=3)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert files == ["algos.txt", "cmp.txt", "cmpg.txt", "ddp.txt", "symm.txt"]
+    assert files == ["algos.txt", "cmp.txt", "cmpg.txt", "coll.txt", "ddp.txt", "symm.txt"]
     assert r.stdout.splitlines()[0] == "sweep: 3 ranks, one GPU each"
+    # all_gather and reduce_scatter beside the same peers as all_reduce, at the run's rank count
+    assert (out / "coll.txt").read_text() == (
+        "ran: -m pyccl.bench -g 3 --coll all_gather,reduce_scatter -b 8 -e 64M -f 4 --compare "
+        f"-n 100 --repeats 3 --json {out}/coll.json --no-progress\n")
     assert (out / "algos.txt").read_text().startswith("ran: -m pyccl.bench -g 3 ")
     r, out, files = _sweep(tmp_path, "--only", "symm", gpus=4, SWEEP_RANKS="3")
     assert r.returncode == 0 and files == ["symm.txt"], r.stdout
@@ -1491,7 +1495,7 @@ def test_sweep_a_failed_step_is_named_the_others_still_run(tmp_path):
     (["--ranks=2,x"], {}, 2, "sweep: --ranks takes rank counts separated by commas (2,3,4) or 'all', got '2,x'"),
     (["--ranks", "2,,3"], {}, 2, "sweep: --ranks takes rank counts separated by commas (2,3,4) or 'all', got '2,,3'"),
     (["--ranks"], {}, 2, "sweep: --ranks needs a value"),
-    (["--only", "symm,foo"], {}, 2, "sweep: --only: unknown step 'foo' (choose from nt,algos,symm,ddp,cmp,cmpg)"),
+    (["--only", "symm,foo"], {}, 2, "sweep: --only: unknown step 'foo' (choose from nt,algos,symm,ddp,cmp,cmpg,coll)"),
     (["--only", "symm,"], {}, 2, "sweep: --only takes steps separated by commas, got 'symm,'"),
     (["--only", "nt"], {}, 2, "sweep: --only nt needs NCCL_TESTS_SOURCE"),
     (["--ranks", "2"], {"SWEEP_RANKS": "2"}, 2, "sweep: give --ranks or SWEEP_RANKS, not both"),

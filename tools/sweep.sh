@@ -4,27 +4,28 @@
 # pyccl's own kernels against NCCL (python -m pyccl.bench --algos), pyccl beside
 # torch.distributed (nccl and pyccl backends), torch.cuda.nccl and NCCL on symmetric windows
 # (--compare --registered, eager and CUDA graph), torch's symmetric-memory kernels and a DDP
-# step (tools/peers_bench.py).
+# step (tools/peers_bench.py); and all_gather and reduce_scatter, pyccl beside the same peers
+# (--coll all_gather,reduce_scatter --compare) and nccl-tests' programs for them.
 # Usage: bash tools/sweep.sh [--ranks LIST] [--only STEPS] [NCCL_TESTS_SOURCE]
 #        NCCL_TESTS_SOURCE: a checkout of github.com/NVIDIA/nccl-tests; without it the
 #        nccl-tests part is left out.
 # Writes nt.txt (and nt-mpi.txt: nccl-tests built with MPI, one process per GPU, where mpicc is
-# found), algos.txt/json, cmp.txt/json, cmpg.txt/json, symm.txt/json, ddp.txt under $OUT (or
-# ./sweep-out); about 8 minutes on 2 H100s at 2 ranks.  SWEEP_ARCH (default 90) is the compute
+# found), algos.txt/json, cmp.txt/json, cmpg.txt/json, coll.txt/json, symm.txt/json, ddp.txt
+# under $OUT (or ./sweep-out); about 8 minutes on 2 H100s at 2 ranks without the coll step.  SWEEP_ARCH (default 90) is the compute
 # capability nccl-tests is built for.  SWEEP_RANKS (default: every GPU) runs it at that many ranks,
 # one GPU each, the first ones (one call per rank count: OUT=r3 SWEEP_RANKS=3 bash tools/sweep.sh).
 # --ranks LIST runs it at each rank count of LIST (comma-separated, each 2 or more; "all": 2 up
 # to the GPU count), one after another in one call, nccl-tests built once; each rank count's
 # files go under $OUT/rN (r2/symm.txt, r3/symm.txt, ...).
-# --only STEPS runs only these steps (comma-separated, of nt algos symm ddp cmp cmpg; default
+# --only STEPS runs only these steps (comma-separated, of nt algos symm ddp cmp cmpg coll; default
 # all, nt where NCCL_TESTS_SOURCE is given), to split a sweep over calls of limited length.
 # Each step's seconds are printed ("sweep: STEP at N ranks: SECONDS s").
 # Exit status: 0; 1 when a step failed or timed out (the others still run), or the machine
 # cannot run it; 2 for a bad command line.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-usage() { sed -n '8,10p' "$0" | sed 's/^# //'; }
-STEPS_ALL=nt,algos,symm,ddp,cmp,cmpg
+usage() { sed -n '9,11p' "$0" | sed 's/^# //'; }
+STEPS_ALL=nt,algos,symm,ddp,cmp,cmpg,coll
 RANKS= ONLY= SRC=
 while [ $# -gt 0 ]; do
   case $1 in
@@ -125,6 +126,10 @@ run_nt() {  # nccl-tests at $G ranks into $D
   done > "$D/nt.txt" 2>&1
   echo "### nccl-tests float 1G" >> "$D/nt.txt"
   step timeout 60 $NT -b 64M -e 1G -f 4 -g "$G" -n 20 -w 5 >> "$D/nt.txt" 2>&1
+  for c in all_gather reduce_scatter; do  # beside the coll step's rows
+    echo "### nccl-tests $c float eager" >> "$D/nt.txt"
+    step timeout 60 "$(dirname "$NT")/${c}_perf" -b 8 -e 64M -f 4 -g "$G" -n 100 -w 20 >> "$D/nt.txt" 2>&1
+  done
   grep -E "^###|Avg bus|^sweep:" "$D/nt.txt"
   if [ -n "$NTM" ]; then
     RUN=(mpirun -np "$G")
@@ -159,11 +164,15 @@ run_cmpg() {
   step timeout 150 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -G 10 -n 20 --registered \
       --json "$D/cmpg.json" --no-progress > "$D/cmpg.txt" 2>&1; tail -30 "$D/cmpg.txt"
 }
+run_coll() {
+  step timeout 280 $PY -m pyccl.bench -g "$G" --coll all_gather,reduce_scatter -b 8 -e 64M -f 4 --compare \
+      -n 100 --repeats 3 --json "$D/coll.json" --no-progress > "$D/coll.txt" 2>&1; tail -50 "$D/coll.txt"
+}
 for G in $LIST; do
   D=$OUT; [ -n "$RANKS" ] && D=$OUT/r$G
   mkdir -p "$D"
   echo "sweep: $G ranks, one GPU each${RANKS:+, files in $D}"
-  for s in nt algos symm ddp cmp cmpg; do
+  for s in nt algos symm ddp cmp cmpg coll; do
     want $s || continue
     [ $s != nt ] || [ -n "$SRC" ] || continue
     t0=$SECONDS
