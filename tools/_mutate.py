@@ -71,7 +71,7 @@ FAULTS = [
         "        __atomic_store_n(&m->closed[f->rank], 1, __ATOMIC_RELEASE);\n",
         "        (void)m; /* MUTANT: the owner is never told */\n")],
         tests=["tests/test_selection_cpu.py", "-k", "gives_back"]),
-    dict(name="a failed communicator's handle aborted, not revoked", tier="cpu", file="csrc/watchdog.c",
+    dict(name="a failed communicator's handle aborted, not revoked", tier="cpu", file="csrc/watch_fail.c",
         edits=[("        if (rv == ncclSuccess || rv == ncclInProgress) {\n            w->revoked = comm;\n",
                 "        if (0) { /* MUTANT: never kept */\n            w->revoked = comm;\n")],
         tests=["tests/test_timeout_cpu.py", "-k", "shrink"]),
