@@ -230,8 +230,11 @@ ext = Extension(
     # setup.py: the compile and link flags are written here
     depends=sorted(glob.glob("csrc/*.h")) + KERNEL_DEPS + ["setup.py"],
     include_dirs=["csrc"],
+    # a call to an undeclared function is an error with every compiler (clang and zig cc
+    # already make it one; older gcc only warns)
     extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                        "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
+                        "-Wno-missing-field-initializers", "-Wno-cast-function-type",
+                        "-Werror=implicit-function-declaration"],
     libraries=["dl"],
 )
 

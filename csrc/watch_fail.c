@@ -7,6 +7,7 @@
  * freed watch's events are destroyed here (drop_events). */
 #include "timeouts.h"
 #include "watch.h"
+#include "tensor.h"
 
 #include <stdarg.h>
 #include <stdio.h>
