@@ -369,7 +369,7 @@ static struct pyccl_watchdog *
 live_watchdog(pyccl_state *st)
 {
     struct pyccl_watchdog *wd = st->watchdog;
-    return wd != NULL && wd->pid == getpid() ? wd : NULL;
+    return wd != NULL && wd->pid == pyccl_pid() ? wd : NULL;
 }
 
 /* The process's watchdog, created (not started) on first use; a forked
@@ -392,7 +392,7 @@ get_watchdog(pyccl_state *st)
     pthread_cond_init(&wd->cond, &ca);
     pthread_condattr_destroy(&ca);
     wd->api = &st->api;
-    wd->pid = getpid();
+    wd->pid = pyccl_pid();
     st->watchdog = wd;
     return wd;
 }
