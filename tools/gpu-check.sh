@@ -99,8 +99,10 @@ if [ "${1:-}" = "--bench" ]; then
 fi
 # A hung test fails alone when pytest-timeout is there.
 TO=$($PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout=300")
-# no test paths given: pyproject's testpaths (tests/)
-timeout "${GPU_CHECK_PYTEST_S:-500}" $PY -m pytest -q -rs -p no:cacheprovider $TO "$@" 2>&1 | tee "$OUT/pytest.log" | tail -60
+# no test paths given: pyproject's testpaths (tests/); the 15 slowest tests are listed in
+# pytest.log (where a part's time goes)
+timeout "${GPU_CHECK_PYTEST_S:-500}" $PY -m pytest -q -rs -p no:cacheprovider --durations=15 $TO "$@" 2>&1 \
+  | tee "$OUT/pytest.log" | tail -60
 rc=$?
 [ "${GPU_CHECK_BENCH:-1}" = 0 ] && exit $rc
 # The quick benchmark: the drop-in against torch.cuda.nccl (one process, every GPU), host cost
