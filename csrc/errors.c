@@ -140,8 +140,11 @@ pid_in_child(void)
 static void
 pid_register(void)
 {
-    pid_in_child();
-    pthread_atfork(NULL, NULL, pid_in_child);
+    /* without the handler (no memory for it) the id stays 0: pyccl_pid()
+     * asks getpid() every time, as it must */
+    if (pthread_atfork(NULL, NULL, pid_in_child) == 0) {
+        pid_in_child();
+    }
 }
 
 void
