@@ -125,7 +125,7 @@ pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s,
 static int
 forget_in_child(pyccl_comm *c)
 {
-    if (c->pid == getpid()) {
+    if (c->pid == pyccl_pid()) {
         return 0;
     }
     c->life = PYCCL_LIFE_GONE;

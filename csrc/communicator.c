@@ -104,7 +104,7 @@ pyccl_comm_new(pyccl_state *st, ncclComm_t comm, int rank, int size, int device)
         return NULL;
     }
     pthread_mutex_init(&c->mu, NULL);
-    c->pid = getpid();
+    c->pid = pyccl_pid();
     c->blocking = 1;
     c->comm = comm;
     c->rank = rank;
@@ -422,7 +422,7 @@ comm_get_rank_or_size(PyObject *self, void *closure)
 static ncclComm_t
 usable_handle(pyccl_comm *c)
 {
-    if (pyccl_comm_failed(c) || c->life == PYCCL_LIFE_GONE || c->pid != getpid()) {
+    if (pyccl_comm_failed(c) || c->life == PYCCL_LIFE_GONE || c->pid != pyccl_pid()) {
         return NULL; /* a fork()'s copy has no handle of its own */
     }
     return c->comm;

@@ -129,10 +129,42 @@ pyccl_raise_not_ready(const char *op)
     return -1;
 }
 
+static pid_t this_pid; /* 0 until pyccl_pid_init */
+
+static void
+pid_in_child(void)
+{
+    __atomic_store_n(&this_pid, getpid(), __ATOMIC_RELAXED);
+}
+
+static void
+pid_register(void)
+{
+    /* without the handler (no memory for it) the id stays 0: pyccl_pid()
+     * asks getpid() every time, as it must */
+    if (pthread_atfork(NULL, NULL, pid_in_child) == 0) {
+        pid_in_child();
+    }
+}
+
+void
+pyccl_pid_init(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, pid_register);
+}
+
+pid_t
+pyccl_pid(void)
+{
+    pid_t p = __atomic_load_n(&this_pid, __ATOMIC_RELAXED);
+    return p != 0 ? p : getpid();
+}
+
 int
 pyccl_raise_forked(const char *op, const pyccl_comm *c)
 {
-    if (c->pid == getpid()) {
+    if (c->pid == pyccl_pid()) {
         return 0;
     }
     PyErr_Format(PyExc_RuntimeError,
@@ -163,7 +195,7 @@ pyccl_comm_usable(const pyccl_comm *c, pid_t me)
 int
 pyccl_raise_unusable(const char *op, const pyccl_comm *c)
 {
-    if (pyccl_comm_usable(c, getpid())) {
+    if (pyccl_comm_usable(c, pyccl_pid())) {
         return 0;
     }
     if (pyccl_raise_forked(op, c) < 0) {

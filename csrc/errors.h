@@ -38,6 +38,14 @@ void pyccl_raise_cuda(pyccl_state *st, const char *op, const char *call,
 /* RuntimeError "<op>: the communicator is not ready: it was created inside
  * pyccl.group(), which has not ended yet"; always -1. */
 int pyccl_raise_not_ready(const char *op);
+/* This process's id, as getpid() gives it, without a system call: the door
+ * asks on every call whether a communicator was made here (a fork()'s copy
+ * must not be used).  Kept by a pthread_atfork child handler, which runs in
+ * the child of every fork() (os.fork, multiprocessing's "fork" start method,
+ * a library's fork()); pyccl_pid_init registers it, once per process, when
+ * the module is loaded. */
+pid_t pyccl_pid(void);
+void pyccl_pid_init(void);
 /* -1 with RuntimeError when c was made by another process (this one is a
  * child made by fork()): its locks and NCCL state are a copy no call may
  * touch; else 0. */
@@ -46,7 +54,7 @@ int pyccl_raise_forked(const char *op, const pyccl_comm *c);
  * ready (above) or has been destroyed (also while destroy() runs), else 0. */
 int pyccl_raise_unusable(const char *op, const pyccl_comm *c);
 /* What pyccl_raise_unusable looks at, raising nothing: c was made by this
- * process (`me`: getpid()), is ready, and neither destroyed nor being
+ * process (`me`: pyccl_pid()), is ready, and neither destroyed nor being
  * destroyed.  1 when usable. */
 int pyccl_comm_usable(const pyccl_comm *c, pid_t me);
 /* abort() refused: c holds work of a pyccl.group() that has not ended

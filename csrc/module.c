@@ -12,6 +12,7 @@
 #include "loader.h"
 #include "args.h"
 #include "locks.h"
+#include "errors.h"
 
 extern PyMethodDef pyccl_nccl_methods[];
 
@@ -249,6 +250,7 @@ static int
 module_exec(PyObject *m)
 {
     pyccl_state *st = PyModule_GetState(m);
+    pyccl_pid_init();
     /* the layers' parts first: allocated whenever a type of the module exists */
     if (pyccl_torch_state_init(st) < 0 || pyccl_redops_state_init(st) < 0 ||
         pyccl_libs_state_init(st) < 0 || pyccl_cliques_state_init(st) < 0 ||

@@ -1,7 +1,7 @@
-/* The timeouts layer: what watchdog.c, watch_state.c, watch_calls.c,
- * watch_enqueue.c and watch_life.c offer to the layers above, in one header
- * (one layer; a caller need not know which file defines a call).  What the
- * five share among themselves is watch.h.
+/* The timeouts layer: what watchdog.c, watch_fail.c, watch_state.c,
+ * watch_calls.c, watch_enqueue.c and watch_life.c offer to the layers above,
+ * in one header (one layer; a caller need not know which file defines a
+ * call).  What the six share among themselves is watch.h.
  *
  * A communicator created with timeout= records a CUDA event on its stream
  * after each call's work, and one watchdog thread per process aborts it

@@ -1,4 +1,4 @@
-/* What the files of the timeout machinery share (watchdog.c, watch_state.c,
+/* What the files of the timeout machinery share (watchdog.c, watch_fail.c, watch_state.c,
  * watch_calls.c, watch_enqueue.c, watch_life.c), and no other file includes: the watch of a communicator,
  * the watchdog, waits with the GIL released, failing.  Hidden from other
  * shared objects: these names are this extension's own. */
@@ -11,12 +11,22 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <time.h>
 
 #pragma GCC visibility push(hidden)
 
 #define PYCCL_WATCH_PERIOD_NS 10000000L /* the watchdog's look every 10 ms */
 #define PYCCL_SIGNAL_PERIOD 0.02        /* s between signal checks in waits */
 #define PYCCL_STUCK_GRACE 1.0           /* s past the timeout for a call stuck in NCCL */
+
+/* Monotonic nanoseconds: when a call that may block began (call_begin). */
+static inline int64_t
+now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
 typedef struct {
     cudaEvent_t ev;
@@ -116,6 +126,8 @@ void call_begin(struct pyccl_watch *w, int claimable);
 int watch_claim_call(struct pyccl_watch *w);
 int call_end(struct pyccl_watch *w, const char *op);
 void watch_fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...);
+/* Destroy every event of w, pending or pooled (the communicator is gone or failed). */
+void drop_events(struct pyccl_watch *w);
 /* An NCCL or CUDA error code from the work: the watch failed with it. */
 void fail_cuda(struct pyccl_watch *w, const char *op, cudaError_t e);
 void fail_nccl(struct pyccl_watch *w, const char *op, ncclResult_t e);

@@ -281,7 +281,7 @@ watch_set_fill(watch_set *g, pyccl_state *st, const char *op, const pyccl_task *
             return -1;
         }
     }
-    const pid_t me = ncomms > 0 ? getpid() : 0;
+    const pid_t me = ncomms > 0 ? pyccl_pid() : 0;
     for (Py_ssize_t i = 0; i < ncomms; i++) {
         pyccl_comm *c = comms[i];
         struct pyccl_watch *w = c->watch;

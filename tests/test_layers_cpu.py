@@ -21,7 +21,7 @@ LAYERS = [
     ("registrations", ["reg_list.c", "reg_list.h"]),
     ("own kernels", ["ar.c", "ar_setup.c", "ar.h", "ar_setup.h", "kernels/allreduce.cu", "kernels/ar_abi.h"]),
     ("the door", ["call.c", "call.h"]),
-    ("timeouts", ["watchdog.c", "watch_state.c", "watch_calls.c", "watch_enqueue.c", "watch_life.c",
+    ("timeouts", ["watchdog.c", "watch_fail.c", "watch_state.c", "watch_calls.c", "watch_enqueue.c", "watch_life.c",
                   "timeouts.h", "watch.h"]),
     ("enqueue", ["enqueue.c", "enqueue.h"]),
     ("shared pieces", ["tensor.c", "tensor.h", "loader.c", "loader.h", "args.c", "args.h",
