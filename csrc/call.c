@@ -34,11 +34,10 @@ pyccl_call_hold(pyccl_comm *c)
 int
 pyccl_call_hold_wait(pyccl_comm *c)
 {
-    /* the same decision as abort()'s below: a watched communicator's handle
-     * can be aborted under a thread using it, so a wait there is counted
-     * (destroy() waits for it to leave the watch); without a watch abort()
-     * is refused while a call is in flight, and is how such a wait ends
-     * early, so the wait is not counted */
+    /* a watched communicator's wait reads its watch, so it is counted
+     * (destroy() waits for it to leave the watch); without a watch the wait
+     * reads only the streams noted, which outlive the handle, and is not
+     * counted: abort() from another thread is how such a wait ends early */
     if (c->watch == NULL) {
         return 0;
     }
@@ -189,15 +188,10 @@ pyccl_call_abort_check(pyccl_state *st, pyccl_comm *c)
     if (c->in_group > 0) {
         return pyccl_raise_abort_in_group(c);
     }
-    /* Without a timeout, NCCL's handle is in use by a thread inside a call
-     * (not thread-safe to abort under it), except an own-kernel set-up, which
-     * holds the lock per NCCL call only and sees the abort between them. */
-    if (c->watch == NULL && c->comm != NULL && c->inflight > c->setups) {
-        PyErr_Format(PyExc_RuntimeError,
-                     "abort: the communicator (rank %d of %d) is in use by "
-                     "another thread; abort it once that call returned",
-                     c->rank, c->size);
-        return -1;
-    }
+    /* Calls of other threads in flight, with or without a timeout: the
+     * abort waits for the communicator's lock, which a thread holds only
+     * while inside NCCL (never across a wait on peers), and each of those
+     * calls looks at the handle again under the lock before it calls NCCL
+     * (pyccl_comm_enter, the enqueue's second look), raising "aborted". */
     return 0;
 }

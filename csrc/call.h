@@ -15,7 +15,9 @@
  *               thread that has not ended (NCCL runs that work at the group's
  *               end): destroy() and abort() are refused;
  *   in use      c->inflight > 0: calls of other threads are between begin and
- *               end (the GIL may be released there): destroy() is refused;
+ *               end (the GIL may be released there): destroy() is refused,
+ *               abort() ends the handle once no thread is inside NCCL on it
+ *               (each such call looks again under c's lock and raises);
  *   destroying  destroy() decided: every entry refuses as destroyed, abort()
  *               only ends the own kernels' waits that destroy() may be in;
  *   gone        the handle is freed (destroyed, or its failure was raised).
@@ -38,9 +40,10 @@ void pyccl_call_end(pyccl_comm *c);
  * check it themselves); ended by pyccl_call_end. */
 void pyccl_call_hold(pyccl_comm *c);
 /* A wait on c's work (wait(), a registration's close) begins: counted in
- * flight where abort() may end the handle under it (a communicator with a
- * watch), so that destroy() waits for it; not where abort() is how such a
- * wait ends early.  1 when counted (end it with pyccl_call_end). */
+ * flight where it reads c's watch (a communicator with a timeout), so that
+ * destroy() waits for it; not where it reads only the streams noted, and
+ * abort() from another thread is how such a wait ends early.  1 when counted (end
+ * it with pyccl_call_end). */
 int pyccl_call_hold_wait(pyccl_comm *c);
 /* The same for the n communicators of one call (repeats allowed): all
  * begun, or none and -1. */
@@ -83,8 +86,8 @@ int pyccl_call_destroy_begin(pyccl_state *st, const char *op, pyccl_comm *c);
 /* destroy() (or garbage collection) finished: c is gone. */
 void pyccl_call_destroy_end(pyccl_comm *c);
 /* abort(): -1 with RuntimeError when it must be refused (a group that has
- * not ended holds work of c; without a timeout, another thread's call other
- * than an own-kernel set-up is in flight); 1 when c is being destroyed (only
+ * not ended holds work of c; calls of other threads in flight do not stop
+ * it, with or without a timeout); 1 when c is being destroyed (only
  * the own kernels' waits are to be ended); 2 in a child made by fork()
  * (c forgotten: nothing else to do); else 0.  Decided before any side
  * effect. */

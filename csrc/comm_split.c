@@ -108,10 +108,16 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
             Py_XDECREF(child);
             return NULL;
         }
-        pyccl_comm_lock(x.c); /* a short call: no GIL release around it */
+        /* a short call: no GIL release around it; abort() from another
+         * thread may have ended the handle while this one waited */
+        if (pyccl_comm_enter(x.st, "split", x.c) < 0) {
+            pyccl_call_end(x.c);
+            Py_XDECREF(child); /* stays pending until the group ends */
+            return NULL;
+        }
         ncclResult_t r = api->ncclCommSplit(x.c->comm, color, key, slot, NULL);
         pyccl_nccl_failed(api, r, x.c->comm, last, sizeof last);
-        pyccl_unlock(&x.c->mu);
+        pyccl_comm_leave(x.c);
         pyccl_call_end(x.c);
         if (r != ncclSuccess) {
             Py_XDECREF(child); /* stays pending until the group ends */
@@ -130,8 +136,11 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     if (pyccl_call_begin(x.st, "split", x.c) < 0) {
         return NULL;
     }
+    if (pyccl_comm_enter(x.st, "split", x.c) < 0) { /* no watch: the one lock */
+        pyccl_call_end(x.c);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
-    pyccl_lock(&x.c->mu, PYCCL_LOCK_COMM); /* no watch: the one lock */
     r = api->ncclCommSplit(x.c->comm, color, key, &nc, NULL);
     if (r == ncclSuccess && nc != NULL) {
         r = api->ncclCommUserRank(nc, &rank);
@@ -140,7 +149,7 @@ pyccl_comm_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         }
     }
     pyccl_nccl_failed(api, r, x.c->comm, last, sizeof last);
-    pyccl_unlock(&x.c->mu);
+    pyccl_comm_leave(x.c);
     Py_END_ALLOW_THREADS
     pyccl_call_end(x.c);
     if (r != ncclSuccess) {
@@ -272,8 +281,11 @@ pyccl_comm_shrink(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     }
     ncclResult_t r;
     char last[PYCCL_LAST_ERROR_SIZE] = "";
+    if (pyccl_comm_enter(st, "shrink", c) < 0) { /* no watch: the one lock */
+        pyccl_call_end(c);
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
-    pyccl_lock(&c->mu, PYCCL_LOCK_COMM); /* no watch: the one lock */
     r = api->ncclCommShrink(c->comm, ex, (int)n, &nc, NULL, NCCL_SHRINK_DEFAULT);
     if (r == ncclSuccess && nc != NULL) {
         r = api->ncclCommUserRank(nc, &rank);
@@ -282,7 +294,7 @@ pyccl_comm_shrink(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         }
     }
     pyccl_nccl_failed(api, r, c->comm, last, sizeof last);
-    pyccl_unlock(&c->mu);
+    pyccl_comm_leave(c);
     Py_END_ALLOW_THREADS
     pyccl_call_end(c);
     if (r != ncclSuccess) {

@@ -142,7 +142,12 @@ pyccl_wait_stream(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s
         /* like any call on it: bounded, interruptible */
         return pyccl_watch_wait(st, op, c, 0.0);
     }
-    return wait_stream_list(st, op, c, &s, 1, 0.0);
+    if (wait_stream_list(st, op, c, &s, 1, 0.0) < 0) {
+        return -1;
+    }
+    /* abort() from another thread ended the work, and the wait: it did
+     * not finish, and the call says why, as a watched one's does */
+    return pyccl_watch_check(st, op, c);
 }
 
 /* The work on streams[0..n) so far done (an event each, polled with the GIL

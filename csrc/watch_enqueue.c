@@ -383,7 +383,8 @@ static int
 raise_outcome(pyccl_state *st, const char *op, watch_set *g, const timed_outcome *o)
 {
     if (g->bad != NULL) {
-        /* found before anything was enqueued, the GIL held since: raises */
+        /* found before anything was enqueued (at the first look, or under
+         * the locks for one that abort() ended meanwhile): raises */
         (void)pyccl_comm_alive(st, op, g->bad);
         return -1;
     }
@@ -421,36 +422,69 @@ add_to_group(const char *op, watch_set *g)
     return 0;
 }
 
-/* The next communicator of cs after `after` in address order that has no
+/* Whether c had a watch at the enqueue's first look (watch_set_fill): the
+ * watched ones are locked by acquire_all, the others by each_plain, whatever
+ * became of c->watch since (abort() gives a communicator without a timeout
+ * its record under the lock that each_plain may be waiting for). */
+static int
+watched_at_fill(const watch_set *g, const pyccl_comm *c)
+{
+    for (int j = 0; j < g->n; j++) {
+        if (g->owners[j] == c) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The next communicator of cs after `after` in address order that had no
  * watch (each once, however often cs repeats it). */
 static pyccl_comm *
-next_plain(pyccl_comm *const *cs, Py_ssize_t n, uintptr_t after)
+next_plain(const watch_set *g, pyccl_comm *const *cs, Py_ssize_t n, uintptr_t after)
 {
     pyccl_comm *next = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         uintptr_t p = (uintptr_t)cs[i];
-        if (cs[i]->watch == NULL && p > after && (next == NULL || p < (uintptr_t)next)) {
+        if (p > after && (next == NULL || p < (uintptr_t)next) && !watched_at_fill(g, cs[i])) {
             next = cs[i];
         }
     }
     return next;
 }
 
-/* Lock (or unlock) each communicator of cs without a watch, in address
+/* Lock (or unlock) each communicator of cs that had no watch, in address
  * order (after the watched ones, locked by acquire_all: the one order of
- * csrc/locks.h), so that two calls over the same set never deadlock. */
+ * csrc/locks.h), so that two calls over the same set never deadlock.  One
+ * that abort() ended since is locked too: any call on it now finds it
+ * failed and locks nothing. */
 static void
-each_plain(pyccl_comm *const *cs, Py_ssize_t n, int lock)
+each_plain(const watch_set *g, pyccl_comm *const *cs, Py_ssize_t n, int lock)
 {
     if (n == 1) { /* the Communicator methods: no search */
-        if (cs[0]->watch == NULL) {
+        if (g->n == 0) {
             lock ? pyccl_lock(&cs[0]->mu, PYCCL_LOCK_COMM) : pyccl_unlock(&cs[0]->mu);
         }
         return;
     }
-    for (pyccl_comm *c = next_plain(cs, n, 0); c != NULL; c = next_plain(cs, n, (uintptr_t)c)) {
+    for (pyccl_comm *c = next_plain(g, cs, n, 0); c != NULL; c = next_plain(g, cs, n, (uintptr_t)c)) {
         lock ? pyccl_lock(&c->mu, PYCCL_LOCK_COMM) : pyccl_unlock(&c->mu);
     }
+}
+
+/* A communicator of cs that had no watch at the enqueue's first look and
+ * has been ended since (abort() from another thread: its call in flight
+ * does not stop abort(), which waits only for the lock), looked at again
+ * with the locks of each_plain held; NULL when none was. */
+static pyccl_comm *
+plain_gone(const watch_set *g, pyccl_comm *const *cs, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        pyccl_comm *c = cs[i];
+        if (!watched_at_fill(g, c) && (c->watch != NULL || c->comm == NULL)) {
+            return c;
+        }
+    }
+    return NULL;
 }
 
 /* Only rows of kernels already launched, on communicators without a watch:
@@ -508,13 +542,23 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize
             /* then the communicators without a watch (one thread at a time
              * in NCCL; with watched ones in the same call NCCL refuses the
              * group, but only at its end) */
-            each_plain(comms, ncomms, 1);
-            o.r = pyccl_enqueue_calls(a, tasks, n, redop, premul, o.last, sizeof o.last);
-            each_plain(comms, ncomms, 0);
+            each_plain(&g, comms, ncomms, 1);
+            pyccl_comm *gone = plain_gone(&g, comms, ncomms);
+            if (gone == NULL) {
+                o.r = pyccl_enqueue_calls(a, tasks, n, redop, premul, o.last, sizeof o.last);
+            }
+            each_plain(&g, comms, ncomms, 0);
             for (int j = 0; j < g.n; j++) {
                 call_end(ws[j], op);
             }
-            if (in_group) {
+            if (gone != NULL) {
+                /* nothing enqueued: raised at the end as the door would */
+                g.bad = gone;
+                for (int j = 0; j < g.n; j++) {
+                    pyccl_unlock(ws[j]->mu);
+                }
+            }
+            else if (in_group) {
                 /* NCCL launches nothing before the group's end */
                 o.r = o.r == ncclInProgress ? ncclSuccess : o.r;
                 for (int j = 0; j < g.n; j++) {

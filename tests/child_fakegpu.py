@@ -569,12 +569,15 @@ def untimed():
         "wait: rank 0 of 2: the work enqueued on the communicator did not finish within 0.3 s; it has "
         "no timeout of its own, so it was not aborted"), err
     assert 0.3 <= dt < 1.0 and get("aborts") == 0 and not c.destroyed
-    # abort() from another thread is how such a wait ends early
+    # abort() from another thread is how such a wait ends early: the work did not finish,
+    # and the wait says why, as a communicator with a timeout's does
     t_abort = time.monotonic()  # dt from the timer's start (timed() starts later)
     threading.Timer(0.3, c.abort).start()
     dt, err = timed(c.wait)
     dt = time.monotonic() - t_abort
-    assert err is None and 0.3 <= dt < 1.0, (err, dt)
+    assert type(err) is RuntimeError and str(err) == \
+        "wait: the communicator (rank 0 of 2) has been aborted", (err, dt)
+    assert 0.3 <= dt < 1.0, dt
     assert get("aborts") == 1 and c.destroyed
     _, err = timed(lambda: c.all_reduce(a))
     assert type(err) is RuntimeError and str(err) == \
@@ -598,6 +601,19 @@ def untimed():
     assert type(err) is RuntimeError and "has been aborted" in str(err), err
     c.destroy()
     assert get("destroys") == 0
+    # a barrier() waiting on a dead peer, ended by abort() from another thread: it raises
+    # (before, abort() was refused while the barrier was in flight)
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0)
+    put("peer_dead", 1)
+    t_abort = time.monotonic()
+    threading.Timer(0.3, c.abort).start()
+    _, err = timed(c.barrier)
+    dt = time.monotonic() - t_abort
+    assert type(err) is RuntimeError and str(err) == \
+        "barrier: the communicator (rank 0 of 2) has been aborted", (err, dt)
+    assert 0.3 <= dt < 1.0 and get("aborts") == 3, (dt, get("aborts"))
+    put("peer_dead", 0)
+    c.destroy()
     clean()
     return "ok"
 
@@ -1769,18 +1785,22 @@ def _destroy_refusals(c):
 def abort_beside():
     """Thread A repeats a call made of several NCCL calls (op: all_gather into a list, a group
     of broadcasts; premul, ncclRedOpCreatePreMulSum, the all_reduce, ncclRedOpDestroy; group,
-    two all_reduces in a pyccl.group()) on a communicator with a timeout (blocking as given)
-    while thread B aborts it: abort() never ends the handle between A's NCCL calls (the
-    stand-in counts any call on an aborted handle as misuse); A's errors only "has been
-    aborted", B's abort() returns."""
+    two all_reduces in a pyccl.group()), or one (all_reduce; split), on a communicator with a
+    timeout (blocking as given) or without one, while thread B aborts it: abort() never ends
+    the handle between A's NCCL calls nor under one (the stand-in counts any call on an
+    aborted handle as misuse), and is never refused for A's call in flight; A's errors only
+    "has been aborted", B's abort() returns."""
     import random
     p = _params()
     rng = random.Random(p.get("seed", 2))
     seen = {}
     for k in range(p["tries"]):
-        c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=5.0, blocking=p["blocking"])
+        timeout = p.get("timeout", 5.0)
+        c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=timeout,
+                               blocking=p["blocking"] if timeout else None)
         a, outs = Array([1.0, 2.0]), [Array([0.0, 0.0]), Array([0.0, 0.0])]
-        name = {"all_gather": "all_gather", "premul": "all_reduce", "group": "all_reduce"}[p["op"]]
+        name = {"all_gather": "all_gather", "premul": "all_reduce", "group": "all_reduce",
+                "all_reduce": "all_reduce", "split": "split"}[p["op"]]
         allowed = {f"{name}: {_who(c)} has been aborted",
                    # the group's end, once the abort came between its calls
                    f"pyccl.group: {_who(c)} has been aborted"}
@@ -1790,8 +1810,15 @@ def abort_beside():
                 c.all_reduce(a)
                 c.all_reduce(outs[0])
 
+        def split():
+            child = c.split(0)
+            if child is not None:
+                child.destroy()
+
         call = {"all_gather": lambda: c.all_gather(a, outs),
                 "premul": lambda: c.all_reduce(a, op=pyccl.premul_sum(0.5)),
+                "all_reduce": lambda: c.all_reduce(a, algo="nccl"),
+                "split": split,
                 "group": group}[p["op"]]
         bad, done = [], threading.Event()
 
@@ -1944,8 +1971,7 @@ def close_beside_abort():
     for k in range(p["tries"]):
         c = pyccl.Communicator(2, pyccl.unique_id(), 0, timeout=p["timeout"])
         regs = [c.register(Array([1.0, 2.0])), c.register(Array([3.0, 4.0]))]
-        allowed = {f"Registration.close: {_who(c)} has been aborted",
-                   f"abort: {_who(c)} is in use by another thread; abort it once that call returned"}
+        allowed = {f"Registration.close: {_who(c)} has been aborted"}
         bad, delays = [], (rng.uniform(0, 0.0005), rng.uniform(0, 0.0005))
         start = threading.Barrier(2, timeout=LIFE_JOIN)
 
@@ -2046,8 +2072,6 @@ def destroy_beside():
         before = get("dereg_calls")
         a = Array([1.0, 2.0])
         allowed = {f"{name}: {_who(c)} has been destroyed", f"{name}: {_who(c)} has been aborted"}
-        if op == "abort":
-            allowed.add(f"abort: {_who(c)} is in use by another thread; abort it once that call returned")
         refusals = _destroy_refusals(c)
         # destroy() whose wait an abort() on A ended: it says so, and the communicator is gone
         ended = {f"destroy: {_who(c)} has been aborted"} if op == "abort" else set()

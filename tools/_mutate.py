@@ -75,6 +75,16 @@ FAULTS = [
         "    if (pthread_atfork(NULL, NULL, pid_in_child) == 0) {\n",
         "    if (1) { /* MUTANT: the child keeps its parent's id */\n")],
         tests=["tests/test_lifecycle_cpu.py", "-k", "fork"]),
+    dict(name="the enqueue not looking again under the lock (abort() of an untimed communicator in flight)",
+        tier="cpu", file="csrc/watch_enqueue.c", edits=[(
+        "        if (!watched_at_fill(g, c) && (c->watch != NULL || c->comm == NULL)) {\n",
+        "        if (0) { /* MUTANT: the first look's verdict kept */\n")],
+        tests=["tests/test_lifecycle_cpu.py", "-k", "abort_never and untimed"]),
+    dict(name="a wait() that abort() ended on an untimed communicator returns None", tier="cpu",
+        file="csrc/watch_life.c", edits=[(
+        "        if (wait_streams(st, \"wait\", c, limit) < 0 || pyccl_watch_check(st, \"wait\", c) < 0) {\n",
+        "        if (wait_streams(st, \"wait\", c, limit) < 0) { /* MUTANT: the work reads as finished */\n")],
+        tests=["tests/test_timeout_cpu.py", "-k", "untimed"]),
     dict(name="a failed communicator's handle aborted, not revoked", tier="cpu", file="csrc/watch_fail.c",
         edits=[("        if (rv == ncclSuccess || rv == ncclInProgress) {\n            w->revoked = comm;\n",
                 "        if (0) { /* MUTANT: never kept */\n            w->revoked = comm;\n")],
