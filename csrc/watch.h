@@ -141,7 +141,9 @@ void lock_watch(struct pyccl_watch *w);
 /* c's watch (its lock and handle are c's), not yet registered. */
 struct pyccl_watch * new_watch(pyccl_state *st, pyccl_comm *c, double timeout);
 /* c (without timeout) failed as `kind` for `reason`: its handle aborted, a
- * record of the failure as its watch.  -1 with MemoryError, or, for
+ * record of the failure as its watch.  For abort() the wait for a thread
+ * inside NCCL on c (c's lock) looks at signals between pauses.  -1 with
+ * MemoryError, a signal handler's exception (nothing changed), or, for
  * abort(), RuntimeError when a pyccl.group() of another thread took c
  * meanwhile. */
 int mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason, int abort);

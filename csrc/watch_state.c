@@ -34,8 +34,29 @@ mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason, int a
     snprintf(w->reason, sizeof w->reason, "%s", reason);
     w->failed = kind;
     /* Under c's lock: no other thread is inside NCCL on the handle (an
-     * own-kernel set-up waits between its calls), and none uses it after. */
-    pyccl_comm_lock(c);
+     * own-kernel set-up waits between its calls), and none uses it after.
+     * abort() waits for a thread inside an NCCL call (a blocking handle
+     * cannot be aborted under it) with signals looked at between pauses:
+     * Ctrl-C ends that wait, nothing changed. */
+    if (abort && pyccl_trylock(&c->mu, PYCCL_LOCK_COMM) != 0) {
+        waiter wt;
+        int got = 0;
+        waiter_start(&wt, 1);
+        while (!got) {
+            if (waiter_pause(&wt) < 0) {
+                break;
+            }
+            got = pyccl_trylock(&c->mu, PYCCL_LOCK_COMM) == 0;
+        }
+        waiter_finish(&wt);
+        if (!got) {
+            free_watch(w);
+            return -1; /* the signal handler's exception */
+        }
+    }
+    else if (!abort) {
+        pyccl_comm_lock(c);
+    }
     if (abort && c->in_group > 0) {
         /* another thread's pyccl.group() took c while this one waited for
          * the lock (the door saw none): its work is in NCCL's group */

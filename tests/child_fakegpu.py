@@ -1782,6 +1782,56 @@ def _destroy_refusals(c):
             "or by another thread; destroy it afterwards"}
 
 
+def abort_waits_for_a_call_inside_nccl():
+    """Without a timeout, abort() from another thread while a thread is inside an NCCL call
+    on the handle (a deregistration that takes 1 s): abort() waits for that call to return,
+    then aborts (no NCCL call under it: the stand-in counts one as concurrent); the other
+    thread's close() deregistered on the live handle.  The same wait on the main thread is
+    ended by a signal handler's exception, nothing changed: the communicator still works."""
+    import signal
+    out = {}
+    c = new(timeout=None)
+    reg = c.register(Array([1.0, 2.0]))
+    put("dereg_delay", 1.0)
+    closer = threading.Thread(target=lambda: out.__setitem__("close", timed(reg.close)))
+    closer.start()
+    time.sleep(0.2)              # the deregistration is inside NCCL, holding the lock
+    dt, err = timed(c.abort)
+    closer.join(LIFE_JOIN)
+    assert err is None and 0.6 <= dt < 2.0, (err, dt)
+    assert out["close"][1] is None and reg.closed, out
+    assert c.destroyed and get("aborts") == 1 and get("dereg_calls") == 1
+    c.destroy()
+    # on the main thread: a signal handler's exception ends abort()'s wait
+    c = new(timeout=None)
+    reg = c.register(Array([3.0, 4.0]))
+    closer = threading.Thread(target=lambda: out.__setitem__("close2", timed(reg.close)))
+    closer.start()
+    time.sleep(0.2)
+
+    class Alarm(Exception):
+        pass
+
+    def alarm(*_):
+        raise Alarm("alarm")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    dt, err = timed(c.abort)
+    signal.signal(signal.SIGALRM, old)
+    closer.join(LIFE_JOIN)
+    assert type(err) is Alarm and dt < 0.6, (err, dt)
+    assert not c.destroyed and get("aborts") == 1 and out["close2"][1] is None, out
+    put("dereg_delay", 0)
+    a = Array([1.0, 2.0])
+    c.all_reduce(a)              # still usable
+    c.wait()
+    assert a.tolist() == [2.0, 4.0], a.tolist()
+    c.destroy()
+    clean()
+    return "ok"
+
+
 def abort_beside():
     """Thread A repeats a call made of several NCCL calls (op: all_gather into a list, a group
     of broadcasts; premul, ncclRedOpCreatePreMulSum, the all_reduce, ncclRedOpDestroy; group,

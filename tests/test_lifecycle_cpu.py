@@ -109,6 +109,13 @@ def test_abort_never_ends_the_handle_between_a_calls_nccl_calls(lib, op, timeout
     assert got["tries"] == 40
 
 
+def test_abort_waits_for_a_call_inside_nccl_without_a_timeout(lib):
+    # a deregistration inside NCCL for 1 s on another thread: abort() returns after it (never
+    # aborting under it), the close succeeded; on the main thread a signal handler's
+    # exception ends that wait and the communicator still works
+    assert run(lib, "abort_waits_for_a_call_inside_nccl") == "ok"
+
+
 @pytest.mark.parametrize("timeout", TIMEOUTS)
 def test_get_async_error_beside_another_threads_calls(lib, timeout):
     # get_async_error() takes the communicator's lock like every NCCL call on it: the

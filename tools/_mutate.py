@@ -85,6 +85,11 @@ FAULTS = [
         "        if (wait_streams(st, \"wait\", c, limit) < 0 || pyccl_watch_check(st, \"wait\", c) < 0) {\n",
         "        if (wait_streams(st, \"wait\", c, limit) < 0) { /* MUTANT: the work reads as finished */\n")],
         tests=["tests/test_timeout_cpu.py", "-k", "untimed"]),
+    dict(name="abort()'s wait for a call inside NCCL not interruptible (no timeout)", tier="cpu",
+        file="csrc/watch_state.c", edits=[(
+        "        while (!got) {\n            if (waiter_pause(&wt) < 0) {\n",
+        "        while (!got) {\n            if (waiter_pause(&wt) < 0 && 0) { /* MUTANT: signals ignored */\n")],
+        tests=["tests/test_lifecycle_cpu.py", "-k", "abort_waits"]),
     dict(name="a failed communicator's handle aborted, not revoked", tier="cpu", file="csrc/watch_fail.c",
         edits=[("        if (rv == ncclSuccess || rv == ncclInProgress) {\n            w->revoked = comm;\n",
                 "        if (0) { /* MUTANT: never kept */\n            w->revoked = comm;\n")],
