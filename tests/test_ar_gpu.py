@@ -253,6 +253,7 @@ def test_abort_from_another_thread_stops_a_waiting_own_kernel(tmp_path):
     res = run_ranks(sc.abort_untimed_from_thread, 2, str(tmp_path / "flag"), "oneshot", timeout=180)
     dt, err, destroyed = res[0]
     assert 0.9 <= dt < 20 and destroyed, (dt, err, destroyed)
+    assert err == "RuntimeError: wait: the communicator (rank 0 of 2) has been aborted", err
 
 
 @needs_ranks(4)

@@ -173,6 +173,8 @@ def test_abort_from_another_thread_ends_an_untimed_wait(tmp_path):
     res = run_ranks(sc.abort_untimed_from_thread, 2, str(tmp_path / "flag"), timeout=180)
     dt, err, destroyed = res[0]
     assert 0.9 <= dt < 20 and destroyed, (dt, err, destroyed)
+    # the work did not finish: the wait says so, as on a communicator with a timeout
+    assert err == "RuntimeError: wait: the communicator (rank 0 of 2) has been aborted", err
 
 
 @needs_ranks(2)
