@@ -132,7 +132,7 @@ def _nvcc():
 
 
 class BuildExt(build_ext):
-    """Compile csrc/kernels/*.cu into a fatbin that ar.c embeds
+    """Compile csrc/kernels/*.cu into a fatbin that ar_load.c embeds
     (.incbin), when nvcc is there.  Without nvcc the extension is built
     without its own kernels (all_reduce then always uses NCCL);
     PYCCL_REQUIRE_KERNELS=1 makes that an error."""

@@ -40,19 +40,41 @@ buffer_bytes(void)
     return (size_t)env_long("PYCCL_AR_BUFFER_MB", 16, 1, 4096) << 20;
 }
 
-/* Auto thresholds in bytes by world size, from the 2xH200 and 2xH100 sweeps
- * in docs/PERFORMANCE.md; PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX (bytes)
- * override them.  Every rank must see the same values. */
+/* Auto's thresholds by world size, in bytes: the one-shot kernel up to
+ * `one`, the two-shot up to `two`, NCCL above (both capped at the buffer).
+ * Each row from a sweep of float32 sum in place (tools/sweep.sh):
+ *   2 ranks, 2xH200 and 2xH100 (docs/PERFORMANCE.md): one-shot beats NCCL
+ *     up to the whole buffer (8 MiB: 36 against 51 us on H200, 36 against
+ *     42 us against NCCL's symmetric kernels on H100), and two-shot never
+ *     beats one-shot;
+ *   4 ranks, 4xH100 NV18: one-shot 12.7 us against two-shot 15.8 at 512 KiB;
+ *     two-shot 23.8 against one-shot 29.6 at 2 MiB and 55.9 against NCCL's
+ *     63.5 at 8 MiB; NCCL at 32 MiB.
+ * Other counts are not measured: the 4-rank crossover for one-shot (it
+ * reads n-1 copies, so it stays on small sizes) and the limit of two-shot
+ * from before the 4-rank sweep.  PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX
+ * (bytes) override them.  Every rank must see the same values (the set-up
+ * checks). */
+#define AR_BUFFER ((size_t)0) /* the whole buffer */
+static const struct {
+    int nranks;
+    size_t one, two;
+} ar_thresholds[] = {
+    {2, AR_BUFFER, AR_BUFFER},
+    {4, (size_t)512 << 10, (size_t)8 << 20},
+    {0, (size_t)512 << 10, (size_t)4 << 20}, /* any other count: not measured */
+};
+
 static void
 thresholds(int nranks, size_t *one, size_t *two)
 {
     size_t cap = buffer_bytes();
-    /* 2 ranks (measured): one-shot beats NCCL up to the whole buffer (8 MiB:
-     * 36 vs 51 us on H200, 36 vs 42 us against NCCL's symmetric kernels on
-     * H100) and two-shot never beats one-shot.  More ranks (not
-     * measured yet): one-shot reads n-1 copies, so it stays on small sizes. */
-    size_t o = nranks <= 2 ? cap : ((size_t)512 << 10);
-    size_t t = nranks <= 2 ? cap : ((size_t)4 << 20);
+    size_t k = 0;
+    while (ar_thresholds[k].nranks != 0 && ar_thresholds[k].nranks != nranks) {
+        k++;
+    }
+    size_t o = ar_thresholds[k].one == AR_BUFFER ? cap : ar_thresholds[k].one;
+    size_t t = ar_thresholds[k].two == AR_BUFFER ? cap : ar_thresholds[k].two;
     o = (size_t)env_long("PYCCL_AR_ONESHOT_MAX", (long)o, 0, 1L << 40);
     t = (size_t)env_long("PYCCL_AR_TWOSHOT_MAX", (long)t, 0, 1L << 40);
     *one = o < cap ? o : cap;

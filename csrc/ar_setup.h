@@ -1,10 +1,11 @@
-/* What the two files of pyccl's own all-reduce share (ar.c, the calls;
- * ar_setup.c, loading the kernels and a communicator's set-up and
- * release), and no other file includes.  Hidden from other shared objects. */
+/* What the files of pyccl's own all-reduce share (ar.c, the calls;
+ * ar_setup.c, a communicator's set-up and release; the kernels' loading,
+ * ar_load.h), and no other file includes.  Hidden from other shared objects. */
 #ifndef PYCCL_AR_SETUP_H
 #define PYCCL_AR_SETUP_H
 
 #include "ar.h"
+#include "ar_load.h"
 #include "kernels/ar_abi.h"
 #include "errors.h"
 
@@ -14,60 +15,6 @@
 
 #pragma GCC visibility push(hidden)
 
-/* ---------------- the driver API, declared here (no cuda.h) ---------------- */
-
-typedef int CUresult;
-typedef struct CUmod_st *CUmodule;
-typedef struct CUfunc_st *CUfunction;
-/* cuLaunchKernelEx's configuration, as cuda.h (12.0 and later) lays it out */
-typedef struct {
-    int id;                      /* CUlaunchAttributeID */
-    char pad[4];
-    union {
-        char pad[64];
-        int i;
-    } value;
-} cu_launch_attr;
-typedef struct {
-    unsigned grid[3], block[3], shared_bytes;
-    cudaStream_t stream;
-    cu_launch_attr *attrs;
-    unsigned nattrs;
-} cu_launch_config;
-_Static_assert(sizeof(cu_launch_attr) == 72, "CUlaunchAttribute is 72 bytes");
-_Static_assert(sizeof(cu_launch_config) == 56, "CUlaunchConfig is 56 bytes");
-#define CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION 6
-#define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
-typedef struct {
-    int tried;
-    char err[200];
-    CUresult (*cuModuleLoadData)(CUmodule *, const void *);
-    CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
-    CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
-                               unsigned, unsigned, unsigned, cudaStream_t, void **,
-                               void **);
-    CUresult (*cuGetErrorString)(CUresult, const char **);
-    /* optional: programmatic dependent launch (driver 12.0+, sm_90+) */
-    CUresult (*cuLaunchKernelEx)(const cu_launch_config *, CUfunction, void **, void **);
-    CUresult (*cuDeviceGet)(int *, int);
-    CUresult (*cuDeviceGetAttribute)(int *, int, int);
-} ar_driver;
-
-/* kernels: [0 one-shot LL, 1 one-shot, 2 two-shot][dtype][op], then the probe */
-enum { K_F32, K_F16, K_BF16, K_I32, K_NTYPES };
-enum { K_SUM, K_MAX, K_MIN, K_NOPS };
-#define K_PROBE (3 * K_NTYPES * K_NOPS)
-#define K_COUNT (K_PROBE + 1)
-
-#define MAX_DEVICES 64
-typedef struct {
-    int state; /* 0 untried, 1 loaded, -1 failed */
-    CUfunction fn[K_COUNT];
-} ar_device;
-
-/* The driver table and the kernels loaded per device (ar_setup.c). */
-extern ar_driver ar_drv;
-extern ar_device ar_devs[MAX_DEVICES];
 
 
 enum { AR_UNTRIED = 0, AR_READY = 1, AR_OFF = -1 };
@@ -119,8 +66,6 @@ typedef struct pyccl_ar {
 /* Why the own kernels are off for `ar` (a pyccl_ar *), printf-style. */
 #define AR_WHY(ar, ...) snprintf((ar)->reason, sizeof (ar)->reason, __VA_ARGS__)
 
-/* The driver's text for an error code. */
-const char *ar_cu_error(CUresult r);
 /* Collective.  Called without the GIL, current device = the comm's, f's
  * setup_mu held, f->deadline set.  Returns the NCCL result of the exchange
  * (a failure there is the caller's error; f->gone: the communicator was

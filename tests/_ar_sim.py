@@ -43,7 +43,7 @@ assert ctypes.sizeof(Params) == 144, ctypes.sizeof(Params)  # what ar.c passes b
 
 
 class LaunchAttr(ctypes.Structure):
-    """CUlaunchAttribute (ar_setup.h's cu_launch_attr): its 64-byte value union as the int that
+    """CUlaunchAttribute (ar_load.h's cu_launch_attr): its 64-byte value union as the int that
     programmatic stream serialization reads, then the rest.  (A `c_char * 64` field would read
     back as a new bytes object, never as the struct's own memory.)"""
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
@@ -51,7 +51,7 @@ class LaunchAttr(ctypes.Structure):
 
 
 class LaunchConfig(ctypes.Structure):
-    """CUlaunchConfig (ar_setup.h's cu_launch_config)."""
+    """CUlaunchConfig (ar_load.h's cu_launch_config)."""
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
                 ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
                 ("attrs", ctypes.POINTER(LaunchAttr)), ("nattrs", ctypes.c_uint)]

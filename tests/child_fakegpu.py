@@ -1832,6 +1832,26 @@ def abort_waits_for_a_call_inside_nccl():
     return "ok"
 
 
+def thresholds_by_rank_count():
+    """all_reduce_info's oneshot_max/twoshot_max, read before any set-up, for each world size:
+    ar.c's one table (2 ranks: the whole buffer; 4: the 4-rank sweep's; others: the
+    unmeasured default), each capped at the buffer, PYCCL_AR_* overriding."""
+    got = {}
+    for world in (2, 3, 4, 5, 8):
+        c = new(world=world, timeout=None)
+        info = c.all_reduce_info
+        got[world] = [info["oneshot_max"], info["twoshot_max"], info["buffer_bytes"]]
+        c.destroy()
+    os.environ["PYCCL_AR_TWOSHOT_MAX"] = str(64 << 20)
+    os.environ["PYCCL_AR_ONESHOT_MAX"] = str(1 << 20)
+    c = new(world=4, timeout=None)
+    info = c.all_reduce_info
+    got["4, overridden"] = [info["oneshot_max"], info["twoshot_max"], info["buffer_bytes"]]
+    c.destroy()
+    clean()
+    return got
+
+
 def abort_beside():
     """Thread A repeats a call made of several NCCL calls (op: all_gather into a list, a group
     of broadcasts; premul, ncclRedOpCreatePreMulSum, the all_reduce, ncclRedOpDestroy; group,
