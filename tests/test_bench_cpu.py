@@ -1318,6 +1318,39 @@ def _peers_bench():
     return mod
 
 
+@pytest.mark.parametrize("what,title,floor,worker", [
+    ("ddp", "DDP step", "without the all-reduce (model.no_sync())", "_ddp_worker"),
+    ("fsdp", "FSDP2 step", "unsharded, no communication", "_fsdp_worker")])
+def test_peers_bench_step_table(what, title, floor, worker, monkeypatch, capsys):
+    # the ddp and fsdp modes' table from the ranks' rows (their workers need GPUs): the worker
+    # of the mode spawned, the three rows in order, pyccl / nccl overall and per round, the
+    # part above the floor, and whether the parameters after training are bitwise equal
+    pb = _peers_bench()
+    spawned = []
+
+    def rows(final_pyccl):
+        def row(backend, rounds, final):
+            return {"backend": backend, "rounds_ms": rounds, "rounds_host_ms": [r / 2 for r in rounds],
+                    "ms_per_step": sorted(rounds)[1], "host_ms_per_step": sorted(rounds)[1] / 2,
+                    "params": 4321, "final": final, "profile": None}
+        return [row("nccl", [2.0, 2.5, 3.0], b"same"), row("pyccl", [2.4, 2.2, 3.3], final_pyccl),
+                row("floor", [1.0, 1.5, 1.0], b"other")]
+
+    for final, equal in ((b"same", True), (b"diff", False)):
+        monkeypatch.setattr(pb, "_spawn", lambda fn, world, args, _r=rows(final): spawned.append(fn) or _r)
+        monkeypatch.setattr(pb.torch.cuda, "device_count", lambda: 2)
+        pb.main([what, "--rounds", "3"])
+        out = capsys.readouterr().out.splitlines()
+        assert out[0] == (f"{title}, 2 ranks, MLP 4 layers of 1024 (4321 parameters), batch 64 per rank; "
+                          "both backends and the floor in the same processes, 3 rounds, median over rounds")
+        assert out[1].startswith("  backend nccl:") and "2.500 ms per step (host 1.250 ms)" in out[1], out
+        assert out[2].startswith("  backend pyccl:") and "2.400 ms per step" in out[2], out
+        assert out[3].startswith(f"  {floor}:") and "1.000 ms per step" in out[3], out
+        assert out[4] == ("  pyccl / nccl: 0.960 (rounds: 1.200 0.880 1.100); above the floor, pyccl / nccl: "
+                          f"1.40 0.70 1.15; parameters after training bitwise equal: {equal}"), out[4]
+    assert [f.__name__ for f in spawned] == [worker, worker]
+
+
 def test_peers_bench_sizes_end_at_the_largest():
     pb = _peers_bench()
     assert pb._size("64M") == 64 << 20 and pb._size("2k") == 2048 and pb._size("8") == 8
@@ -1409,7 +1442,7 @@ def test_peers_bench_symm_table_prints_the_launch_floor_above_the_eager_columns(
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs or more")
-@pytest.mark.parametrize("what", ["symm", "ddp"])
+@pytest.mark.parametrize("what", ["symm", "ddp", "fsdp"])
 def test_peers_bench_and_sweep_need_two_gpus(what, tmp_path):
     root = pathlib.Path(__file__).resolve().parent.parent
     n = torch.cuda.device_count()

@@ -1,9 +1,10 @@
 """all_reduce latency of the peers pyccl.bench does not drive: torch's symmetric-memory
-one-shot and two-shot kernels (torch.ops.symm_mem), and a DDP training step on backend
-"nccl" against backend "pyccl".  One process per GPU, every rank on a GPU of its own.
+one-shot and two-shot kernels (torch.ops.symm_mem), and a DDP and an FSDP2 training step on
+backend "nccl" against backend "pyccl".  One process per GPU, every rank on a GPU of its own.
 
   python tools/peers_bench.py symm [-b 8] [-e 64M] [-f 4] [-n 100] [--dtype float,bfloat16]
   python tools/peers_bench.py ddp [--steps 100] [--rounds 5] [--width 1024] [--layers 4] [--profile 15]
+  python tools/peers_bench.py fsdp [the options of ddp]
   python tools/peers_bench.py timeout [-b 8] [-e 64M] [-f 8] [-n 200]
 
 symm: µs per call, CUDA events around -n back-to-back calls, median of 5 loops, maximum over
@@ -25,6 +26,10 @@ host-bound), each round's figure, pyccl / nccl per round, and per round the part
 of each (pyccl's over nccl's).  A machine's own drift moves all three alike.  --profile N adds
 rank 0's N busiest ops per backend; at 2 ranks the parameters after training must be bitwise
 equal between the two backends (both add the same two numbers).
+fsdp: the same for FSDP2: the MLP's Linear layers and the whole model sharded with fully_shard on
+a DeviceMesh of a "nccl" and of a "pyccl" group (parameters all-gathered before use, gradients
+reduce-scattered), and the floor the same step unsharded with no communication; the parameters
+after training gathered whole and compared the same way.
 timeout: what a timeout costs, float32 sum in place, the same processes and tensors: a
 Communicator without and with timeout= (algo "auto" and "nccl"; with timeout= on a non-blocking
 handle, the default, and on a blocking one, "blk"), and dist.all_reduce on a
@@ -282,6 +287,14 @@ def _ddp_worker(rank, world, port, args, queue):
         return local_step
 
     steps = {name: stepper(name) for name in models}
+    _time_steps(models, steps, groups, args, rank, queue, lambda model: model.parameters())
+
+
+def _time_steps(models, steps, groups, args, rank, queue, params):
+    """The step loops of the ddp and fsdp modes, in the same processes: 10 warm-up steps each,
+    then --rounds rounds (the backends alternating which goes first, the floor between them),
+    rank 0's profile with --profile; rank 0 puts the rows (params(model): the parameters after
+    training, as full tensors; called on every rank, since gathering them may be collective)."""
     for name in models:
         for i in range(10):
             steps[name](i)
@@ -301,10 +314,12 @@ def _ddp_worker(rank, world, port, args, queue):
                 torch.cuda.synchronize()
             tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total",
                                                      row_limit=args.profile)
+    finals = {name: torch.cat([p.detach().reshape(-1) for p in params(model)]).cpu()
+              for name, (model, _) in models.items()}
     if rank == 0:
         rows = []
-        for name, (model, _) in models.items():
-            final = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+        for name in models:
+            final = finals[name]
             rows.append({"backend": name, "rounds_ms": [t[0] for t in times[name]],
                          "rounds_host_ms": [t[1] for t in times[name]],
                          "ms_per_step": statistics.median(t[0] for t in times[name]),
@@ -313,6 +328,61 @@ def _ddp_worker(rank, world, port, args, queue):
                          "profile": tables.get(name)})
         queue.put(rows)
     dist.destroy_process_group()
+
+
+def _fsdp_worker(rank, world, port, args, queue):
+    import copy
+
+    import pyccl  # noqa: F401  (registers "pyccl")
+    from torch.distributed.device_mesh import DeviceMesh
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    groups = {"nccl": dist.new_group(backend="nccl"), "pyccl": dist.new_group(backend="pyccl")}
+    torch.manual_seed(0)  # one MLP, copied for each backend and for the floor
+    layers = [torch.nn.Linear(64, args.width), torch.nn.ReLU()]
+    for _ in range(args.layers - 2):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(args.width, 1))
+    base = torch.nn.Sequential(*layers).cuda()
+
+    def make(pg):
+        # FSDP2 on a mesh of the group: each Linear and the whole model sharded (parameters
+        # all-gathered before use, gradients reduce-scattered); pg None: the floor, the same
+        # step unsharded with no communication at all
+        model = copy.deepcopy(base)
+        if pg is not None:
+            mesh = DeviceMesh.from_group(pg, "cuda")
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    models = {name: make(pg) for name, pg in (*groups.items(), ("floor", None))}
+    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    xs = [torch.randn(args.batch, 64, device="cuda", generator=g) for _ in range(8)]
+    ys = [x.sum(1, keepdim=True).sin() for x in xs]
+
+    def stepper(name):
+        model, opt = models[name]
+
+        def step(i):
+            loss = torch.nn.functional.mse_loss(model(xs[i % 8]), ys[i % 8])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return step
+
+    def full(model):  # DTensor shards gathered (collective on the model's mesh)
+        return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+
+    steps = {name: stepper(name) for name in models}
+    _time_steps(models, steps, groups, args, rank, queue, full)
 
 
 def _timeout_worker(rank, world, port, args, queue):
@@ -397,7 +467,7 @@ def _spawn(fn, world, *extra, deadline_s=600.0):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="tools/peers_bench.py", description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("symm", "ddp", "timeout"))
+    p.add_argument("what", choices=("symm", "ddp", "fsdp", "timeout"))
     p.add_argument("-g", "--ngpus", type=int, default=None, help="ranks = GPUs (default: all)")
     p.add_argument("-b", "--minbytes", type=_size, default=8)
     p.add_argument("-e", "--maxbytes", type=_size, default=64 << 20)
@@ -409,9 +479,9 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5,
-                   help="ddp: rounds of timed loops, the backends alternating which goes first")
+                   help="ddp, fsdp: rounds of timed loops, the backends alternating which goes first")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                   help="ddp: also profile 20 steps per backend and print this many rows of "
+                   help="ddp, fsdp: also profile 20 steps per backend and print this many rows of "
                         "rank 0's ops by CPU time")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
@@ -433,17 +503,19 @@ def main(argv=None):
         rows = _spawn(_symm_worker, world, args)
         print("\n".join(symm_table(rows, world)))
     else:
-        rows = _spawn(_ddp_worker, world, args)
+        fsdp = args.what == "fsdp"
+        rows = _spawn(_fsdp_worker if fsdp else _ddp_worker, world, args)
         nccl, pyccl_, floor = rows
         same = nccl.pop("final") == pyccl_.pop("final")
         floor.pop("final")
         # two ranks: both backends add the same two numbers; more: they sum in different orders
-        print(f"DDP step, {world} ranks, MLP {args.layers} layers of {args.width} "
-              f"({nccl['params']} parameters), batch {args.batch} per rank; both backends and "
-              f"the floor in the same processes, {args.rounds} rounds, median over rounds")
+        print(f"{'FSDP2' if fsdp else 'DDP'} step, {world} ranks, MLP {args.layers} layers of "
+              f"{args.width} ({nccl['params']} parameters), batch {args.batch} per rank; both "
+              f"backends and the floor in the same processes, {args.rounds} rounds, median over rounds")
+        floor_what = ("unsharded, no communication" if fsdp
+                      else "without the all-reduce (model.no_sync())")
         for r in rows:
-            what = ("without the all-reduce (model.no_sync())" if r["backend"] == "floor"
-                    else f"backend {r['backend']}")
+            what = floor_what if r["backend"] == "floor" else f"backend {r['backend']}"
             print(f"  {what + ':':<42} {r['ms_per_step']:.3f} ms per step (host "
                   f"{r['host_ms_per_step']:.3f} ms); rounds: "
                   + " ".join(f"{v:.3f}" for v in r["rounds_ms"]))
