@@ -245,6 +245,31 @@ def _symm_worker(rank, world, port, args, queue):
     dist.destroy_process_group()
 
 
+def _mlp(args):
+    """The MLP both step modes train, on the current GPU, from seed 0 (the same on every rank
+    and for every backend)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, args.width), torch.nn.ReLU()]
+    for _ in range(args.layers - 2):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(args.width, 1))
+    return torch.nn.Sequential(*layers).cuda()
+
+
+def _stepper(model, opt, rank, args):
+    """step(i): forward, backward and SGD step of `model` on this rank's i-th batch (8, cycled)."""
+    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    xs = [torch.randn(args.batch, 64, device="cuda", generator=g) for _ in range(8)]
+    ys = [x.sum(1, keepdim=True).sin() for x in xs]
+
+    def step(i):
+        loss = torch.nn.functional.mse_loss(model(xs[i % 8]), ys[i % 8])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return step
+
+
 def _ddp_worker(rank, world, port, args, queue):
     import pyccl  # noqa: F401  (registers "pyccl")
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -254,30 +279,16 @@ def _ddp_worker(rank, world, port, args, queue):
     groups = {"nccl": None, "pyccl": dist.new_group(backend="pyccl")}
 
     def make(pg):  # the same MLP, from the same seed, for each backend
-        torch.manual_seed(0)
-        layers = [torch.nn.Linear(64, args.width), torch.nn.ReLU()]
-        for _ in range(args.layers - 2):
-            layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
-        layers.append(torch.nn.Linear(args.width, 1))
-        model = DDP(torch.nn.Sequential(*layers).cuda(), device_ids=[rank], process_group=pg)
+        model = DDP(_mlp(args), device_ids=[rank], process_group=pg)
         return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 
     # "floor": a third copy whose steps run under model.no_sync() (no all-reduce: the step no
     # backend can go under), timed between the two backends' loops in every round
     models = {name: make(pg) for name, pg in (*groups.items(), ("floor", None))}
-    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    xs = [torch.randn(args.batch, 64, device="cuda", generator=g) for _ in range(8)]
-    ys = [x.sum(1, keepdim=True).sin() for x in xs]
 
     def stepper(name):
         model, opt = models[name]
-
-        def step(i):
-            loss = torch.nn.functional.mse_loss(model(xs[i % 8]), ys[i % 8])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-
+        step = _stepper(model, opt, rank, args)
         if name != "floor":
             return step
 
@@ -343,12 +354,7 @@ def _fsdp_worker(rank, world, port, args, queue):
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, device_id=torch.device("cuda", rank))
     groups = {"nccl": dist.new_group(backend="nccl"), "pyccl": dist.new_group(backend="pyccl")}
-    torch.manual_seed(0)  # one MLP, copied for each backend and for the floor
-    layers = [torch.nn.Linear(64, args.width), torch.nn.ReLU()]
-    for _ in range(args.layers - 2):
-        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
-    layers.append(torch.nn.Linear(args.width, 1))
-    base = torch.nn.Sequential(*layers).cuda()
+    base = _mlp(args)  # one MLP, copied for each backend and for the floor
 
     def make(pg):
         # FSDP2 on a mesh of the group: each Linear and the whole model sharded (parameters
@@ -364,24 +370,11 @@ def _fsdp_worker(rank, world, port, args, queue):
         return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 
     models = {name: make(pg) for name, pg in (*groups.items(), ("floor", None))}
-    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    xs = [torch.randn(args.batch, 64, device="cuda", generator=g) for _ in range(8)]
-    ys = [x.sum(1, keepdim=True).sin() for x in xs]
-
-    def stepper(name):
-        model, opt = models[name]
-
-        def step(i):
-            loss = torch.nn.functional.mse_loss(model(xs[i % 8]), ys[i % 8])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return step
 
     def full(model):  # DTensor shards gathered (collective on the model's mesh)
         return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
 
-    steps = {name: stepper(name) for name in models}
+    steps = {name: _stepper(*models[name], rank, args) for name in models}
     _time_steps(models, steps, groups, args, rank, queue, full)
 
 
