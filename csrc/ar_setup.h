@@ -1,6 +1,7 @@
 /* What the files of pyccl's own all-reduce share (ar.c, the calls;
- * ar_setup.c, a communicator's set-up and release; the kernels' loading,
- * ar_load.h), and no other file includes.  Hidden from other shared objects. */
+ * ar_setup.c, a communicator's set-up and release; ar_region.c, the regions
+ * that outlive a call; the kernels' loading, ar_load.h), and no other file
+ * includes.  Hidden from other shared objects. */
 #ifndef PYCCL_AR_SETUP_H
 #define PYCCL_AR_SETUP_H
 
@@ -65,6 +66,27 @@ typedef struct pyccl_ar {
 
 /* Why the own kernels are off for `ar` (a pyccl_ar *), printf-style. */
 #define AR_WHY(ar, ...) snprintf((ar)->reason, sizeof (ar)->reason, __VA_ARGS__)
+
+/* ---- ar_region.c: the lists of regions that outlive a call ---- */
+/* f is ready: its stop word joins those interpreter exit sets (and leaves). */
+void ar_live_add(pyccl_ar *f);
+void ar_live_remove(pyccl_ar *f);
+/* Without the GIL.  Make this rank's page of marks (its name into name[len],
+ * "" when shared memory is unavailable). */
+void ar_marks_create(pyccl_ar *f, char *name, size_t len);
+/* After the exchange: peer p's page (named in its record) and process. */
+void ar_marks_open(pyccl_ar *f, int p, const char *name, int32_t pid);
+/* This rank closed its mapping of p's region (or never had one): tell p. */
+void ar_marks_closed(pyccl_ar *f, int p);
+/* The page's name goes (every peer opened it); the mapping stays. */
+void ar_marks_unlink(pyccl_ar *f);
+/* This rank's page goes (its region freed, or parked with it). */
+void ar_marks_drop(pyccl_ar *f);
+/* base, which peers may still map, is freed once every peer marked it
+ * closed or is gone: 1 parked, 0 kept (no page of marks). */
+int ar_park(pyccl_ar *f, char *base);
+/* Free the parked regions no peer maps any more; how many. */
+int ar_drain(const pyccl_api *a);
 
 /* Collective.  Called without the GIL, current device = the comm's, f's
  * setup_mu held, f->deadline set.  Returns the NCCL result of the exchange

@@ -77,7 +77,7 @@ def test_ten_communicators_give_back_their_peer_memory_on_destroy(peer_lib, tmp_
 
 
 def test_abort_gives_back_every_byte_once_the_peers_closed_their_mappings(peer_lib, tmp_path):
-    # the release handshake (csrc/ar_setup.c): a region a peer may still map is parked, and
+    # the release handshake (csrc/ar_region.c): a region a peer may still map is parked, and
     # freed once every peer marked it closed or exited
     results = run_two_ranks(peer_lib, "own_kernels_abort", tmp_path, PYCCL_AR_BUFFER_MB="1")
     for rank, (res, _) in enumerate(results):

@@ -67,7 +67,7 @@ FAULTS = [
         "    if (safe) {\n        a->cudaFree(base);\n    }\n",
         "    if (safe) {\n        (void)base; /* MUTANT: never freed */\n    }\n")],
         tests=["tests/test_selection_cpu.py", "-k", "ten_communicators"]),
-    dict(name="a peer never says it closed the region", tier="cpu", file="csrc/ar_setup.c", edits=[(
+    dict(name="a peer never says it closed the region", tier="cpu", file="csrc/ar_region.c", edits=[(
         "        __atomic_store_n(&m->closed[f->rank], 1, __ATOMIC_RELEASE);\n",
         "        (void)m; /* MUTANT: the owner is never told */\n")],
         tests=["tests/test_selection_cpu.py", "-k", "gives_back"]),

@@ -1,0 +1,367 @@
+/* pyccl's own all-reduce, the regions' lives beyond one communicator: the
+ * ready communicators' stop words (interpreter exit ends kernels still
+ * waiting for peers), and the release handshake (a region peers may still
+ * map, parked and freed once each peer marked it closed or exited).  Both
+ * lists are process-wide, under the regions' locks. */
+#include "ar.h"
+#include "locks.h"
+#include "ar_setup.h"
+#include "tensor.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Every ready communicator's stop word, so that interpreter exit can release
+ * kernels still waiting for peers.  A list (no limit on how many), changed
+ * under live_mu: the set-up adds to it without the GIL. */
+static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
+static pyccl_ar *live_head;
+
+void
+ar_live_add(pyccl_ar *f)
+{
+    pyccl_lock(&live_mu, PYCCL_LOCK_REGIONS);
+    f->prev = NULL;
+    f->next = live_head;
+    if (live_head != NULL) {
+        live_head->prev = f;
+    }
+    live_head = f;
+    f->in_live = 1;
+    pyccl_unlock(&live_mu);
+}
+
+void
+ar_live_remove(pyccl_ar *f)
+{
+    pyccl_lock(&live_mu, PYCCL_LOCK_REGIONS);
+    if (f->in_live) {
+        if (f->prev != NULL) {
+            f->prev->next = f->next;
+        } else {
+            live_head = f->next;
+        }
+        if (f->next != NULL) {
+            f->next->prev = f->prev;
+        }
+        f->prev = f->next = NULL;
+        f->in_live = 0;
+    }
+    pyccl_unlock(&live_mu);
+}
+
+/* The kernels of c that wait for peers give up now (they poll this
+ * host-mapped word); the communicator's own kernels are unusable afterwards. */
+void
+pyccl_ar_stop(pyccl_comm *c)
+{
+    pyccl_ar *f = c->ar;
+    if (f != NULL && f->host_err != NULL) {
+        *(volatile int *)f->host_err = 2;
+    }
+}
+
+void
+pyccl_ar_stop_all(void)
+{
+    pyccl_lock(&live_mu, PYCCL_LOCK_REGIONS);
+    for (pyccl_ar *f = live_head; f != NULL; f = f->next) {
+        if (f->host_err != NULL) {
+            *(volatile int *)f->host_err = 2;
+        }
+    }
+    pyccl_unlock(&live_mu);
+}
+
+/* ---------------- the release handshake ----------------
+ *
+ * Giving back the own kernels' region when no barrier of every rank can be
+ * had (abort(), garbage collection, a peer that died): the release handshake.
+ *
+ * A rank's region is exported by CUDA IPC; freeing it while a peer still
+ * maps it is undefined, so until now it was kept (leaked) whenever destroy()'s
+ * barrier could not prove every peer had closed its mapping: about 34 MiB per
+ * aborted communicator, per rank.  Two ways were weighed:
+ * - memory from the driver's cuMem calls exported as POSIX file descriptors
+ *   (the driver keeps the physical memory until the last mapping goes, so the
+ *   exporter may let go at once).  It needs the descriptors carried between
+ *   the ranks' processes over Unix sockets, a listener per rank, and a second
+ *   allocation and mapping path beside the CUDA IPC one;
+ * - a handshake: each rank has a small shared-memory page of "closed" marks;
+ *   a peer sets its mark in the owner's page after it closed its mapping of
+ *   the owner's region (the order that makes the free safe), and a peer whose
+ *   process is gone counts as closed (its mappings died with it).
+ * The handshake is chosen: it keeps the one mapping path, needs no sockets,
+ * and the CPU tier's stand-in library covers it.  A region is "parked" when
+ * its rank lets go of it before its peers did, and freed at this process's
+ * next own-kernel set-up or release once every peer has marked or is gone.
+ * A page's name is unlinked once the set-up's agreement showed every peer
+ * opened it, so no name outlives the set-up, whatever happens to the
+ * processes later.  Where shared memory cannot be had (shm_open fails), the
+ * region is kept as before.  A peer that never closes its mapping (alive, the communicator not
+ * destroyed or aborted there) keeps the region parked until it does. */
+
+#define MARKS_MAGIC 0x70636d6bu /* "pcmk" */
+
+struct ar_marks {
+    uint32_t magic;
+    int32_t closed[PYCCL_AR_MAX_RANKS]; /* [p] = 1: rank p closed its mapping */
+};
+
+/* A region let go of before every peer closed its mapping. */
+typedef struct parked {
+    struct parked *next;
+    char *base;
+    int device, rank, nranks;
+    ar_marks *marks;
+    char name[PYCCL_AR_MARKS_NAME];
+    char peer_names[PYCCL_AR_MAX_RANKS][PYCCL_AR_MARKS_NAME];
+    int32_t pids[PYCCL_AR_MAX_RANKS];
+} parked;
+
+static pthread_mutex_t parked_mu = PTHREAD_MUTEX_INITIALIZER;
+static parked *parked_head;
+static unsigned marks_serial;
+
+static ar_marks *
+map_marks(const char *name, int create)
+{
+    int fd = shm_open(name, create ? O_CREAT | O_EXCL | O_RDWR : O_RDWR, 0600);
+    if (fd < 0) {
+        return NULL;
+    }
+    if (create && ftruncate(fd, sizeof(ar_marks)) != 0) {
+        close(fd);
+        shm_unlink(name);
+        return NULL;
+    }
+    void *p = mmap(NULL, sizeof(ar_marks), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        if (create) {
+            shm_unlink(name);
+        }
+        return NULL;
+    }
+    return p;
+}
+
+/* A peer's process is gone (or a zombie, whose mappings went with it). */
+static int
+pid_gone(int32_t pid)
+{
+    if (pid <= 0) {
+        return 0;
+    }
+    if (kill(pid, 0) != 0) {
+        return errno == ESRCH;
+    }
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *fp = fopen(path, "r");
+    if (fp == NULL) {
+        return 0;
+    }
+    size_t got = fread(buf, 1, sizeof buf - 1, fp);
+    fclose(fp);
+    buf[got] = '\0';
+    const char *close_paren = strrchr(buf, ')');
+    return close_paren != NULL && (close_paren[2] == 'Z' || close_paren[2] == 'X');
+}
+
+/* Names left in /dev/shm by processes of this host that died during a
+ * set-up (between making their page and the agreement that unlinks it). */
+static void
+sweep_dead_names(void)
+{
+    DIR *d = opendir("/dev/shm");
+    if (d == NULL) {
+        return;
+    }
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        int pid = 0;
+        unsigned k = 0;
+        if (sscanf(e->d_name, "pyccl-ar-%d-%u", &pid, &k) == 2 && pid > 0 && pid != getpid() &&
+            pid_gone(pid)) {
+            char name[300];
+            snprintf(name, sizeof name, "/%s", e->d_name);
+            shm_unlink(name);
+        }
+    }
+    closedir(d);
+}
+
+/* Without the GIL.  Make this rank's page of marks (its name into name[len],
+ * "" when shared memory is unavailable). */
+void
+ar_marks_create(pyccl_ar *f, char *name, size_t len)
+{
+    static int swept;
+    if (!__atomic_exchange_n(&swept, 1, __ATOMIC_RELAXED)) {
+        sweep_dead_names(); /* once per process */
+    }
+    name[0] = '\0';
+    unsigned k = __atomic_fetch_add(&marks_serial, 1, __ATOMIC_RELAXED);
+    snprintf(f->marks_name, sizeof f->marks_name, "/pyccl-ar-%d-%u", (int)getpid(), k);
+    f->marks = map_marks(f->marks_name, 1);
+    if (f->marks == NULL) {
+        f->marks_name[0] = '\0';
+        return;
+    }
+    memset(f->marks, 0, sizeof *f->marks);
+    f->marks->magic = MARKS_MAGIC;
+    snprintf(name, len, "%s", f->marks_name);
+}
+
+/* After the exchange: peer p's page (named in its record) and process. */
+void
+ar_marks_open(pyccl_ar *f, int p, const char *name, int32_t pid)
+{
+    f->pids[p] = pid;
+    snprintf(f->peer_names[p], sizeof f->peer_names[p], "%.*s", PYCCL_AR_MARKS_NAME - 1, name);
+    f->peer_marks[p] = NULL;
+    if (name[0] == '/') {
+        ar_marks *m = map_marks(f->peer_names[p], 0);
+        if (m != NULL && m->magic != MARKS_MAGIC) {
+            munmap(m, sizeof *m);
+            m = NULL;
+        }
+        f->peer_marks[p] = m;
+    }
+}
+
+/* This rank closed its mapping of p's region (or never had one): tell p. */
+void
+ar_marks_closed(pyccl_ar *f, int p)
+{
+    ar_marks *m = f->peer_marks[p];
+    f->peer_marks[p] = NULL;
+    if (m != NULL) {
+        /* release: the mapping was closed before this store */
+        __atomic_store_n(&m->closed[f->rank], 1, __ATOMIC_RELEASE);
+        munmap(m, sizeof *m);
+    }
+}
+
+/* The page's name goes (every peer opened it); the mapping stays. */
+void
+ar_marks_unlink(pyccl_ar *f)
+{
+    if (f->marks_name[0] != '\0') {
+        shm_unlink(f->marks_name);
+        f->marks_name[0] = '\0';
+    }
+}
+
+/* This rank's page goes (its region freed, or parked with it). */
+void
+ar_marks_drop(pyccl_ar *f)
+{
+    if (f->marks != NULL) {
+        munmap(f->marks, sizeof *f->marks);
+        f->marks = NULL;
+    }
+    if (f->marks_name[0] != '\0') {
+        shm_unlink(f->marks_name);
+        f->marks_name[0] = '\0';
+    }
+}
+
+/* base, which peers may still map, is freed once every peer marked it
+ * closed or is gone: 1 parked, 0 kept (no page of marks). */
+int
+ar_park(pyccl_ar *f, char *base)
+{
+    if (base == NULL || f->marks == NULL) {
+        return 0; /* no handshake: the region is kept */
+    }
+    parked *k = calloc(1, sizeof *k);
+    if (k == NULL) {
+        return 0;
+    }
+    k->base = base;
+    k->device = f->device;
+    k->rank = f->rank;
+    k->nranks = f->nranks;
+    k->marks = f->marks;
+    /* the name is no use once the set-up is over (a peer that has not
+     * opened the page by now never will) */
+    ar_marks_unlink(f);
+    k->name[0] = '\0';
+    memcpy(k->peer_names, f->peer_names, sizeof k->peer_names);
+    memcpy(k->pids, f->pids, sizeof k->pids);
+    f->marks = NULL;
+    f->marks_name[0] = '\0';
+    pyccl_lock(&parked_mu, PYCCL_LOCK_REGIONS);
+    k->next = parked_head;
+    parked_head = k;
+    pyccl_unlock(&parked_mu);
+    return 1;
+}
+
+/* Whether every peer of k closed its mapping or is gone. */
+static int
+released(parked *k)
+{
+    for (int p = 0; p < k->nranks; p++) {
+        if (p == k->rank) {
+            continue;
+        }
+        /* acquire: pairs with the peer's release after it closed */
+        if (!__atomic_load_n(&k->marks->closed[p], __ATOMIC_ACQUIRE) && !pid_gone(k->pids[p])) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Free the parked regions no peer maps any more; how many. */
+int
+ar_drain(const pyccl_api *a)
+{
+    int freed = 0;
+    pyccl_lock(&parked_mu, PYCCL_LOCK_REGIONS);
+    for (parked **pp = &parked_head; *pp != NULL;) {
+        parked *k = *pp;
+        if (!released(k)) {
+            pp = &k->next;
+            continue;
+        }
+        *pp = k->next;
+        int prev;
+        if (pyccl_device_enter(a, k->device, &prev) == cudaSuccess) {
+            a->cudaFree(k->base);
+            freed++;
+        }
+        pyccl_device_leave(a, k->device, prev);
+        a->cudaGetLastError();
+        munmap(k->marks, sizeof *k->marks);
+        if (k->name[0] != '\0') {
+            shm_unlink(k->name);
+        }
+        free(k);
+    }
+    pyccl_unlock(&parked_mu);
+    return freed;
+}
+
+int
+pyccl_ar_parked(void)
+{
+    int n = 0;
+    pyccl_lock(&parked_mu, PYCCL_LOCK_REGIONS);
+    for (parked *k = parked_head; k != NULL; k = k->next) {
+        n++;
+    }
+    pyccl_unlock(&parked_mu);
+    return n;
+}
