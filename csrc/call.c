@@ -193,5 +193,12 @@ pyccl_call_abort_check(pyccl_state *st, pyccl_comm *c)
      * while inside NCCL (never across a wait on peers), and each of those
      * calls looks at the handle again under the lock before it calls NCCL
      * (pyccl_comm_enter, the enqueue's second look), raising "aborted". */
+    __atomic_add_fetch(&c->aborting, 1, __ATOMIC_RELEASE);
     return 0;
+}
+
+void
+pyccl_call_abort_end(pyccl_comm *c)
+{
+    __atomic_sub_fetch(&c->aborting, 1, __ATOMIC_RELEASE);
 }

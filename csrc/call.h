@@ -90,7 +90,10 @@ void pyccl_call_destroy_end(pyccl_comm *c);
  * it, with or without a timeout); 1 when c is being destroyed (only
  * the own kernels' waits are to be ended); 2 in a child made by fork()
  * (c forgotten: nothing else to do); else 0.  Decided before any side
- * effect. */
+ * effect.  0 counts the abort in c->aborting until pyccl_call_abort_end. */
 int pyccl_call_abort_check(pyccl_state *st, pyccl_comm *c);
+/* The abort that pyccl_call_abort_check let through has finished, done or
+ * refused. */
+void pyccl_call_abort_end(pyccl_comm *c);
 
 #endif /* PYCCL_CALL_H */

@@ -503,6 +503,7 @@ comm_abort(PyObject *self, PyObject *Py_UNUSED(unused))
     pyccl_call_hold(c);
     int rc = pyccl_watch_abort(st, c);
     pyccl_call_end(c);
+    pyccl_call_abort_end(c);
     if (rc < 0) {
         return NULL;
     }

@@ -236,11 +236,14 @@ typedef struct {
     /* The door's (call.c, the only writer): calls between begin and end,
      * and its life (PYCCL_LIFE_*); in_group: pyccl.group()s not ended that
      * hold work of it (enqueue.c, the only writer, as a call joins the
-     * group); abort_asked: abort() came while destroy() ran. */
+     * group); abort_asked: abort() came while destroy() ran; aborting:
+     * abort()s between the door's yes and their end, read without the GIL
+     * by a wait whose work such an abort may have ended (watch_calls.c). */
     int inflight;
     int in_group;
     int life;
     int abort_asked;
+    int aborting;
     int pending;         /* split inside pyccl.group(): NCCL writes `comm` at the group's end */
     pid_t pid;           /* the process that made it: a child made by fork() inherits a copy
                           * of it (locks a parent's thread held included) it cannot use */

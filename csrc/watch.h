@@ -177,6 +177,8 @@ int poll_watch(waiter *wt, struct pyccl_watch *w, double deadline, ncclResult_t 
 void waiter_start(waiter *wt, int interruptible);
 int acquire_all(waiter *wt, struct pyccl_watch **ws, int n, int need_room, int *which);
 int wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit);
+/* The work a wait looked at is done: whether an abort() ended it. */
+int wait_end(pyccl_state *st, const char *op, pyccl_comm *c);
 int wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit, int interruptible);
 
 #pragma GCC visibility pop

@@ -105,10 +105,31 @@ pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
                  double limit)
 {
     int rc = wait_work(st, op, c->watch, limit, 1);
-    if (rc > 0) {
-        return pyccl_watch_check(st, op, c);
+    return rc < 0 ? rc : wait_end(st, op, c);
+}
+
+/* An abort() of another thread ends the work before it marks the
+ * communicator (the own kernels' stop word first, then NCCL's abort, whose
+ * teardown takes long after the kernels it ended returned): a wait that
+ * found the work done while such an abort is under way waits for it to
+ * finish, then raises "has been aborted" when it did, as it would have had
+ * the mark come first.  Signals are looked at meanwhile. */
+int
+wait_end(pyccl_state *st, const char *op, pyccl_comm *c)
+{
+    if (__atomic_load_n(&c->aborting, __ATOMIC_ACQUIRE) > 0) {
+        waiter wt;
+        int sig = 0;
+        waiter_start(&wt, 1);
+        while (sig == 0 && __atomic_load_n(&c->aborting, __ATOMIC_ACQUIRE) > 0) {
+            sig = waiter_pause(&wt);
+        }
+        waiter_finish(&wt);
+        if (sig < 0) {
+            return -1;
+        }
     }
-    return rc;
+    return pyccl_watch_check(st, op, c);
 }
 
 /* wait() of a communicator without timeout: an event recorded now on each
@@ -147,7 +168,7 @@ pyccl_wait_stream(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s
     }
     /* abort() from another thread ended the work, and the wait: it did
      * not finish, and the call says why, as a watched one's does */
-    return pyccl_watch_check(st, op, c);
+    return wait_end(st, op, c);
 }
 
 /* The work on streams[0..n) so far done (an event each, polled with the GIL

@@ -424,7 +424,7 @@ pyccl_comm_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         /* no timeout of its own: without a limit, as long as it takes, or
          * until abort() from another thread ended the work (then raised:
          * it did not finish, as a watched communicator's wait says) */
-        if (wait_streams(st, "wait", c, limit) < 0 || pyccl_watch_check(st, "wait", c) < 0) {
+        if (wait_streams(st, "wait", c, limit) < 0 || wait_end(st, "wait", c) < 0) {
             return NULL;
         }
         Py_RETURN_NONE;

@@ -113,6 +113,17 @@ def test_abort_then_destroy_with_a_stuck_own_kernel(peer_lib, tmp_path):
         assert res["misuse"] == 0, res
 
 
+@pytest.mark.parametrize("case", ["untimed", "timed"])
+def test_a_wait_that_abort_ended_says_so_though_the_kernel_stopped_first(peer_lib, tmp_path, case):
+    # the stop word ends the kernel before the abort marks the communicator (NCCL's abort
+    # takes long): the wait does not return as if the work had finished
+    for rank, res in enumerate(run_ranks(peer_lib, "own_kernel_stuck_abort_wait", tmp_path, case)):
+        assert res["wait"][1] == ["RuntimeError", f"wait: the communicator (rank {rank} of 2) has been aborted"], res
+        assert 0.7 <= res["wait"][0] < 3.0, res
+        assert res["abort"] != "not returned" and res["abort"][1] is None, res
+        assert res["destroyed"] and res["misuse"] == 0, res
+
+
 # A communicator with a timeout watches its own kernels' work as it watches NCCL's: a kernel
 # stuck on a dead peer fails the communicator once the timeout passed.
 

@@ -177,7 +177,7 @@ def run_fake(lib, scenario, timeout=60):
 
 @pytest.mark.parametrize("scenario", [
     "init_then_collectives",   # non-blocking init polled; collectives tracked; destroy finalizes
-    "untimed",                 # no timeout: nothing tracked, no thread; abort(), wait() refused
+    "untimed",                 # no timeout: nothing tracked, no thread; abort() ends a wait
     "graph_capture",           # no event recorded while the stream is captured
     "group_calls",             # events at the group's end; destroy/abort refused inside
     "mixed_group",             # timed and untimed communicators in one group: refused by pyccl

@@ -82,9 +82,14 @@ FAULTS = [
         tests=["tests/test_lifecycle_cpu.py", "-k", "abort_never and untimed"]),
     dict(name="a wait() that abort() ended on an untimed communicator returns None", tier="cpu",
         file="csrc/watch_life.c", edits=[(
-        "        if (wait_streams(st, \"wait\", c, limit) < 0 || pyccl_watch_check(st, \"wait\", c) < 0) {\n",
+        "        if (wait_streams(st, \"wait\", c, limit) < 0 || wait_end(st, \"wait\", c) < 0) {\n",
         "        if (wait_streams(st, \"wait\", c, limit) < 0) { /* MUTANT: the work reads as finished */\n")],
         tests=["tests/test_timeout_cpu.py", "-k", "untimed"]),
+    dict(name="a wait whose work an abort() under way ended returns before the abort marked it",
+        tier="cpu", file="csrc/watch_calls.c", edits=[(
+        "    if (__atomic_load_n(&c->aborting, __ATOMIC_ACQUIRE) > 0) {\n        waiter wt;\n",
+        "    if (0) { /* MUTANT: the abort not waited for */\n        waiter wt;\n")],
+        tests=["tests/test_own_lifecycle_cpu.py", "-k", "abort_ended"]),
     dict(name="abort()'s wait for a call inside NCCL not interruptible (no timeout)", tier="cpu",
         file="csrc/watch_state.c", edits=[(
         "        while (!got) {\n            if (waiter_pause(&wt) < 0) {\n",

@@ -114,7 +114,7 @@ static __thread int group_nops;
     X(nccl_mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)    \
     X(dereg_calls) X(reg_delay) X(reg_hang) X(reg_quiet) X(cumem_held)    \
     X(dereg_delay) X(redop_creates) X(ar_stuck) X(revokes) X(shrinks)    \
-    X(dereg_busy)
+    X(dereg_busy) X(abort_delay)
 #define DECL(k) static double k;
 KEYS(DECL)
 #undef DECL
@@ -341,7 +341,13 @@ ncclCommAbort(ncclComm_t c)
         c->aborted = 1; /* its stuck work ends: the kernels see the flag */
         aborts++;
     }
+    double d = abort_delay;
     pthread_mutex_unlock(&mu);
+    if (d > 0) {
+        /* NCCL's abort returns after its teardown (proxy threads, memory),
+         * long after the kernels it ended */
+        usleep((useconds_t)(d * 1e6));
+    }
     return ncclSuccess;
 }
 
