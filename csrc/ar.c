@@ -47,12 +47,16 @@ buffer_bytes(void)
  *     up to the whole buffer (8 MiB: 36 against 51 us on H200, 36 against
  *     42 us against NCCL's symmetric kernels on H100), and two-shot never
  *     beats one-shot;
+ *   3 ranks, 4xH200 (docs/results/4xH200/algos3.txt): one-shot 8.9 us
+ *     against two-shot 12.0 at 512 KiB; the two tie at 2 MiB (20.9 and 20.5);
+ *     two-shot 55.6 against NCCL's 60.1 at 8 MiB; NCCL at 32 MiB;
  *   4 ranks, 4xH100 NV18: one-shot 12.7 us against two-shot 15.8 at 512 KiB;
  *     two-shot 23.8 against one-shot 29.6 at 2 MiB and 55.9 against NCCL's
- *     63.5 at 8 MiB; NCCL at 32 MiB.
- * Other counts are not measured: the 4-rank crossover for one-shot (it
- * reads n-1 copies, so it stays on small sizes) and the limit of two-shot
- * from before the 4-rank sweep.  PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX
+ *     63.5 at 8 MiB; NCCL at 32 MiB (4xH200, algos4.txt: 11.7 against 13.7,
+ *     24.1 against 29.9, 56.5 against 62.6).
+ * Other counts are not measured: the 3- and 4-rank crossover for one-shot
+ * (it reads n-1 copies, so it stays on small sizes) and the limit of
+ * two-shot from before those sweeps.  PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX
  * (bytes) override them.  Every rank must see the same values (the set-up
  * checks). */
 #define AR_BUFFER ((size_t)0) /* the whole buffer */
@@ -61,6 +65,7 @@ static const struct {
     size_t one, two;
 } ar_thresholds[] = {
     {2, AR_BUFFER, AR_BUFFER},
+    {3, (size_t)512 << 10, (size_t)8 << 20},
     {4, (size_t)512 << 10, (size_t)8 << 20},
     {0, (size_t)512 << 10, (size_t)4 << 20}, /* any other count: not measured */
 };
