@@ -6,9 +6,10 @@ list-of-tensors systems) the multi-process runner itself: hangs, stack dumps, ki
 The bench modules are loaded from their files when `import pyccl` fails (extension not built):
 they need neither a GPU nor pyccl._C to import.
 """
+import array
 import importlib
-import json
 import importlib.util
+import json
 import multiprocessing
 import os
 import pathlib
@@ -1333,10 +1334,12 @@ def test_peers_bench_step_table(what, title, floor, worker, monkeypatch, capsys)
             return {"backend": backend, "rounds_ms": rounds, "rounds_host_ms": [r / 2 for r in rounds],
                     "ms_per_step": sorted(rounds)[1], "host_ms_per_step": sorted(rounds)[1] / 2,
                     "params": 4321, "final": final, "profile": None}
-        return [row("nccl", [2.0, 2.5, 3.0], b"same"), row("pyccl", [2.4, 2.2, 3.3], final_pyccl),
+        return [row("nccl", [2.0, 2.5, 3.0], same), row("pyccl", [2.4, 2.2, 3.3], final_pyccl),
                 row("floor", [1.0, 1.5, 1.0], b"other")]
 
-    for final, equal in ((b"same", True), (b"diff", False)):
+    same = array.array("f", [1.0, -2.0, 0.5]).tobytes()
+    off = array.array("f", [1.0, -2.0 + 2 ** -20, 0.5]).tobytes()  # 2**-21 of the largest
+    for final, equal in ((same, "True"), (off, "False (largest difference 4.8e-07 of the largest parameter)")):
         monkeypatch.setattr(pb, "_spawn", lambda fn, world, args, _r=rows(final): spawned.append(fn) or _r)
         monkeypatch.setattr(pb.torch.cuda, "device_count", lambda: 2)
         pb.main([what, "--rounds", "3"])

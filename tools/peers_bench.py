@@ -25,7 +25,8 @@ the median over rounds with the host's time per step beside it (equal to it wher
 host-bound), each round's figure, pyccl / nccl per round, and per round the part above the floor
 of each (pyccl's over nccl's).  A machine's own drift moves all three alike.  --profile N adds
 rank 0's N busiest ops per backend; at 2 ranks the parameters after training must be bitwise
-equal between the two backends (both add the same two numbers).
+equal between the two backends (both add the same two numbers); at more they sum in different
+orders, and the largest difference, relative to the largest parameter, is printed.
 fsdp: the same for FSDP2: the MLP's Linear layers and the whole model sharded with fully_shard on
 a DeviceMesh of a "nccl" and of a "pyccl" group (parameters all-gathered before use, gradients
 reduce-scattered), and the floor the same step unsharded with no communication; the parameters
@@ -458,6 +459,14 @@ def _spawn(fn, world, *extra, deadline_s=600.0):
     return result
 
 
+def _param_difference(a, b):
+    """The largest difference between two trainings' parameters (float32, as bytes), relative
+    to the largest parameter: at more than 2 ranks the backends sum in different orders."""
+    x = torch.frombuffer(bytearray(a), dtype=torch.float32).double()
+    y = torch.frombuffer(bytearray(b), dtype=torch.float32).double()
+    return ((x - y).abs().max() / x.abs().max().clamp_min(1e-30)).item()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="tools/peers_bench.py", description=__doc__.split("\n")[0])
     p.add_argument("what", choices=("symm", "ddp", "fsdp", "timeout"))
@@ -499,7 +508,8 @@ def main(argv=None):
         fsdp = args.what == "fsdp"
         rows = _spawn(_fsdp_worker if fsdp else _ddp_worker, world, args)
         nccl, pyccl_, floor = rows
-        same = nccl.pop("final") == pyccl_.pop("final")
+        final_n, final_p = nccl.pop("final"), pyccl_.pop("final")
+        same = final_n == final_p
         floor.pop("final")
         # two ranks: both backends add the same two numbers; more: they sum in different orders
         print(f"{'FSDP2' if fsdp else 'DDP'} step, {world} ranks, MLP {args.layers} layers of "
@@ -522,7 +532,9 @@ def main(argv=None):
         print(f"  pyccl / nccl: {pyccl_['ms_per_step'] / nccl['ms_per_step']:.3f} (rounds: "
               + " ".join(f"{v:.3f}" for v in ratios) + "); above the floor, pyccl / nccl: "
               + " ".join(f"{v:.2f}" for v in over)
-              + f"; parameters after training bitwise equal: {same}")
+              + f"; parameters after training bitwise equal: {same}"
+              + ("" if same else f" (largest difference {_param_difference(final_n, final_p):.1e} "
+                 "of the largest parameter)"))
         if not same and world == 2:
             print("peers_bench: the two backends trained to different parameters")
             return 1
