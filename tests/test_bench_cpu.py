@@ -1454,7 +1454,10 @@ def _sweep(tmp_path, *argv, gpus=4, fail="", **extra):
 def test_sweep_ranks_runs_each_rank_count_into_its_own_folder(tmp_path):
     r, out, files = _sweep(tmp_path, "--ranks", "4,2,3", "--only", "symm,ddp")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert files == [f"r{n}/{s}.txt" for n in (2, 3, 4) for s in ("ddp", "symm")]
+    assert files == [f"r{n}/{s}.txt" for n in (2, 3, 4) for s in ("ddp", "symm")] + ["tables.md"]
+    # the tables from the whole run (the stand-in python writes its command line)
+    assert (out / "tables.md").read_text() == f"ran: tools/sweep_tables.py {out}\n"
+    assert r.stdout.splitlines()[-1] == f"sweep: tables in {out}/tables.md"
     for n in (2, 3, 4):
         assert (out / f"r{n}" / "symm.txt").read_text() == (
             f"ran: tools/peers_bench.py symm -g {n} --json {out}/r{n}/symm.json\n")
@@ -1463,13 +1466,13 @@ def test_sweep_ranks_runs_each_rank_count_into_its_own_folder(tmp_path):
     timed = [line.rsplit(":", 1)[0] for line in r.stdout.splitlines() if line.endswith(" s")]
     assert timed == [f"sweep: {s} at {n} ranks" for n in (2, 3, 4) for s in ("symm", "ddp")]
     r, out, files = _sweep(tmp_path, "--ranks", "all", "--only", "cmpg", gpus=3)
-    assert r.returncode == 0 and files == ["r2/cmpg.txt", "r3/cmpg.txt"], r.stdout
+    assert r.returncode == 0 and files == ["r2/cmpg.txt", "r3/cmpg.txt", "tables.md"], r.stdout
 
 
 def test_sweep_without_ranks_runs_once_into_out_as_before(tmp_path):
     r, out, files = _sweep(tmp_path, gpus=3)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert files == ["algos.txt", "cmp.txt", "cmpg.txt", "coll.txt", "ddp.txt", "symm.txt"]
+    assert files == ["algos.txt", "cmp.txt", "cmpg.txt", "coll.txt", "ddp.txt", "symm.txt", "tables.md"]
     assert r.stdout.splitlines()[0] == "sweep: 3 ranks, one GPU each"
     # all_gather and reduce_scatter beside the same peers as all_reduce, at the run's rank count
     assert (out / "coll.txt").read_text() == (
@@ -1477,7 +1480,7 @@ def test_sweep_without_ranks_runs_once_into_out_as_before(tmp_path):
         f"-n 100 --repeats 3 --json {out}/coll.json --no-progress\n")
     assert (out / "algos.txt").read_text().startswith("ran: -m pyccl.bench -g 3 ")
     r, out, files = _sweep(tmp_path, "--only", "symm", gpus=4, SWEEP_RANKS="3")
-    assert r.returncode == 0 and files == ["symm.txt"], r.stdout
+    assert r.returncode == 0 and files == ["symm.txt", "tables.md"], r.stdout
     assert (out / "symm.txt").read_text().startswith("ran: tools/peers_bench.py symm -g 3 ")
 
 
@@ -1486,7 +1489,7 @@ def test_sweep_a_failed_step_is_named_the_others_still_run(tmp_path):
     assert r.returncode == 1
     assert r.stdout.count("sweep: failed (exit 1): timeout 150 ") == 1
     assert f"peers_bench.py symm -g 2 --json {out}/r2/symm.json" in r.stdout
-    assert files == [f"r{n}/{s}.txt" for n in (2, 3) for s in ("algos", "ddp", "symm")]
+    assert files == [f"r{n}/{s}.txt" for n in (2, 3) for s in ("algos", "ddp", "symm")] + ["tables.md"]
 
 
 @pytest.mark.parametrize("argv, env, rc, message", [
@@ -1516,3 +1519,96 @@ def test_sweep_help_and_an_unknown_option(tmp_path):
     r, _, files = _sweep(tmp_path, "--rank", "2")
     assert r.returncode == 2 and r.stdout.startswith("sweep: unknown option '--rank'\nUsage:")
     assert files == []
+
+
+def _sweep_tables():
+    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "sweep_tables.py"
+    spec = importlib.util.spec_from_file_location("sweep_tables", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_NT = """### nccl-tests float eager
+#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong
+           8             2     float     sum      -1    17.15    0.00    0.00       0    17.24    0.00    0.00       0
+        2048           512     float     sum      -1    16.73    0.12    0.12       0    16.31    0.13    0.13       0
+# Avg bus bandwidth    : 43.5224
+### nccl-tests float graph -G 10
+           8             2     float     sum      -1     6.15    0.00    0.00       0     6.11    0.00    0.00       0
+        2048           512     float     sum      -1     6.33    0.32    0.32       0     6.34    0.32    0.32       0
+"""
+
+
+def test_sweep_tables_put_every_system_side_by_side(tmp_path):
+    # a sweep's files at 2 ranks (--algos, --compare, symm, nccl-tests) and at 3 (--algos alone):
+    # each figure lands in its system's column at its size, in place only, "—" where a system
+    # has none; the steps that did not run leave their columns out
+    st = _sweep_tables()
+    from pyccl.bench import report
+    r2, r3 = tmp_path / "r2", tmp_path / "r3"
+    r2.mkdir()
+    r3.mkdir()
+
+    def algos(folder, n, base):
+        recs = [report.AlgoResult("pyccl", n, size, algo, None, timing, 100, base + k + 10 * j + size / 1024)
+                for j, timing in enumerate(("eager", "graph", "host"))
+                for k, algo in enumerate(("auto", "oneshot", "twoshot", "nccl"))
+                for size in (8, 2048) if not (algo == "twoshot" and size == 8)]
+        recs.append(report.AlgoResult("pyccl", n, 8, "auto", "PYCCL_AR_PDL=0", "eager", 100, 99.0))
+        report.write_json(folder / "algos.json", {}, [], algos=recs)
+
+    algos(r2, 2, 1.0)
+    algos(r3, 3, 101.0)
+
+    def res(system, dtype, size, placement, t):
+        return report.Result(system, "all_reduce", dtype, "sum", 0, size, size // 4, 2, placement, t)
+    cmp = [res("nccl-symm", "float", 8, "in-place", 11.0), res("nccl-symm", "float", 8, "out-of-place", 77.0),
+           res("torch.distributed", "float", 2048, "in-place", 25.0),
+           res("pyccl", "bfloat16", 8, "in-place", 4.5), res("nccl-symm", "bfloat16", 2048, "in-place", 12.5)]
+    report.write_json(r2 / "cmp.json", {}, cmp)
+    (r2 / "symm.json").write_text(json.dumps([
+        {"kernel": "one_shot", "dtype": "float", "bytes": 8, "eager_us": 10.4, "graph_us": 6.4},
+        {"kernel": "two_shot", "dtype": "float", "bytes": 2048, "eager_us": 9.7, "graph_us": None}]))
+    (r2 / "nt.txt").write_text(_NT)
+    out = subprocess.run([sys.executable, str(pathlib.Path(st.__file__)), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    blocks = out.stdout.split("\n\n## ")
+    assert blocks[0].splitlines() == [
+        "## 2 ranks", "", "### float32 sum in place, eager (µs per call)", "",
+        "| bytes | pyccl auto | auto host | own one-shot | own two-shot | NCCL (pyccl, algo=nccl) | "
+        "NCCL symmetric (pyccl windows) | torch one_shot | torch two_shot | dist \"nccl\" | nccl-tests |",
+        "|---:|" + "---:|" * 10,
+        "| 8 | 1.0 | 21.0 | 2.0 | — | 4.0 | 11.0 | 10.4 | — | — | 17.2 |",
+        "| 2 K | 3.0 | 23.0 | 4.0 | 5.0 | 6.0 | — | — | 9.7 | 25.0 | 16.3 |",
+        "", "### float32 sum in place, replayed from a CUDA graph (µs per call)", "",
+        "| bytes | pyccl auto | own one-shot | own two-shot | NCCL (pyccl, algo=nccl) | torch one_shot | "
+        "nccl-tests -G 10 |",
+        "|---:|" + "---:|" * 6,
+        "| 8 | 11.0 | 12.0 | — | 14.0 | 6.4 | 6.1 |",
+        "| 2 K | 13.0 | 14.0 | 15.0 | 16.0 | — | 6.3 |",
+        "", "### bfloat16 sum in place, eager (µs per call)", "",
+        "| bytes | pyccl auto | NCCL symmetric (pyccl windows) |",
+        "|---:|---:|---:|",
+        "| 8 | 4.5 | — |",
+        "| 2 K | — | 12.5 |"]
+    assert blocks[1].splitlines()[:7] == [
+        "3 ranks", "", "### float32 sum in place, eager (µs per call)", "",
+        "| bytes | pyccl auto | auto host | own one-shot | own two-shot | NCCL (pyccl, algo=nccl) |",
+        "|---:|" + "---:|" * 5,
+        "| 8 | 101.0 | 121.0 | 102.0 | — | 104.0 |"]
+    assert len(blocks) == 2 and "bfloat16" not in blocks[1]
+    assert st.human(8) == "8" and st.human(3 << 10) == "3 K" and st.human(1 << 30) == "1 G" and st.human(1536) == "1536"
+
+
+def test_sweep_tables_refuse_what_holds_no_sweep(tmp_path):
+    script = str(pathlib.Path(__file__).resolve().parent.parent / "tools" / "sweep_tables.py")
+
+    def run(*argv):
+        r = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=60)
+        return r.returncode, r.stderr.strip().splitlines()[:1] or r.stdout.splitlines()[:1]
+    assert run(str(tmp_path)) == (1, [f"sweep_tables: no sweep results in {tmp_path}"])
+    assert run(str(tmp_path / "nowhere")) == (2, [f"sweep_tables: {tmp_path / 'nowhere'} is not a folder"])
+    assert run() == (2, ["Usage: python tools/sweep_tables.py OUT"])
+    assert run("--help") == (0, ["Usage: python tools/sweep_tables.py OUT"])

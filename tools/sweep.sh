@@ -11,7 +11,8 @@
 #        nccl-tests part is left out.
 # Writes nt.txt (and nt-mpi.txt: nccl-tests built with MPI, one process per GPU, where mpicc is
 # found), algos.txt/json, cmp.txt/json, cmpg.txt/json, coll.txt/json, symm.txt/json, ddp.txt
-# under $OUT (or ./sweep-out); about 8 minutes on 2 H100s at 2 ranks without the coll step.  SWEEP_ARCH (default 90) is the compute
+# under $OUT (or ./sweep-out), and tables.md: every table of docs/PERFORMANCE.md from them
+# (tools/sweep_tables.py); about 8 minutes on 2 H100s at 2 ranks without the coll step.  SWEEP_ARCH (default 90) is the compute
 # capability nccl-tests is built for.  SWEEP_RANKS (default: every GPU) runs it at that many ranks,
 # one GPU each, the first ones (one call per rank count: OUT=r3 SWEEP_RANKS=3 bash tools/sweep.sh).
 # --ranks LIST runs it at each rank count of LIST (comma-separated, each 2 or more; "all": 2 up
@@ -180,4 +181,10 @@ for G in $LIST; do
     echo "sweep: $s at $G ranks: $((SECONDS - t0)) s"
   done
 done
+# every system side by side, per rank count, from the files above (tools/sweep_tables.py)
+if $PY tools/sweep_tables.py "$OUT" > "$OUT/tables.md.new" 2>/dev/null; then
+  mv "$OUT/tables.md.new" "$OUT/tables.md"; echo "sweep: tables in $OUT/tables.md"
+else
+  rm -f "$OUT/tables.md.new"
+fi
 exit $rc
