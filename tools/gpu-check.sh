@@ -8,7 +8,9 @@
 #   470 s); 3 = the per-rank API and its examples (about 440 s); 4 = the drop-in, bad input,
 #   the torch.distributed backend, registered memory (about 260 s); 5 = compile ops, the
 #   benchmark tool, the own kernels simulated at 2-8 ranks, with the CPU tests
-#   that CI does not already cover (about 450 s).  Given test paths (tests/...), only those run.
+#   that CI does not already cover (about 450 s).  On 4 H200s, one rank per GPU: part 1
+#   about 235 s, 2 about 410 s, 3 about 275 s, 4 and 5 over 240 s and 310 s (set
+#   GPU_CHECK_PYTEST_S above those).  Given test paths (tests/...), only those run.
 #        bash tools/gpu-check.sh --bench [pyccl.bench args...]   (build, then the benchmark)
 #   GPU_CHECK_BENCH=0 leaves out the quick benchmark and the own-kernel sweep (python -m
 #   pyccl.bench --algos) after the tests;
