@@ -1311,12 +1311,17 @@ def test_symm_driver_only_builds_all_reduce():
     assert d.build("all_reduce", "in-place", "sum", 0, [(None, None)]) is None
 
 
-def _peers_bench():
-    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "peers_bench.py"
-    spec = importlib.util.spec_from_file_location("peers_bench", path)
+def _tool(name):
+    """tools/NAME.py as a module (the tools are scripts, not a package)."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _peers_bench():
+    return _tool("peers_bench")
 
 
 @pytest.mark.parametrize("what,title,floor,worker", [
@@ -1557,14 +1562,6 @@ def test_sweep_help_and_an_unknown_option(tmp_path):
     assert files == []
 
 
-def _sweep_tables():
-    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "sweep_tables.py"
-    spec = importlib.util.spec_from_file_location("sweep_tables", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 _NT = """### nccl-tests float eager
 #       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong
            8             2     float     sum      -1    17.15    0.00    0.00       0    17.24    0.00    0.00       0
@@ -1580,7 +1577,7 @@ def test_sweep_tables_put_every_system_side_by_side(tmp_path):
     # a sweep's files at 2 ranks (--algos, --compare, symm, nccl-tests) and at 3 (--algos alone):
     # each figure lands in its system's column at its size, in place only, "—" where a system
     # has none; the steps that did not run leave their columns out
-    st = _sweep_tables()
+    st = _tool("sweep_tables")
     from pyccl.bench import report
     r2, r3 = tmp_path / "r2", tmp_path / "r3"
     r2.mkdir()
