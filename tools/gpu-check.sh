@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # One device call: build pyccl, run the GPU test tier and a short benchmark.
 # Usage (device tool): bash tools/gpu-check.sh [--part N] [pytest args...]
-#   The whole tier is more than one 10-minute call: --part 1 to 5 split it into five calls
+#   The whole tier is more than one 10-minute call: --part 1 to 6 split it into six calls
 #   of under 10 minutes each on one GPU (multi-rank tests with ranks sharing it) or on
-#   several (times measured on one H100, about 2,100 s in all): 1 = the own kernels (about
-#   480 s); 2 = their recovery cycles, memory and sanitizer tests, failures, stress (about
-#   470 s); 3 = the per-rank API and its examples (about 440 s); 4 = the drop-in, bad input,
-#   the torch.distributed backend, registered memory (about 260 s); 5 = compile ops, the
-#   benchmark tool, the own kernels simulated at 2-8 ranks, with the CPU tests
-#   that CI does not already cover (about 450 s).  On 4 H200s, one rank per GPU: part 1
-#   about 235 s, 2 about 410 s, 3 about 275 s, 4 and 5 over 240 s and 310 s (set
-#   GPU_CHECK_PYTEST_S above those).  Given test paths (tests/...), only those run.
+#   several: 1 = the own kernels; 2 = their recovery cycles, memory and sanitizer tests,
+#   failures, stress; 3 = the per-rank API and its examples; 4 = the drop-in, bad input, the
+#   torch.distributed backend; 5 = registered memory, compile ops, the benchmark tool, the own
+#   kernels simulated at 2-8 ranks; 6 = the CPU tests that CI does not already cover (with a
+#   GPU present).  Times on 4 H200s, one rank per GPU: 1 about 230 s, 2 about 465 s, 3 about
+#   275 s, 4 about 300 s for all but its last four tests, 5 about 265 s for all but its last
+#   two (set GPU_CHECK_PYTEST_S above those); on one H100 the five parts before 6 was split
+#   off took about 2,100 s.  Given test paths (tests/...), only those run.
 #        bash tools/gpu-check.sh --bench [pyccl.bench args...]   (build, then the benchmark)
 #   GPU_CHECK_BENCH=0 leaves out the quick benchmark and the own-kernel sweep (python -m
 #   pyccl.bench --algos) after the tests;
@@ -46,13 +46,13 @@ if [ "${1:-}" = "--part" ]; then
               tests/test_ar_gpu.py::test_memory_kept_after_abort_is_at_most_the_exported_regions \
               tests/test_ar_gpu.py::test_compute_sanitizer_clean tests/test_failure_gpu.py tests/test_stress_gpu.py "$@" ;;
     3) set -- tests/test_comm_gpu.py "$@" ;;
-    4) set -- tests/test_nccl_gpu.py tests/test_bad_input.py tests/test_distributed_gpu.py \
-              tests/test_registered_gpu.py "$@" ;;
-    5) set -- tests/test_ops_gpu.py tests/test_bench_gpu.py tests/test_ar_sim_gpu.py \
-              tests/test_registered_cpu.py tests/test_api_cpu.py tests/test_nccl_cpu.py \
+    4) set -- tests/test_nccl_gpu.py tests/test_bad_input.py tests/test_distributed_gpu.py "$@" ;;
+    5) set -- tests/test_registered_gpu.py tests/test_ops_gpu.py tests/test_bench_gpu.py \
+              tests/test_ar_sim_gpu.py "$@" ;;
+    6) set -- tests/test_registered_cpu.py tests/test_api_cpu.py tests/test_nccl_cpu.py \
               tests/test_share_gpus_cpu.py tests/test_distributed_cpu.py tests/test_ops_cpu.py \
               tests/test_selection_cpu.py "$@" ;;
-    *) echo "gpu-check: --part takes 1 to 5, got '$part'"; exit 2 ;;
+    *) echo "gpu-check: --part takes 1 to 6, got '$part'"; exit 2 ;;
   esac
 fi
 
