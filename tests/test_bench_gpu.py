@@ -91,7 +91,11 @@ def test_algos_on_two_ranks_measure_own_kernels_and_variants(tmp_path):
 ONE_RANK_CASES = ["python call of a no-op", "ctypes cuCtxGetDevice",
                   "ctypes cuLaunchKernel, empty kernel", "ctypes cuLaunchKernel, 144-byte param",
                   "comm.all_reduce(empty tensor)", "comm.all_reduce(8 B, algo='nccl')",
-                  "raw ncclAllReduce via ctypes (8 B)", "on a side stream: empty kernel launch"]
+                  "raw ncclAllReduce via ctypes (8 B)", "ctypes cuEventRecord (timing off)",
+                  "ctypes cuStreamIsCapturing",
+                  "timed, blocking: comm.all_reduce(8 B, algo='nccl')",
+                  "timed, non-blocking: comm.all_reduce(8 B, algo='nccl')",
+                  "on a side stream: empty kernel launch"]
 
 
 @needs_gpus(1)
@@ -109,6 +113,8 @@ def test_host_breakdown_on_two_ranks_adds_the_own_kernel_rows(tmp_path):
     cases = [x["case"] for x in doc["host_breakdown"]]
     assert cases == ONE_RANK_CASES[:5] + [
         "comm.all_reduce(8 B): own kernel, PDL", "comm.all_reduce(8 B): own kernel, no PDL",
-        "comm.all_reduce(8 B, algo='oneshot')"] + ONE_RANK_CASES[5:7] + [
+        "comm.all_reduce(8 B, algo='oneshot')"] + ONE_RANK_CASES[5:9] + [
+        "timed, blocking: comm.all_reduce(8 B): own kernel", ONE_RANK_CASES[9],
+        "timed, non-blocking: comm.all_reduce(8 B): own kernel", ONE_RANK_CASES[10],
         "on a side stream: own kernel, PDL", "on a side stream: empty kernel launch"], cases
     assert doc["config"]["all_reduce_info"][1]["pdl"] is False

@@ -7,7 +7,8 @@ where host is close to eager the loop is host-bound); --variants repeats the own
 a sub-communicator set up under other environment settings; then many small tensors, a call per
 tensor against one all_reduce_coalesced. host_breakdown (--host-breakdown): where the host time
 of an eager call goes, from a Python call of a no-op up to the 8-byte all_reduce, with the raw
-launch floors through ctypes. Each message to the parent carries one rank's loops of one
+launch floors through ctypes, and what a timeout adds (the same calls on communicators with
+timeout=, blocking and non-blocking, beside the driver calls a timed call adds). Each message to the parent carries one rank's loops of one
 measurement; the parent takes the median over loops of the maximum over ranks.
 """
 from __future__ import annotations
@@ -156,6 +157,11 @@ def _driver():
     cu.cuLaunchKernel.restype = ctypes.c_int
     cu.cuCtxGetDevice.argtypes = [vp]
     cu.cuCtxGetDevice.restype = ctypes.c_int
+    cu.cuEventCreate.argtypes = [vp, u]
+    cu.cuEventRecord.argtypes = [vp, vp]
+    cu.cuStreamIsCapturing.argtypes = [vp, vp]
+    for f in (cu.cuEventCreate, cu.cuEventRecord, cu.cuStreamIsCapturing):
+        f.restype = ctypes.c_int
     mod = vp()
     rc = cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(PTX))
     if rc != 0:
@@ -248,6 +254,27 @@ def host_breakdown(drv: _PycclComm, cfg: Mapping[str, Any], out: _Reporter) -> N
         ("comm.all_reduce(8 B, algo='nccl')", lambda: comm.all_reduce(x, algo="nccl")),
         ("raw ncclAllReduce via ctypes (8 B)", raw_nccl()),
     ]
+    # What a timeout adds: the same calls on communicators with timeout= (a blocking handle, the
+    # "pyccl" backend's kind, and the default non-blocking one), and the two driver calls a timed
+    # call adds to an untimed one (an event recorded after the work, the capture look before it).
+    ev = ctypes.c_void_p()
+    rc = cu.cuEventCreate(ctypes.byref(ev), 2)  # CU_EVENT_DISABLE_TIMING
+    if rc != 0:
+        raise RuntimeError(f"--host-breakdown: cuEventCreate failed ({rc})")
+    capturing = ctypes.c_int()
+    s = torch.cuda.current_stream().cuda_stream
+    cases += [
+        ("ctypes cuEventRecord (timing off)", lambda: cu.cuEventRecord(ev, s)),
+        ("ctypes cuStreamIsCapturing", lambda: cu.cuStreamIsCapturing(s, ctypes.byref(capturing))),
+    ]
+    timed = {blocking: _timed_comm(comm, rank, n, blocking) for blocking in (True, False)}
+    for blocking, name in ((True, "timed, blocking"), (False, "timed, non-blocking")):
+        tc = timed[blocking]
+        tc.all_reduce(x)  # its own kernels' set-up
+        if own:
+            cases.append((f"{name}: comm.all_reduce(8 B): own kernel", lambda tc=tc: tc.all_reduce(x)))
+        cases.append((f"{name}: comm.all_reduce(8 B, algo='nccl')",
+                      lambda tc=tc: tc.all_reduce(x, algo="nccl")))
 
     def sync():
         comm.barrier()
@@ -267,3 +294,19 @@ def host_breakdown(drv: _PycclComm, cfg: Mapping[str, Any], out: _Reporter) -> N
             out.put(("breakdown", rank, name, *_time_host(fn, calls, reps, sync)))
     if nopdl is not None:
         nopdl.destroy()
+    for tc in timed.values():
+        tc.destroy()
+
+
+def _timed_comm(comm: Any, rank: int, n: int, blocking: bool) -> Any:
+    """A communicator of the same ranks and device with timeout=600 (the backend's default) on a
+    blocking or a non-blocking NCCL handle: its unique id broadcast over comm."""
+    import torch
+
+    import pyccl
+    dev = f"cuda:{comm.device}"
+    uid = (torch.tensor(list(pyccl.unique_id()), dtype=torch.uint8, device=dev) if rank == 0
+           else torch.zeros(128, dtype=torch.uint8, device=dev))
+    comm.broadcast(uid, 0)
+    return pyccl.Communicator(n, bytes(uid.tolist()), rank, device=comm.device, timeout=600,
+                              blocking=blocking)
