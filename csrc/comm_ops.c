@@ -715,10 +715,22 @@ ops_wait_call(call_ctx *x, cudaStream_t s)
     return pyccl_wait_stream(x->st, x->op, x->c, s);
 }
 
+/* torch._C._nn (an attribute of the extension torch._C, not a module that
+ * can be imported by name), or NULL with the exception set. */
+static PyObject *
+torch_nn(PyObject *torch)
+{
+    PyObject *tc = PyObject_GetAttrString(torch, "_C");
+    PyObject *nn = tc != NULL ? PyObject_GetAttrString(tc, "_nn") : NULL;
+    Py_XDECREF(tc);
+    return nn;
+}
+
 /* all_reduce_coalesced(tensors, op=SUM, *, algo=None): pack, one collective,
- * unpack.  The pack and unpack are torch's kernels (torch.cat and
- * torch._foreach_copy_, one launch each for up to ~100 tensors), on the
- * current stream, which is also where the collective goes. */
+ * unpack.  The pack and unpack are torch's (flatten_dense_tensors, one cat
+ * launch, and _foreach_copy_ of unflatten_dense_tensors' views, one launch
+ * each for up to ~100 tensors, both in C++: no Python call per tensor), on
+ * the current stream, which is also where the collective goes. */
 PyObject *
 pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames)
@@ -747,11 +759,7 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
         Py_RETURN_NONE;
     }
     pyccl_tensor first, t;
-    PyObject *flats = PyList_New(n), *sizes = PyList_New(n);
-    PyObject *torch = NULL, *flat = NULL, *parts = NULL, *r = NULL;
-    if (flats == NULL || sizes == NULL) {
-        goto done;
-    }
+    PyObject *torch = NULL, *nn = NULL, *flat = NULL, *parts = NULL, *r = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         char name[64];
         PyOS_snprintf(name, sizeof name, "tensors[%zd]", i);
@@ -765,18 +773,11 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
             (i && ops_same_dtype(&x, name, &t, "tensors[0]", &first) < 0)) {
             goto done;
         }
-        PyObject *v = PyObject_CallMethod(item, "view", "i", -1);
-        PyObject *numel = PyLong_FromLongLong(i ? t.numel : first.numel);
-        if (v == NULL || numel == NULL) {
-            Py_XDECREF(v);
-            Py_XDECREF(numel);
-            goto done;
-        }
-        PyList_SET_ITEM(flats, i, v);
-        PyList_SET_ITEM(sizes, i, numel);
     }
-    if (pyccl_reduce_type(x.st, op, "tensors[0]", &first) < 0 || (torch = PyImport_ImportModule("torch")) == NULL ||
-        (flat = PyObject_CallMethod(torch, "cat", "O", flats)) == NULL) {
+    if (pyccl_reduce_type(x.st, op, "tensors[0]", &first) < 0 ||
+        (torch = PyImport_ImportModule("torch")) == NULL ||
+        (nn = torch_nn(torch)) == NULL ||
+        (flat = PyObject_CallMethod(nn, "flatten_dense_tensors", "O", tensors)) == NULL) {
         goto done;
     }
     {
@@ -803,17 +804,16 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
         }
         Py_CLEAR(r);
     }
-    if ((parts = PyObject_CallMethod(flat, "split", "O", sizes)) == NULL ||
-        (r = PyObject_CallMethod(torch, "_foreach_copy_", "OO", flats, parts)) == NULL) {
+    if ((parts = PyObject_CallMethod(nn, "unflatten_dense_tensors", "OO", flat, tensors)) == NULL ||
+        (r = PyObject_CallMethod(torch, "_foreach_copy_", "OO", tensors, parts)) == NULL) {
         goto done;
     }
     Py_CLEAR(r);
     r = Py_NewRef(Py_None);
 done:
     Py_XDECREF(tensors);
-    Py_XDECREF(flats);
-    Py_XDECREF(sizes);
     Py_XDECREF(torch);
+    Py_XDECREF(nn);
     Py_XDECREF(flat);
     Py_XDECREF(parts);
     return r;

@@ -56,7 +56,10 @@ def _stub_torch():
 
     def no_kernels(*a, **k):
         raise RuntimeError("stub torch runs no kernels")
-    torch.cat = torch._foreach_copy_ = no_kernels
+    torch._foreach_copy_ = no_kernels
+    nn = types.ModuleType("torch._C._nn")
+    nn.flatten_dense_tensors = nn.unflatten_dense_tensors = no_kernels
+    c._nn = nn
     torch._C = c
     sys.modules.update({"torch": torch, "torch.cuda": cuda, "torch._C": c})
 
