@@ -204,6 +204,7 @@ ar_of(pyccl_comm *c, const char *op)
             PyMem_RawFree(f);
             return NULL;
         }
+        ar_region_init(&f->region, c->rank, c->size, c->device);
         pthread_mutex_init(&f->setup_mu, NULL);
         c->ar = f;
     }
@@ -304,7 +305,7 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const pyccl_
     memset(&prm, 0, sizeof prm);
     prm.in = t->ptr;
     prm.out = o->ptr;
-    memcpy(prm.base, f->peer, sizeof prm.base);
+    memcpy(prm.base, f->region.peer, sizeof prm.base);
     prm.host_error = f->host_err;
     prm.nbytes = nbytes;
     prm.half_bytes = f->half_bytes;
@@ -583,9 +584,9 @@ pyccl_ar_epoch(pyccl_state *st, pyccl_comm *c, PyObject *value)
         e = a->cudaDeviceSynchronize();
         if (e == cudaSuccess) {
             e = value != NULL && value != Py_None
-                    ? a->cudaMemcpy(f->base + PYCCL_AR_COUNTER_OFF, counters, sizeof counters,
+                    ? a->cudaMemcpy(f->region.base + PYCCL_AR_COUNTER_OFF, counters, sizeof counters,
                                     cudaMemcpyHostToDevice)
-                    : a->cudaMemcpy(counters, f->base + PYCCL_AR_COUNTER_OFF, sizeof counters,
+                    : a->cudaMemcpy(counters, f->region.base + PYCCL_AR_COUNTER_OFF, sizeof counters,
                                     cudaMemcpyDeviceToHost);
         }
     }

@@ -1,8 +1,10 @@
-/* pyccl's own all-reduce, the regions' lives beyond one communicator: the
- * ready communicators' stop words (interpreter exit ends kernels still
- * waiting for peers), and the release handshake (a region peers may still
- * map, parked and freed once each peer marked it closed or exited).  Both
- * lists are process-wide, under the regions' locks. */
+/* pyccl's own all-reduce, the peers' region (ar_region: this rank's region
+ * made and exported, the peers' mapped, closed and let go of) and what
+ * outlives one communicator: the ready communicators' stop words
+ * (interpreter exit ends kernels still waiting for peers), and the release
+ * handshake (a region peers may still map, parked and freed once each peer
+ * marked it closed or exited).  Both lists are process-wide, under the
+ * regions' locks. */
 #include "ar.h"
 #include "locks.h"
 #include "ar_setup.h"
@@ -200,10 +202,19 @@ sweep_dead_names(void)
     closedir(d);
 }
 
+void
+ar_region_init(ar_region *g, int rank, int nranks, int device)
+{
+    memset(g, 0, sizeof *g);
+    g->rank = rank;
+    g->nranks = nranks;
+    g->device = device;
+}
+
 /* Without the GIL.  Make this rank's page of marks (its name into name[len],
  * "" when shared memory is unavailable). */
-void
-ar_marks_create(pyccl_ar *f, char *name, size_t len)
+static void
+marks_create(ar_region *g, char *name, size_t len)
 {
     static int swept;
     if (!__atomic_exchange_n(&swept, 1, __ATOMIC_RELAXED)) {
@@ -211,101 +222,182 @@ ar_marks_create(pyccl_ar *f, char *name, size_t len)
     }
     name[0] = '\0';
     unsigned k = __atomic_fetch_add(&marks_serial, 1, __ATOMIC_RELAXED);
-    snprintf(f->marks_name, sizeof f->marks_name, "/pyccl-ar-%d-%u", (int)getpid(), k);
-    f->marks = map_marks(f->marks_name, 1);
-    if (f->marks == NULL) {
-        f->marks_name[0] = '\0';
+    snprintf(g->marks_name, sizeof g->marks_name, "/pyccl-ar-%d-%u", (int)getpid(), k);
+    g->marks = map_marks(g->marks_name, 1);
+    if (g->marks == NULL) {
+        g->marks_name[0] = '\0';
         return;
     }
-    memset(f->marks, 0, sizeof *f->marks);
-    f->marks->magic = MARKS_MAGIC;
-    snprintf(name, len, "%s", f->marks_name);
+    memset(g->marks, 0, sizeof *g->marks);
+    g->marks->magic = MARKS_MAGIC;
+    snprintf(name, len, "%s", g->marks_name);
 }
 
-/* After the exchange: peer p's page (named in its record) and process. */
-void
-ar_marks_open(pyccl_ar *f, int p, const char *name, int32_t pid)
+cudaError_t
+ar_region_alloc(const pyccl_api *a, ar_region *g, size_t total, cudaIpcMemHandle_t *handle,
+                char *marks, size_t len)
 {
-    f->pids[p] = pid;
-    snprintf(f->peer_names[p], sizeof f->peer_names[p], "%.*s", PYCCL_AR_MARKS_NAME - 1, name);
-    f->peer_marks[p] = NULL;
+    cudaError_t e = a->cudaMalloc((void **)&g->base, total);
+    if (e == cudaSuccess) {
+        /* all of it, the LL lines too: cudaMalloc often returns a destroyed
+         * communicator's region, whose flags a new epoch 1 would accept */
+        e = a->cudaMemset(g->base, 0, total);
+    }
+    if (e == cudaSuccess) {
+        e = a->cudaIpcGetMemHandle(handle, g->base);
+    }
+    if (e != cudaSuccess) {
+        if (g->base != NULL) {
+            a->cudaFree(g->base);
+            g->base = NULL;
+        }
+        return e;
+    }
+    marks_create(g, marks, len);
+    return cudaSuccess;
+}
+
+void
+ar_region_peer(ar_region *g, int p, const char *name, int32_t pid)
+{
+    g->pids[p] = pid;
+    snprintf(g->peer_names[p], sizeof g->peer_names[p], "%.*s", PYCCL_AR_MARKS_NAME - 1, name);
+    g->peer_marks[p] = NULL;
     if (name[0] == '/') {
-        ar_marks *m = map_marks(f->peer_names[p], 0);
+        ar_marks *m = map_marks(g->peer_names[p], 0);
         if (m != NULL && m->magic != MARKS_MAGIC) {
             munmap(m, sizeof *m);
             m = NULL;
         }
-        f->peer_marks[p] = m;
+        g->peer_marks[p] = m;
     }
 }
 
-/* This rank closed its mapping of p's region (or never had one): tell p. */
-void
-ar_marks_closed(pyccl_ar *f, int p)
+int
+ar_region_map(const pyccl_api *a, ar_region *g, int p, const char *busid,
+              cudaIpcMemHandle_t handle, char *why, size_t len)
 {
-    ar_marks *m = f->peer_marks[p];
-    f->peer_marks[p] = NULL;
+    if (p == g->rank) {
+        g->peer[p] = g->base;
+        return 1;
+    }
+    int pd = -1, can = 1;
+    /* a peer on this very GPU (PYCCL_AR_SHARED_GPU) needs no peer access */
+    if (a->cudaDeviceGetByPCIBusId && a->cudaDeviceCanAccessPeer &&
+        a->cudaDeviceGetByPCIBusId(&pd, busid) == cudaSuccess && pd != g->device) {
+        if (a->cudaDeviceCanAccessPeer(&can, g->device, pd) != cudaSuccess) {
+            can = 0;
+        }
+    }
+    a->cudaGetLastError(); /* a peer GPU this process does not see is fine */
+    if (!can) {
+        snprintf(why, len, "cuda:%d has no peer access to cuda:%d (rank %d)", g->device, pd, p);
+        return 0;
+    }
+    void *ptr = NULL;
+    cudaError_t e = a->cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+        snprintf(why, len, "mapping rank %d's memory failed: %s", p, a->cudaGetErrorString(e));
+        a->cudaGetLastError();
+        return 0;
+    }
+    g->peer[p] = ptr;
+    return 1;
+}
+
+/* This rank closed its mapping of p's region (or never had one): tell p. */
+static void
+marks_closed(ar_region *g, int p)
+{
+    ar_marks *m = g->peer_marks[p];
+    g->peer_marks[p] = NULL;
     if (m != NULL) {
         /* release: the mapping was closed before this store */
-        __atomic_store_n(&m->closed[f->rank], 1, __ATOMIC_RELEASE);
+        __atomic_store_n(&m->closed[g->rank], 1, __ATOMIC_RELEASE);
         munmap(m, sizeof *m);
     }
 }
 
-/* The page's name goes (every peer opened it); the mapping stays. */
 void
-ar_marks_unlink(pyccl_ar *f)
+ar_region_close_peers(const pyccl_api *a, ar_region *g)
 {
-    if (f->marks_name[0] != '\0') {
-        shm_unlink(f->marks_name);
-        f->marks_name[0] = '\0';
+    for (int r = 0; r < PYCCL_AR_MAX_RANKS; r++) {
+        if (r != g->rank && g->peer[r] != NULL && a->cudaIpcCloseMemHandle) {
+            a->cudaIpcCloseMemHandle(g->peer[r]);
+        }
+        if (r != g->rank) {
+            marks_closed(g, r);
+        }
+        g->peer[r] = NULL;
+    }
+}
+
+void
+ar_region_unlink(ar_region *g)
+{
+    if (g->marks_name[0] != '\0') {
+        shm_unlink(g->marks_name);
+        g->marks_name[0] = '\0';
     }
 }
 
 /* This rank's page goes (its region freed, or parked with it). */
-void
-ar_marks_drop(pyccl_ar *f)
+static void
+marks_drop(ar_region *g)
 {
-    if (f->marks != NULL) {
-        munmap(f->marks, sizeof *f->marks);
-        f->marks = NULL;
+    if (g->marks != NULL) {
+        munmap(g->marks, sizeof *g->marks);
+        g->marks = NULL;
     }
-    if (f->marks_name[0] != '\0') {
-        shm_unlink(f->marks_name);
-        f->marks_name[0] = '\0';
-    }
+    ar_region_unlink(g);
 }
 
-/* base, which peers may still map, is freed once every peer marked it
- * closed or is gone: 1 parked, 0 kept (no page of marks). */
-int
-ar_park(pyccl_ar *f, char *base)
+/* g's region, which peers may still map, is freed once every peer marked
+ * it closed or is gone: 1 parked (the page of marks with it), 0 kept (no
+ * page of marks). */
+static int
+park(ar_region *g)
 {
-    if (base == NULL || f->marks == NULL) {
+    if (g->base == NULL || g->marks == NULL) {
         return 0; /* no handshake: the region is kept */
     }
     parked *k = calloc(1, sizeof *k);
     if (k == NULL) {
         return 0;
     }
-    k->base = base;
-    k->device = f->device;
-    k->rank = f->rank;
-    k->nranks = f->nranks;
-    k->marks = f->marks;
+    k->base = g->base;
+    k->device = g->device;
+    k->rank = g->rank;
+    k->nranks = g->nranks;
+    k->marks = g->marks;
     /* the name is no use once the set-up is over (a peer that has not
      * opened the page by now never will) */
-    ar_marks_unlink(f);
+    ar_region_unlink(g);
     k->name[0] = '\0';
-    memcpy(k->peer_names, f->peer_names, sizeof k->peer_names);
-    memcpy(k->pids, f->pids, sizeof k->pids);
-    f->marks = NULL;
-    f->marks_name[0] = '\0';
+    memcpy(k->peer_names, g->peer_names, sizeof k->peer_names);
+    memcpy(k->pids, g->pids, sizeof k->pids);
+    g->marks = NULL;
     pyccl_lock(&parked_mu, PYCCL_LOCK_REGIONS);
     k->next = parked_head;
     parked_head = k;
     pyccl_unlock(&parked_mu);
     return 1;
+}
+
+void
+ar_region_let_go(const pyccl_api *a, ar_region *g, int safe)
+{
+    if (g->base == NULL) {
+        return;
+    }
+    if (safe) {
+        a->cudaFree(g->base);
+    }
+    else {
+        park(g);
+    }
+    g->base = NULL;
+    marks_drop(g); /* parked: the marks went with the region */
 }
 
 /* Whether every peer of k closed its mapping or is gone. */

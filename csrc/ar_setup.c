@@ -9,7 +9,7 @@
  * every pair, and an agreement (NCCL MIN) so that either every rank uses the
  * kernels or none does.  Release frees what it made: the exported region
  * behind a barrier of every rank, or, where no barrier can be had, once every
- * peer closed its mapping (the release handshake, ar_region.c). */
+ * peer closed its mapping (the region and its release handshake: ar_region.c). */
 #include "ar.h"
 #include "locks.h"
 #include "ar_setup.h"
@@ -154,75 +154,43 @@ wait_launched(const pyccl_api *a, pyccl_ar *f)
     a->cudaGetLastError();
 }
 
-/* This rank's region `base` is let go of: freed when `safe` (no peer can
- * map it: never shared, or a barrier followed every peer's close); else
- * parked until every peer closed its mapping or is gone (the release
- * handshake), or kept (leaked) where that cannot be, since freeing exported
- * memory that an importer still maps is undefined.  Nothing for a NULL base. */
+/* Free what no other process sees: the ordering event and the host word
+ * (the region goes through ar_region_let_go). */
 static void
-give_back(const pyccl_api *a, pyccl_ar *f, char *base, int safe)
+free_local(const pyccl_api *a, pyccl_ar *f)
 {
-    if (base == NULL) {
-        return;
-    }
-    if (safe) {
-        a->cudaFree(base);
-    }
-    else {
-        ar_park(f, base);
-    }
-    ar_marks_drop(f); /* parked: the marks went with the region */
-}
-
-/* Close the peers' regions mapped here (telling each that it is closed) and
- * free what no other process sees (the event, the host word); this rank's
- * region through give_back (`free_base`: safe to free now). */
-static void
-free_local(const pyccl_api *a, pyccl_ar *f, int free_base)
-{
-    for (int r = 0; r < PYCCL_AR_MAX_RANKS; r++) {
-        if (r != f->rank && f->peer[r] != NULL && a->cudaIpcCloseMemHandle) {
-            a->cudaIpcCloseMemHandle(f->peer[r]);
-        }
-        if (r != f->rank) {
-            ar_marks_closed(f, r);
-        }
-        f->peer[r] = NULL;
-    }
     if (f->order != NULL && a->cudaEventDestroy) {
         a->cudaEventDestroy(f->order);
     }
     f->order = NULL;
-    char *base = f->base;
-    f->base = NULL;
-    give_back(a, f, base, free_base);
     if (f->host_err != NULL && a->cudaFreeHost) {
         a->cudaFreeHost(f->host_err);
     }
     f->host_err = NULL;
 }
 
-
-/* This rank's region, host word and ordering event; 0 when any failed
- * (with the reason; nothing kept then). */
-static int
-alloc_local(const pyccl_api *a, pyccl_ar *f, size_t total, cudaIpcMemHandle_t *handle,
-            char *busid, size_t busid_len)
+/* The peers' regions closed here, what is local freed, and this rank's
+ * region let go of (`safe`: freed now). */
+static void
+drop_all(const pyccl_api *a, pyccl_ar *f, int safe)
 {
-    cudaError_t e = a->cudaMalloc((void **)&f->base, total);
-    if (e == cudaSuccess) {
-        /* all of it, the LL lines too: cudaMalloc often returns a destroyed
-         * communicator's region, whose flags a new epoch 1 would accept */
-        e = a->cudaMemset(f->base, 0, total);
-    }
-    if (e == cudaSuccess) {
-        e = a->cudaIpcGetMemHandle(handle, f->base);
-    }
+    ar_region_close_peers(a, &f->region);
+    free_local(a, f);
+    ar_region_let_go(a, &f->region, safe);
+}
+
+/* This rank's region (with its page of marks), host word and ordering
+ * event; 0 when any failed (with the reason; nothing kept then). */
+static int
+alloc_local(const pyccl_api *a, pyccl_ar *f, size_t total, ar_record *mine)
+{
+    cudaError_t e = ar_region_alloc(a, &f->region, total, &mine->handle, mine->marks,
+                                    sizeof mine->marks);
     if (e == cudaSuccess) {
         e = a->cudaHostAlloc((void **)&f->host_err, sizeof(int), cudaHostAllocMapped);
     }
     if (e == cudaSuccess) {
-        e = a->cudaDeviceGetPCIBusId(busid, (int)busid_len, f->device);
+        e = a->cudaDeviceGetPCIBusId(mine->busid, (int)sizeof mine->busid, f->device);
     }
     if (e == cudaSuccess && a->cudaEventCreateWithFlags) {
         e = a->cudaEventCreateWithFlags(&f->order, cudaEventDisableTiming);
@@ -231,7 +199,7 @@ alloc_local(const pyccl_api *a, pyccl_ar *f, size_t total, cudaIpcMemHandle_t *h
         AR_WHY(f, "setting up %zu bytes of peer memory on cuda:%d failed: %s", total, f->device,
             a->cudaGetErrorString(e));
         a->cudaGetLastError();
-        free_local(a, f, 1);
+        drop_all(a, f, 1);
         return 0;
     }
     *f->host_err = 0;
@@ -287,32 +255,10 @@ static int
 map_peers(const pyccl_api *a, pyccl_ar *f, const ar_record *all)
 {
     for (int p = 0; p < f->nranks; p++) {
-        if (p == f->rank) {
-            f->peer[p] = f->base;
-            continue;
-        }
-        int pd = -1, can = 1;
-        /* a peer on this very GPU (PYCCL_AR_SHARED_GPU) needs no peer access */
-        if (a->cudaDeviceGetByPCIBusId && a->cudaDeviceCanAccessPeer &&
-            a->cudaDeviceGetByPCIBusId(&pd, all[p].busid) == cudaSuccess && pd != f->device) {
-            if (a->cudaDeviceCanAccessPeer(&can, f->device, pd) != cudaSuccess) {
-                can = 0;
-            }
-        }
-        a->cudaGetLastError(); /* a peer GPU this process does not see is fine */
-        if (!can) {
-            AR_WHY(f, "cuda:%d has no peer access to cuda:%d (rank %d)", f->device, pd, p);
+        if (!ar_region_map(a, &f->region, p, all[p].busid, all[p].handle, f->reason,
+                           sizeof f->reason)) {
             return 0;
         }
-        void *ptr = NULL;
-        cudaError_t e = a->cudaIpcOpenMemHandle(&ptr, all[p].handle,
-                                                cudaIpcMemLazyEnablePeerAccess);
-        if (e != cudaSuccess) {
-            AR_WHY(f, "mapping rank %d's memory failed: %s", p, a->cudaGetErrorString(e));
-            a->cudaGetLastError();
-            return 0;
-        }
-        f->peer[p] = ptr;
     }
     return 1;
 }
@@ -327,7 +273,7 @@ probe(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, int *flag, uint32_t magic,
     pyccl_ar_params prm;
     memset(&prm, 0, sizeof prm);
     for (int p = 0; p < f->nranks; p++) {
-        prm.base[p] = f->peer[p];
+        prm.base[p] = f->region.peer[p];
     }
     prm.out = flag + 4;
     prm.rank = f->rank;
@@ -411,10 +357,7 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
     size_t total = PYCCL_AR_DATA_OFF + 2 * f->half_bytes + 2 * (size_t)n * 2 * f->ll_max;
     ar_drain(a); /* regions let go of before: free those no peer maps any more */
     if (ok) {
-        ok = alloc_local(a, f, total, &mine.handle, mine.busid, sizeof mine.busid);
-    }
-    if (ok) {
-        ar_marks_create(f, mine.marks, sizeof mine.marks);
+        ok = alloc_local(a, f, total, &mine);
     }
     mine.host = host_id();
     mine.half_bytes = f->half_bytes;
@@ -457,7 +400,7 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
     }
     for (int p = 0; p < n && ok; p++) {
         if (p != me) { /* where this rank tells p that it closed p's region */
-            ar_marks_open(f, p, all[p].marks, all[p].pid);
+            ar_region_peer(&f->region, p, all[p].marks, all[p].pid);
         }
     }
     if (ok) {
@@ -468,7 +411,7 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
     /* past this barrier every peer has opened this rank's page of marks (or
      * never will): its name goes, so none is left behind in /dev/shm by a
      * process that exits or dies; the mappings stay */
-    ar_marks_unlink(f);
+    ar_region_unlink(&f->region);
     if (r != ncclSuccess) {
         goto out;
     }
@@ -482,12 +425,11 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
     if (!ok) {
         /* every rank (all know it is off now) closes its mappings, then a
          * barrier: no importer is left when the regions are freed */
-        char *base = f->base;
-        f->base = NULL;
-        free_local(a, f, 0);
+        ar_region_close_peers(a, &f->region);
+        free_local(a, f);
         int one = 1;
         r = agree(a, f, c, flag, &one, s);
-        give_back(a, f, base, r == ncclSuccess); /* parked when the barrier failed */
+        ar_region_let_go(a, &f->region, r == ncclSuccess); /* parked when the barrier failed */
     }
 out:
     if (r != ncclInProgress) { /* a timed-out NCCL kernel may still use it */
@@ -510,7 +452,7 @@ out:
     } else {
         __atomic_store_n(&f->state, AR_OFF, __ATOMIC_RELEASE);
         /* once exchanged, a peer may have mapped this region: parked */
-        free_local(a, f, !exchanged);
+        drop_all(a, f, !exchanged);
     }
     return r;
 }
@@ -556,9 +498,8 @@ pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
          * region is kept (leaked). */
         int aborted = __atomic_load_n(&c->abort_asked, __ATOMIC_ACQUIRE);
         Py_BEGIN_ALLOW_THREADS
-        char *base = f->base;
-        f->base = NULL;
-        free_local(a, f, 0);
+        ar_region_close_peers(a, &f->region);
+        free_local(a, f);
         int freed = 0;
         if (collective && !aborted) {
             int *dev = NULL, ok = 1;
@@ -572,7 +513,7 @@ pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
             }
             a->cudaGetLastError();
         }
-        give_back(a, f, base, freed); /* parked unless the barrier passed */
+        ar_region_let_go(a, &f->region, freed); /* parked unless the barrier passed */
         ar_drain(a);
         Py_END_ALLOW_THREADS
     }

@@ -1,6 +1,6 @@
 /* What the files of pyccl's own all-reduce share (ar.c, the calls;
- * ar_setup.c, a communicator's set-up and release; ar_region.c, the regions
- * that outlive a call; the kernels' loading, ar_load.h), and no other file
+ * ar_setup.c, a communicator's set-up and release; ar_region.c, the peers'
+ * region and what outlives a call; the kernels' loading, ar_load.h), and no other file
  * includes.  Hidden from other shared objects. */
 #ifndef PYCCL_AR_SETUP_H
 #define PYCCL_AR_SETUP_H
@@ -20,9 +20,26 @@
 
 enum { AR_UNTRIED = 0, AR_READY = 1, AR_OFF = -1 };
 
-/* the release handshake's shared-memory page of a rank (ar_setup.c) */
+/* the release handshake's shared-memory page of a rank (ar_region.c) */
 #define PYCCL_AR_MARKS_NAME 40
 typedef struct ar_marks ar_marks;
+
+/* The peers' region of one communicator's own kernels, owned by its
+ * pyccl_ar (ar_region.c): this rank's region (cudaMalloc, exported by CUDA
+ * IPC), every peer's mapped here, and the release handshake that lets this
+ * rank's region go only once no peer maps it. */
+typedef struct ar_region {
+    int rank, nranks, device;
+    char *base;                         /* this rank's region */
+    char *peer[PYCCL_AR_MAX_RANKS];     /* every rank's region here; [rank] = base */
+    /* the release handshake: this rank's page and name, and each peer's
+     * page (NULL once told), name and process */
+    ar_marks *marks;
+    char marks_name[PYCCL_AR_MARKS_NAME];
+    ar_marks *peer_marks[PYCCL_AR_MAX_RANKS];
+    char peer_names[PYCCL_AR_MAX_RANKS][PYCCL_AR_MARKS_NAME];
+    int32_t pids[PYCCL_AR_MAX_RANKS];
+} ar_region;
 
 typedef struct pyccl_ar {
     int state;
@@ -32,8 +49,7 @@ typedef struct pyccl_ar {
      * as the reason, rather than this rank raising while its peers wait */
     char bad_setting[160];
     int logged;
-    char *base;                         /* this rank's region (cudaMalloc) */
-    char *peer[PYCCL_AR_MAX_RANKS];     /* every rank's region here; [rank] = base */
+    ar_region region;                   /* the peers' region */
     int *host_err;                      /* pinned, device-visible */
     size_t half_bytes;
     size_t one_max, two_max;            /* auto thresholds, read once */
@@ -53,13 +69,6 @@ typedef struct pyccl_ar {
     int sent;                           /* the set-up enqueued its exchange */
     char last[512];                     /* ncclGetLastError after a failed set-up call */
     pthread_mutex_t setup_mu;           /* one set-up at a time on a communicator */
-    /* the release handshake: this rank's page and name, and
-     * each peer's page (NULL once told), name and process */
-    ar_marks *marks;
-    char marks_name[PYCCL_AR_MARKS_NAME];
-    ar_marks *peer_marks[PYCCL_AR_MAX_RANKS];
-    char peer_names[PYCCL_AR_MAX_RANKS][PYCCL_AR_MARKS_NAME];
-    int32_t pids[PYCCL_AR_MAX_RANKS];
     struct pyccl_ar *prev, *next;   /* in the live list, under live_mu */
     int in_live;
 } pyccl_ar;
@@ -67,24 +76,34 @@ typedef struct pyccl_ar {
 /* Why the own kernels are off for `ar` (a pyccl_ar *), printf-style. */
 #define AR_WHY(ar, ...) snprintf((ar)->reason, sizeof (ar)->reason, __VA_ARGS__)
 
-/* ---- ar_region.c: the lists of regions that outlive a call ---- */
+/* ---- ar_region.c: the peers' region, and what outlives a call ---- */
 /* f is ready: its stop word joins those interpreter exit sets (and leaves). */
 void ar_live_add(pyccl_ar *f);
 void ar_live_remove(pyccl_ar *f);
-/* Without the GIL.  Make this rank's page of marks (its name into name[len],
- * "" when shared memory is unavailable). */
-void ar_marks_create(pyccl_ar *f, char *name, size_t len);
-/* After the exchange: peer p's page (named in its record) and process. */
-void ar_marks_open(pyccl_ar *f, int p, const char *name, int32_t pid);
-/* This rank closed its mapping of p's region (or never had one): tell p. */
-void ar_marks_closed(pyccl_ar *f, int p);
+/* A region of no memory yet, for rank `rank` of `nranks` on `device`. */
+void ar_region_init(ar_region *g, int rank, int nranks, int device);
+/* This rank's region of `total` bytes, zeroed and exported (*handle), and
+ * (without the GIL) its page of marks, named in marks[len] ("" when shared
+ * memory is unavailable).  On failure the CUDA error, nothing kept. */
+cudaError_t ar_region_alloc(const pyccl_api *a, ar_region *g, size_t total,
+                            cudaIpcMemHandle_t *handle, char *marks, size_t len);
+/* After the exchange: peer p's page of marks (named in its record) and
+ * process, where this rank tells p that it closed p's region. */
+void ar_region_peer(ar_region *g, int p, const char *marks, int32_t pid);
+/* Map peer p's region (its GPU's bus id and exported handle; for p = this
+ * rank, its own): 1, or 0 with the reason in why[len]. */
+int ar_region_map(const pyccl_api *a, ar_region *g, int p, const char *busid,
+                  cudaIpcMemHandle_t handle, char *why, size_t len);
 /* The page's name goes (every peer opened it); the mapping stays. */
-void ar_marks_unlink(pyccl_ar *f);
-/* This rank's page goes (its region freed, or parked with it). */
-void ar_marks_drop(pyccl_ar *f);
-/* base, which peers may still map, is freed once every peer marked it
- * closed or is gone: 1 parked, 0 kept (no page of marks). */
-int ar_park(pyccl_ar *f, char *base);
+void ar_region_unlink(ar_region *g);
+/* Close the peers' regions mapped here, telling each that it is closed. */
+void ar_region_close_peers(const pyccl_api *a, ar_region *g);
+/* This rank's region is let go of: freed when `safe` (no peer can map it:
+ * never shared, or a barrier followed every peer's close); else parked until
+ * every peer closed its mapping or is gone, or kept (leaked) where that
+ * cannot be, since freeing exported memory that an importer still maps is
+ * undefined.  Its page of marks goes (parked: with the region). */
+void ar_region_let_go(const pyccl_api *a, ar_region *g, int safe);
 /* Free the parked regions no peer maps any more; how many. */
 int ar_drain(const pyccl_api *a);
 

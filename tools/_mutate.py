@@ -42,9 +42,9 @@ FAULTS = [
         "    for (size_t i = threadIdx.x; i < n && 0; i += blockDim.x) {\n"
         "        const size_t off = data_off + vbytes + i * sizeof(T);\n")],
         tests=["tests/test_ar_gpu.py", "-k", "random_data"]),
-    dict(name="skip clearing the LL area", tier="gpu", file="csrc/ar_setup.c", edits=[(
-        "        e = a->cudaMemset(f->base, 0, total);\n",
-        "        e = a->cudaMemset(f->base, 0, PYCCL_AR_DATA_OFF);\n")],
+    dict(name="skip clearing the LL area", tier="gpu", file="csrc/ar_region.c", edits=[(
+        "        e = a->cudaMemset(g->base, 0, total);\n",
+        "        e = a->cudaMemset(g->base, 0, PYCCL_AR_DATA_OFF);\n")],
         tests=["tests/test_ar_gpu.py", "-k", "exact_every or ten_communicators"]),
     dict(name="wait on the wrong stream", tier="gpu", file="csrc/ar.c", edits=[(
         "                a->cudaStreamWaitEvent(s, f->order, 0);\n",
@@ -63,12 +63,12 @@ FAULTS = [
          "        wt->ts = PyEval_SaveThread();\n",
          "        int r = PyErr_CheckSignals();\n")],
         tests=["tests/test_timeout_cpu.py"]),
-    dict(name="leak the peer buffer on destroy", tier="cpu", file="csrc/ar_setup.c", edits=[(
-        "    if (safe) {\n        a->cudaFree(base);\n    }\n",
-        "    if (safe) {\n        (void)base; /* MUTANT: never freed */\n    }\n")],
+    dict(name="leak the peer buffer on destroy", tier="cpu", file="csrc/ar_region.c", edits=[(
+        "    if (safe) {\n        a->cudaFree(g->base);\n    }\n",
+        "    if (safe) {\n        (void)g; /* MUTANT: never freed */\n    }\n")],
         tests=["tests/test_selection_cpu.py", "-k", "ten_communicators"]),
     dict(name="a peer never says it closed the region", tier="cpu", file="csrc/ar_region.c", edits=[(
-        "        __atomic_store_n(&m->closed[f->rank], 1, __ATOMIC_RELEASE);\n",
+        "        __atomic_store_n(&m->closed[g->rank], 1, __ATOMIC_RELEASE);\n",
         "        (void)m; /* MUTANT: the owner is never told */\n")],
         tests=["tests/test_selection_cpu.py", "-k", "gives_back"]),
     dict(name="the process id not renewed in a fork()'s child", tier="cpu", file="csrc/errors.c", edits=[(
