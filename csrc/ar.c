@@ -551,6 +551,58 @@ pyccl_ar_info(pyccl_state *st, pyccl_comm *c)
                          f->pdl ? Py_True : Py_False, "parked", pyccl_ar_parked());
 }
 
+double
+pyccl_ar_launch_floor(pyccl_state *st, const char *op, int device, cudaStream_t s, int calls,
+                      int pdl)
+{
+    const pyccl_api *a = &st->api;
+    char why[400];
+    if (!pyccl_ar_built()) {
+        PyErr_Format(PyExc_RuntimeError, "%s: pyccl was built without its own kernels (no nvcc)",
+                     op);
+        return -1;
+    }
+    if (ar_load_kernels(device, why, sizeof why) < 0) {
+        PyErr_Format(PyExc_RuntimeError, "%s: %s", op, why);
+        return -1;
+    }
+    if (pdl && !ar_pdl_supported(device)) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s: cuda:%d cannot launch with programmatic dependent launch", op, device);
+        return -1;
+    }
+    pyccl_ar_params prm;
+    memset(&prm, 0, sizeof prm);
+    void *args[] = {&prm};
+    CUfunction fn = ar_devs[device].fn[K_EMPTY];
+    cu_launch_attr attr;
+    memset(&attr, 0, sizeof attr);
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.i = 1;
+    cu_launch_config cfg = {{1, 1, 1}, {32, 1, 1}, 0, s, &attr, 1};
+    int prev;
+    CUresult r = 0;
+    double t = 0;
+    if (pyccl_device_enter(a, device, &prev) != cudaSuccess) {
+        pyccl_device_leave(a, device, prev);
+        PyErr_Format(PyExc_RuntimeError, "%s: cannot make cuda:%d current", op, device);
+        return -1;
+    }
+    const double t0 = pyccl_now_s();
+    for (int i = 0; i < calls && r == 0; i++) {
+        r = pdl ? ar_drv.cuLaunchKernelEx(&cfg, fn, args, NULL)
+                : ar_drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, args, NULL);
+    }
+    t = pyccl_now_s() - t0;
+    pyccl_device_leave(a, device, prev);
+    if (r != 0) {
+        PyErr_Format(st->CudaError, "%s: launching an empty kernel on cuda:%d failed: %s", op,
+                     device, ar_cu_error(r));
+        return -1;
+    }
+    return t * 1e6 / calls;
+}
+
 /* Testing aid: read or set every block's epoch counter (all ranks alike, with
  * no all_reduce in flight), e.g. just below 2^32 to cross the wrap-around. */
 PyObject *

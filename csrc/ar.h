@@ -31,6 +31,12 @@ void pyccl_ar_stop_all(void);
  * map, kept until every peer closed its mapping or is gone (the release
  * handshake, ar_setup.c). */
 int pyccl_ar_parked(void);
+/* Host microseconds per launch of an empty kernel with the kernels'
+ * parameter block on `device`, `calls` launches back to back on s, as the
+ * kernels launch (pdl: with programmatic dependent launch): the floor of an
+ * own-kernel call.  -1 with an exception naming op. */
+double pyccl_ar_launch_floor(pyccl_state *st, const char *op, int device, cudaStream_t s,
+                             int calls, int pdl);
 /* Whether the kernels were compiled in (setup.py found nvcc). */
 int pyccl_ar_built(void);
 /* The kernels' fatbin as compiled in (its bytes; 0 and NULL when not built). */

@@ -143,8 +143,8 @@ load_kernels_locked(int device, char *why, size_t n)
     }
     for (int k = 0; k < K_COUNT; k++) {
         char name[64];
-        if (k == K_PROBE) {
-            snprintf(name, sizeof name, "pyccl_ar_probe");
+        if (k == K_PROBE || k == K_EMPTY) {
+            snprintf(name, sizeof name, k == K_PROBE ? "pyccl_ar_probe" : "pyccl_ar_empty");
         } else {
             snprintf(name, sizeof name, "pyccl_ar_%d_%s_%s", k / (K_NTYPES * K_NOPS),
                      type_names[(k / K_NOPS) % K_NTYPES], op_names[k % K_NOPS]);

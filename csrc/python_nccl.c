@@ -724,6 +724,47 @@ ar_built(PyObject *m, PyObject *Py_UNUSED(ignored))
     return PyBool_FromLong(pyccl_ar_built());
 }
 
+/* _ar_launch_floor(device, stream, calls, pdl) -> float: host microseconds
+ * per launch of an empty kernel with the own kernels' parameter block,
+ * `calls` back to back on `stream` (a cudaStream_t as an int), the way the
+ * own kernels launch (pdl: with programmatic dependent launch). */
+static PyObject *
+ar_launch_floor(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *op = "_ar_launch_floor";
+    int device, calls, pdl;
+    if (pyccl_check_nargs(op, nargs, 4) < 0 || pyccl_read_int(op, "device", args[0], &device) < 0 ||
+        pyccl_read_int(op, "calls", args[2], &calls) < 0 ||
+        (pdl = PyObject_IsTrue(args[3])) < 0) {
+        return NULL;
+    }
+    if (!PyLong_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "%s: stream must be an int (a cudaStream_t), got %.200s", op,
+                     Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
+    void *stream = PyLong_AsVoidPtr(args[1]);
+    if (stream == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (calls < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: calls must be at least 1, got %d", op, calls);
+        return NULL;
+    }
+    pyccl_state *st = get_state(m);
+    int ndev = 0;
+    if (st == NULL || pyccl_gpu_count(st, op, &ndev) < 0) {
+        return NULL;
+    }
+    if (device < 0 || device >= ndev) {
+        PyErr_Format(PyExc_ValueError, "%s: device must be 0 to %d (the GPUs there are), got %d",
+                     op, ndev - 1, device);
+        return NULL;
+    }
+    double us = pyccl_ar_launch_floor(st, op, device, (cudaStream_t)stream, calls, pdl);
+    return us < 0 ? NULL : PyFloat_FromDouble(us);
+}
+
 static PyObject *
 ar_fatbin(PyObject *m, PyObject *Py_UNUSED(ignored))
 {
@@ -743,6 +784,9 @@ PyMethodDef pyccl_nccl_methods[] = {
     {"_nccl_group_end", nccl_group_end, METH_NOARGS, "ncclGroupEnd()"},
     {"_ar_built", ar_built, METH_NOARGS,
      "Whether pyccl's own all-reduce kernels were compiled in (nvcc at build time)."},
+    {"_ar_launch_floor", (PyCFunction)(void (*)(void))ar_launch_floor, METH_FASTCALL,
+     "_ar_launch_floor(device, stream, calls, pdl) -> float: host us per launch of an empty "
+     "kernel with the own kernels' parameter block, as they launch (the benchmark's floor)."},
     {"_ar_fatbin", ar_fatbin, METH_NOARGS,
      "The own all-reduce kernels' fatbin as compiled in (bytes), or None (tests/_ar_sim.py)."},
     {"_nccl_version", nccl_version, METH_NOARGS,

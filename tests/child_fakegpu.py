@@ -925,6 +925,26 @@ def shared_gpu_refused():
         "time-slices the ranks)", device=0)
 
 
+def launch_floor():
+    """pyccl._C._ar_launch_floor on the stand-in driver: `calls` launches of the empty kernel
+    (the stand-in counts them), microseconds per launch as a float; each bad argument named."""
+    rank = int(os.environ["FAKE_RANK"])
+    assert fake.cudaSetDevice(rank) == 0
+    before = get("launches")
+    us = pyccl._C._ar_launch_floor(rank, 0, 300, False)
+    launched = get("launches") - before
+    errors = []
+    for args in ((rank, 0, 0, False), (rank, "s", 1, False), (rank, 0, "n", False), (-1, 0, 1, False),
+                 (rank, 0, 1, True), (rank, 0, 1)):
+        try:
+            pyccl._C._ar_launch_floor(*args)
+            errors.append(None)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return {"rank": rank, "us": us, "launches": launched, "errors": errors,
+            "after": pyccl._C._ar_launch_floor(rank, 0, 5, False) > 0}
+
+
 def shared_gpu_ready():
     """Both ranks on cuda:0 with PYCCL_AR_SHARED_GPU=1 (and no peer access between devices,
     which a peer on the same device does not need): the own kernels are set up and exact."""

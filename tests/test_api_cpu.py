@@ -260,6 +260,7 @@ def _no_gpu_here():
     (lambda: pyccl.mem_pool(), "mem_pool"),
     (lambda: pyccl.Communicator(1, pyccl.unique_id(), 0, device=torch.device("cuda", 0)), "Communicator"),
     (lambda: pyccl.init_ranks(1, pyccl.unique_id(), [0], ["cuda:0"]), "init_ranks"),
+    (lambda: pyccl._C._ar_launch_floor(0, 0, 10, False), "_ar_launch_floor"),
 ])
 def test_no_gpu_raises_cuda_error(call, op):
     _no_gpu_here()

@@ -1154,6 +1154,7 @@ def _fake_algos(cfg_seen):
         for algo, lo, co in (("auto", 560.0, 670.0), ("nccl", 1460.0, 730.0)):
             out.append(R.AlgoResult("pyccl", n, nb, algo, None, "per-tensor loop", 5, lo))
             out.append(R.AlgoResult("pyccl", n, nb, algo, None, "coalesced", 5, co))
+        out.append(R.AlgoResult("pyccl", n, 0, "empty kernel", None, "launch floor", A.FLOOR_CALLS, 4.3))
         return out, {"state": "ready", "buffer_bytes": 16 * M}
     return run_algos
 
@@ -1177,12 +1178,16 @@ def test_main_algos_prints_the_tables_and_writes_every_file(monkeypatch, capsys,
     graph = out[out.index("## CUDA graph\n"):].splitlines()
     assert graph[3].split() == ["32", "3.00", "4.00", "5.00", "0.75x", "2.50"]
     assert "nccl/own host" in out
+    host_part = out[out.index("## eager, host CPU time per call"):].splitlines()
+    assert host_part[1] == ("# launch floor: 4.30 us per launch (an empty kernel with the own "
+                            "kernels' parameter block, launched as they are, from C)")
+    assert "launch floor" not in out[:out.index("## eager, host CPU time per call")]
     config, results, host, algos, breakdown = R.read_json_all(tmp_path / "a.json")
     assert results == [] and host == [] and breakdown == []
     assert config["mode"] == "algos" and config["variants"] == ["PYCCL_AR_PDL=0"]
     assert config["all_reduce_info"] == {"state": "ready", "buffer_bytes": 16 * M}
     assert config["systems"] == ["pyccl"] and config["ngpus"] == 2
-    assert len(algos) == 2 * 3 * 3 + 2 + 4 and algos[0] == R.AlgoResult(
+    assert len(algos) == 2 * 3 * 3 + 2 + 4 + 1 and algos[0] == R.AlgoResult(
         "pyccl", 2, 8, "nccl", None, "eager", 100, 2.0)
     doc = json.load(open(tmp_path / "a.json"))
     assert set(doc) == {"pyccl_bench", "config", "results", "host_overhead", "algos",
@@ -1589,6 +1594,8 @@ def test_sweep_tables_put_every_system_side_by_side(tmp_path):
                 for k, algo in enumerate(("auto", "oneshot", "twoshot", "nccl"))
                 for size in (8, 2048) if not (algo == "twoshot" and size == 8)]
         recs.append(report.AlgoResult("pyccl", n, 8, "auto", "PYCCL_AR_PDL=0", "eager", 100, 99.0))
+        if n == 2:
+            recs.append(report.AlgoResult("pyccl", n, 0, "empty kernel", None, "launch floor", 2000, 4.25))
         report.write_json(folder / "algos.json", {}, [], algos=recs)
 
     algos(r2, 2, 1.0)
@@ -1615,6 +1622,9 @@ def test_sweep_tables_put_every_system_side_by_side(tmp_path):
         "|---:|" + "---:|" * 10,
         "| 8 | 1.0 | 21.0 | 2.0 | — | 4.0 | 11.0 | 10.4 | — | — | 17.2 |",
         "| 2 K | 3.0 | 23.0 | 4.0 | 5.0 | 6.0 | — | — | 9.7 | 25.0 | 16.3 |",
+        "", "Launch floor, measured in the same run: 4.25 µs of host time per launch of an empty "
+        "kernel with the own kernels' parameter block, launched as they are (`auto host` less this "
+        "is what a call adds to its launch).",
         "", "### float32 sum in place, replayed from a CUDA graph (µs per call)", "",
         "| bytes | pyccl auto | own one-shot | own two-shot | NCCL (pyccl, algo=nccl) | torch one_shot | "
         "nccl-tests -G 10 |",
@@ -1631,7 +1641,7 @@ def test_sweep_tables_put_every_system_side_by_side(tmp_path):
         "| bytes | pyccl auto | auto host | own one-shot | own two-shot | NCCL (pyccl, algo=nccl) |",
         "|---:|" + "---:|" * 5,
         "| 8 | 101.0 | 121.0 | 102.0 | — | 104.0 |"]
-    assert len(blocks) == 2 and "bfloat16" not in blocks[1]
+    assert len(blocks) == 2 and "bfloat16" not in blocks[1] and "Launch floor" not in blocks[1]
     assert st.human(8) == "8" and st.human(3 << 10) == "3 K" and st.human(1 << 30) == "1 G" and st.human(1536) == "1536"
 
 

@@ -86,6 +86,14 @@ def test_algos_on_two_ranks_measure_own_kernels_and_variants(tmp_path):
     assert variant == {(a, t) for a in ("oneshot", "twoshot") for t in ("eager", "graph", "host")}
     assert doc["config"]["all_reduce_info"]["state"] == "ready", doc["config"]["all_reduce_info"]
     assert "one@PDL=0" in r.stdout and all(x["time_us"] > 0 for x in rows)
+    # the launch floor, measured in the same run, printed above the host table and below the
+    # own kernels' host time per call (which launches the same way and does more)
+    floor = [x for x in rows if x["timing"] == "launch floor"]
+    assert len(floor) == 1 and floor[0]["size"] == 0 and floor[0]["algo"] == "empty kernel", floor
+    own_host = min(x["time_us"] for x in rows if x["algo"] == "oneshot" and x["timing"] == "host"
+                   and x["variant"] is None)
+    assert 0 < floor[0]["time_us"] < own_host, (floor, own_host)
+    assert f"# launch floor: {floor[0]['time_us']:.2f} us per launch" in r.stdout
 
 
 ONE_RANK_CASES = ["python call of a no-op", "ctypes cuCtxGetDevice",

@@ -63,6 +63,22 @@ def test_ranks_sharing_a_gpu_use_the_own_kernels_with_the_setting(peer_lib, tmp_
         assert res["values"] == [3.0, 4.0, 9.0] and res["ipc_live"] == 0, res
 
 
+def test_the_launch_floor_launches_the_empty_kernel_and_names_bad_arguments(peer_lib, tmp_path):
+    # pyccl.bench --algos prints it beside the own kernels' host time: the driver's launch of an
+    # empty kernel with their parameter block, the same way, `calls` times
+    for res, _ in run_two_ranks(peer_lib, "launch_floor", tmp_path):
+        assert type(res["us"]) is float and res["us"] > 0 and res["launches"] == 300, res
+        assert res["errors"] == [
+            "ValueError: _ar_launch_floor: calls must be at least 1, got 0",
+            "TypeError: _ar_launch_floor: stream must be an int (a cudaStream_t), got str",
+            "TypeError: _ar_launch_floor: calls must be an int, got str",
+            "ValueError: _ar_launch_floor: device must be 0 to 1 (the GPUs there are), got -1",
+            "RuntimeError: _ar_launch_floor: cuda:%d cannot launch with programmatic dependent "
+            "launch" % res["rank"],
+            "TypeError: _ar_launch_floor() takes exactly 4 arguments (3 given)"], res
+        assert res["after"], res
+
+
 # The stand-in also shares "device memory" between the rank processes (files mapped shared:
 # CUDA IPC) and runs the probe and an int32/float32 all-reduce for the kernels, so the own
 # kernels' set-up and release run whole on the CPU.

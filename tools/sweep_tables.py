@@ -159,6 +159,11 @@ def tables(sw):
         ("nccl-tests -R 2", sw.nccl_tests("nccl-tests float symmetric -R 2")),
         ("nccl-tests MPI", sw.nccl_tests("nccl-tests MPI float eager", mpi=True)),
     ])
+    floor = (sw.algo("empty kernel", "launch floor") or {}).get(0)
+    if floor is not None:
+        out.extend(["", f"Launch floor, measured in the same run: {floor:.2f} µs of host time per "
+                    "launch of an empty kernel with the own kernels' parameter block, launched as "
+                    "they are (`auto host` less this is what a call adds to its launch)."])
     part("float32 sum in place, replayed from a CUDA graph (µs per call)", [
         ("pyccl auto", sw.algo("auto", "graph")),
         ("own one-shot", sw.algo("oneshot", "graph")),

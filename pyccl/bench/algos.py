@@ -3,13 +3,15 @@
 algo_sweep (--algos): all_reduce float32 sum in place, for each size and algo, eager (CUDA events
 around `iters` back-to-back calls, / iters), CUDA graph (the same calls captured in one graph and
 replayed, / iters) and host (CPU time of the eager loop per call: the calls only enqueue, so
-where host is close to eager the loop is host-bound); --variants repeats the own-kernel columns on
-a sub-communicator set up under other environment settings; then many small tensors, a call per
-tensor against one all_reduce_coalesced. host_breakdown (--host-breakdown): where the host time
-of an eager call goes, from a Python call of a no-op up to the 8-byte all_reduce, with the raw
-launch floors through ctypes, and what a timeout adds (the same calls on communicators with
-timeout=, blocking and non-blocking, beside the driver calls a timed call adds). Each message to the parent carries one rank's loops of one
-measurement; the parent takes the median over loops of the maximum over ranks.
+where host is close to eager the loop is host-bound), with the launch floor beside it (an empty
+kernel with the own kernels' parameter block launched as they are, from C); --variants repeats the
+own-kernel columns on a sub-communicator set up under other environment settings; then many small
+tensors, a call per tensor against one all_reduce_coalesced. host_breakdown (--host-breakdown):
+where the host time of an eager call goes, from a Python call of a no-op up to the 8-byte
+all_reduce, with the raw launch floors through ctypes, and what a timeout adds (the same calls on
+communicators with timeout=, blocking and non-blocking, beside the driver calls a timed call
+adds). Each message to the parent carries one rank's loops of one measurement; the parent takes
+the median over loops of the maximum over ranks.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
 
 OWN = ("oneshot", "twoshot")
 ALGOS = ("auto", "nccl") + OWN
+# launches per loop of the launch floor (--algos)
+FLOOR_CALLS = 2000
 # many small gradients for the coalesced comparison: 100 float32 tensors of 256..32K elements
 GRADS = [(1 << (8 + k % 8)) + k for k in range(100)]
 
@@ -109,6 +113,17 @@ def algo_sweep(drv: _PycclComm, cfg: Mapping[str, Any], out: _Reporter) -> None:
             variants.append((v, _with_env(name, val, make)))
     out.put(("algo_info", rank, comm.all_reduce_info))
     reps = cfg["repeats"]
+    import pyccl
+    if own and pyccl._C._ar_built():
+        # the floor of an own-kernel call's host time, measured beside it: an empty kernel with
+        # the same parameter block, launched as the own kernels are (PDL or not), from C
+        s, pdl = torch.cuda.current_stream().cuda_stream, comm.all_reduce_info["pdl"]
+        floors = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            floors.append(pyccl._C._ar_launch_floor(comm.device, s, FLOOR_CALLS, pdl))
+        torch.cuda.synchronize()
+        out.put(("algo", rank, (0, "empty kernel", None, "launch floor"), floors))
     for size in cfg["sizes"]:
         x = torch.randn(max(1, size // 4), device=dev)
         for variant, c in variants:

@@ -150,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--algos", type=_typed(_parse_algos, "algos"), default=None,
       help="instead of the sweep: all_reduce float sum in place with each of these algos "
            f"({', '.join(algos.ALGOS)} or all), eager, CUDA graph and host CPU time per call, on "
-           "pyccl's per-rank API; -n calls per loop up to 1M, a tenth above; then 100 small "
-           "tensors, a call each against all_reduce_coalesced")
+           "pyccl's per-rank API; -n calls per loop up to 1M, a tenth above; the launch floor (an "
+           "empty kernel launched as the own kernels are) printed above the host table; then 100 "
+           "small tensors, a call each against all_reduce_coalesced")
     a("--variants", nargs="+", metavar="NAME=VALUE", default=[],
       help="with --algos: also measure the own kernels (oneshot, twoshot) on a sub-communicator "
            "set up with this environment variable, one per variant (e.g. PYCCL_AR_PDL=0 "

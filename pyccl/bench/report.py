@@ -52,7 +52,9 @@ class HostResult:
 class AlgoResult:
     """--algos: microseconds per all_reduce call (float32 sum in place) of one algo at one size.
     timing: eager, graph, host (CPU time of the eager loop), or for the many-small-tensors
-    step (size = the bytes of all tensors together) per-tensor loop or coalesced, per step.
+    step (size = the bytes of all tensors together) per-tensor loop or coalesced, per step, or
+    launch floor (size 0, algo "empty kernel": host us per launch of an empty kernel with the
+    own kernels' parameter block, launched as they are, from C).
     variant: NAME=VALUE the sub-communicator was set up under, None for the defaults."""
     system: str
     nranks: int
@@ -204,6 +206,10 @@ def format_algos(results: Sequence[AlgoResult], algos: Sequence[str], variants: 
         if ratio:
             head += "  best-own/nccl" if timing != "host" else "  nccl/own host"
         head += "".join(f" {a[:3]}@{v.replace('PYCCL_AR_', '')}" for v, a in extra)
+        floor = t.get((0, "empty kernel", None, "launch floor"))
+        if timing == "host" and floor is not None:
+            lines.append(f"# launch floor: {floor:.2f} us per launch (an empty kernel with the own "
+                         "kernels' parameter block, launched as they are, from C)")
         lines.append(head)
         for size in sizes:
             row = {a: t.get((size, a, None, timing)) for a in algos}

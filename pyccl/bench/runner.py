@@ -531,11 +531,12 @@ def run_algos(nranks: int, cfg: Mapping[str, Any], on_progress: _Progress | None
     """--algos on pyccl's per-rank API: -> ([report.AlgoResult], all_reduce_info of rank 0).
     Each figure is the median over loops of cfg['average'] over ranks (default the maximum)."""
     own = [a for a in cfg["algos"] if a in algos.OWN]
-    total = len(cfg["sizes"]) * 3 * (len(cfg["algos"]) + len(own) * len(cfg["variants"])) + 4
+    total = len(cfg["sizes"]) * 3 * (len(cfg["algos"]) + len(own) * len(cfg["variants"])) + 5
     got, info = _per_rank_loops(system, nranks, cfg, "algo", on_progress, total)
     out = []
     for (size, algo, variant, timing), per in got.items():
-        iters = 5 if timing in ("per-tensor loop", "coalesced") else algos.algo_iters(cfg, size)
+        iters = (5 if timing in ("per-tensor loop", "coalesced") else
+                 algos.FLOOR_CALLS if timing == "launch floor" else algos.algo_iters(cfg, size))
         loops = [per[r] for r in sorted(per)]
         out.append(report.AlgoResult(system, nranks, size, algo, variant, timing, iters,
                                      report.aggregate_times(loops, cfg["average"])))

@@ -1526,6 +1526,9 @@ static int
 fake_kernel(const char *name, void **args)
 {
     const pyccl_ar_params *p = args[0];
+    if (strcmp(name, "pyccl_ar_empty") == 0) {
+        return 0; /* the launch floor's kernel does nothing */
+    }
     if (strcmp(name, "pyccl_ar_probe") == 0) {
         int stage = *(int *)args[1];
         uint32_t *mine = (uint32_t *)(p->base[p->rank] + PYCCL_AR_PROBE_OFF);
@@ -1569,7 +1572,8 @@ launch(void *f, cudaStream_t s, void **args)
     const pyccl_ar_params *p = args[0];
     pthread_mutex_lock(&mu);
     launches++;
-    if (peer_dead && strcmp((const char *)f, "pyccl_ar_probe") != 0) {
+    if (peer_dead && strcmp((const char *)f, "pyccl_ar_probe") != 0 &&
+        strcmp((const char *)f, "pyccl_ar_empty") != 0) {
         /* an all-reduce kernel whose peer is gone: it waits on its stream */
         int k = nkwaits++ % 256;
         kwaits[k].word = (volatile int *)p->host_error;
