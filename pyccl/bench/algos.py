@@ -174,8 +174,9 @@ def _driver():
     cu.cuCtxGetDevice.restype = ctypes.c_int
     cu.cuEventCreate.argtypes = [vp, u]
     cu.cuEventRecord.argtypes = [vp, vp]
+    cu.cuEventDestroy.argtypes = [vp]
     cu.cuStreamIsCapturing.argtypes = [vp, vp]
-    for f in (cu.cuEventCreate, cu.cuEventRecord, cu.cuStreamIsCapturing):
+    for f in (cu.cuEventCreate, cu.cuEventRecord, cu.cuEventDestroy, cu.cuStreamIsCapturing):
         f.restype = ctypes.c_int
     mod = vp()
     rc = cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(PTX))
@@ -311,6 +312,8 @@ def host_breakdown(drv: _PycclComm, cfg: Mapping[str, Any], out: _Reporter) -> N
         nopdl.destroy()
     for tc in timed.values():
         tc.destroy()
+    torch.cuda.synchronize()
+    cu.cuEventDestroy(ev)
 
 
 def _timed_comm(comm: Any, rank: int, n: int, blocking: bool) -> Any:
