@@ -138,6 +138,20 @@ def tables(sw):
     out = [f"## {n} ranks" if n else f"## {sw.folder}"]
     sizes = sorted(sw.algo("auto", "eager") or {}) or None
 
+    def eager_peers(dtype):
+        """The eager columns of every system beside pyccl's own, in one dtype."""
+        return [
+            ("NCCL symmetric (pyccl windows)", sw.compared("nccl-symm", dtype)),
+            ("torch one_shot", sw.torch_symm("one_shot", dtype, "eager")),
+            ("torch two_shot", sw.torch_symm("two_shot", dtype, "eager")),
+            ('dist "nccl"', sw.compared("torch.distributed", dtype)),
+            ('dist "pyccl"', sw.compared("torch.distributed:pyccl", dtype)),
+            ("torch.cuda.nccl", sw.compared("torch.cuda.nccl", dtype)),
+            ("nccl-tests", sw.nccl_tests(f"nccl-tests {dtype} eager")),
+            ("nccl-tests -R 2", sw.nccl_tests(f"nccl-tests {dtype} symmetric -R 2")),
+            ("nccl-tests MPI", sw.nccl_tests(f"nccl-tests MPI {dtype} eager", mpi=True)),
+        ]
+
     def part(title, cols, sizes=sizes):
         lines = table(cols, sizes)
         if lines:
@@ -149,16 +163,7 @@ def tables(sw):
         ("own one-shot", sw.algo("oneshot", "eager")),
         ("own two-shot", sw.algo("twoshot", "eager")),
         ("NCCL (pyccl, algo=nccl)", sw.algo("nccl", "eager")),
-        ("NCCL symmetric (pyccl windows)", sw.compared("nccl-symm", "float")),
-        ("torch one_shot", sw.torch_symm("one_shot", "float", "eager")),
-        ("torch two_shot", sw.torch_symm("two_shot", "float", "eager")),
-        ('dist "nccl"', sw.compared("torch.distributed", "float")),
-        ('dist "pyccl"', sw.compared("torch.distributed:pyccl", "float")),
-        ("torch.cuda.nccl", sw.compared("torch.cuda.nccl", "float")),
-        ("nccl-tests", sw.nccl_tests("nccl-tests float eager")),
-        ("nccl-tests -R 2", sw.nccl_tests("nccl-tests float symmetric -R 2")),
-        ("nccl-tests MPI", sw.nccl_tests("nccl-tests MPI float eager", mpi=True)),
-    ])
+    ] + eager_peers("float"))
     floor = (sw.algo("empty kernel", "launch floor") or {}).get(0)
     if floor is not None:
         out.extend(["", f"Launch floor, measured in the same run: {floor:.2f} µs of host time per "
@@ -177,16 +182,7 @@ def tables(sw):
     ])
     part("bfloat16 sum in place, eager (µs per call)", [
         ("pyccl auto", sw.compared("pyccl", "bfloat16")),
-        ("NCCL symmetric (pyccl windows)", sw.compared("nccl-symm", "bfloat16")),
-        ("torch one_shot", sw.torch_symm("one_shot", "bfloat16", "eager")),
-        ("torch two_shot", sw.torch_symm("two_shot", "bfloat16", "eager")),
-        ('dist "nccl"', sw.compared("torch.distributed", "bfloat16")),
-        ('dist "pyccl"', sw.compared("torch.distributed:pyccl", "bfloat16")),
-        ("torch.cuda.nccl", sw.compared("torch.cuda.nccl", "bfloat16")),
-        ("nccl-tests", sw.nccl_tests("nccl-tests bfloat16 eager")),
-        ("nccl-tests -R 2", sw.nccl_tests("nccl-tests bfloat16 symmetric -R 2")),
-        ("nccl-tests MPI", sw.nccl_tests("nccl-tests MPI bfloat16 eager", mpi=True)),
-    ])
+    ] + eager_peers("bfloat16"))
     if sw.coll is not None:
         systems = sorted({r["system"] for r in sw.coll["results"]}, key=lambda s: (s != "pyccl", s))
         for coll in sorted({r["coll"] for r in sw.coll["results"]}):
