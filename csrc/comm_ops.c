@@ -777,7 +777,7 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
     if (pyccl_reduce_type(x.st, op, "tensors[0]", &first) < 0 ||
         (torch = PyImport_ImportModule("torch")) == NULL ||
         (nn = torch_nn(torch)) == NULL ||
-        (flat = PyObject_CallMethod(nn, "flatten_dense_tensors", "O", tensors)) == NULL) {
+        (flat = PyObject_CallMethod(nn, "flatten_dense_tensors", "(O)", tensors)) == NULL) {
         goto done;
     }
     {

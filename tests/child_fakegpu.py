@@ -58,7 +58,11 @@ def _stub_torch():
         raise RuntimeError("stub torch runs no kernels")
     torch._foreach_copy_ = no_kernels
     nn = types.ModuleType("torch._C._nn")
-    nn.flatten_dense_tensors = nn.unflatten_dense_tensors = no_kernels
+
+    def flatten_dense_tensors(tensors):  # torch's signature: one sequence of tensors
+        raise RuntimeError(f"stub torch runs no kernels (flatten_dense_tensors of {len(tensors)} tensors)")
+    nn.flatten_dense_tensors = flatten_dense_tensors
+    nn.unflatten_dense_tensors = no_kernels
     c._nn = nn
     torch._C = c
     sys.modules.update({"torch": torch, "torch.cuda": cuda, "torch._C": c})

@@ -628,6 +628,11 @@ STAND_IN_CASES = [
     StandIn("dtype_int16-all_reduce_coalesced", "comm",
             "fn, args = c.all_reduce_coalesced, ([T(dtype=torch.int16), T(dtype=torch.int16)],)",
             "TypeError", f"all_reduce_coalesced: tensors[0] has dtype torch.int16, {NO_REDUCE}"),
+    # 1b'. a valid list reaches torch's pack as one sequence (a tuple passed as the argument tuple
+    #      would spread it into one argument per tensor)
+    StandIn("pack_one_sequence-all_reduce_coalesced", "comm",
+            "fn, args = c.all_reduce_coalesced, ([T(), T(), T()],)",
+            "RuntimeError", "stub torch runs no kernels (flatten_dense_tensors of 3 tensors)"),
     StandIn("dtype_int16_moves-broadcast", "comm", "fn, args = c.broadcast, (T(dtype=torch.int16), 0)", None, None),
     StandIn("dtype_int16-comms", "nccl", "fn, args, kw = nccl.all_reduce, ([T(dtype=torch.int16)],), {'comms': [c]}",
             "RuntimeError", "Unconvertible NCCL type Short"),
