@@ -724,6 +724,42 @@ ar_built(PyObject *m, PyObject *Py_UNUSED(ignored))
     return PyBool_FromLong(pyccl_ar_built());
 }
 
+/* The device, stream (a cudaStream_t as an int) and calls of a timing aid
+ * (args[0..2]); NULL with an exception, else the module's state. */
+static pyccl_state *
+read_timing_args(PyObject *m, const char *op, PyObject *const *args, int *device, void **stream,
+                 int *calls)
+{
+    if (pyccl_read_int(op, "device", args[0], device) < 0 ||
+        pyccl_read_int(op, "calls", args[2], calls) < 0) {
+        return NULL;
+    }
+    if (!PyLong_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "%s: stream must be an int (a cudaStream_t), got %.200s", op,
+                     Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
+    *stream = PyLong_AsVoidPtr(args[1]);
+    if (*stream == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (*calls < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: calls must be at least 1, got %d", op, *calls);
+        return NULL;
+    }
+    pyccl_state *st = get_state(m);
+    int ndev = 0;
+    if (st == NULL || pyccl_gpu_count(st, op, &ndev) < 0) {
+        return NULL;
+    }
+    if (*device < 0 || *device >= ndev) {
+        PyErr_Format(PyExc_ValueError, "%s: device must be 0 to %d (the GPUs there are), got %d",
+                     op, ndev - 1, *device);
+        return NULL;
+    }
+    return st;
+}
+
 /* _ar_launch_floor(device, stream, calls, pdl) -> float: host microseconds
  * per launch of an empty kernel with the own kernels' parameter block,
  * `calls` back to back on `stream` (a cudaStream_t as an int), the way the
@@ -733,36 +769,44 @@ ar_launch_floor(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 {
     const char *op = "_ar_launch_floor";
     int device, calls, pdl;
-    if (pyccl_check_nargs(op, nargs, 4) < 0 || pyccl_read_int(op, "device", args[0], &device) < 0 ||
-        pyccl_read_int(op, "calls", args[2], &calls) < 0 ||
+    void *stream;
+    pyccl_state *st;
+    if (pyccl_check_nargs(op, nargs, 4) < 0 ||
+        (st = read_timing_args(m, op, args, &device, &stream, &calls)) == NULL ||
         (pdl = PyObject_IsTrue(args[3])) < 0) {
-        return NULL;
-    }
-    if (!PyLong_Check(args[1])) {
-        PyErr_Format(PyExc_TypeError, "%s: stream must be an int (a cudaStream_t), got %.200s", op,
-                     Py_TYPE(args[1])->tp_name);
-        return NULL;
-    }
-    void *stream = PyLong_AsVoidPtr(args[1]);
-    if (stream == NULL && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (calls < 1) {
-        PyErr_Format(PyExc_ValueError, "%s: calls must be at least 1, got %d", op, calls);
-        return NULL;
-    }
-    pyccl_state *st = get_state(m);
-    int ndev = 0;
-    if (st == NULL || pyccl_gpu_count(st, op, &ndev) < 0) {
-        return NULL;
-    }
-    if (device < 0 || device >= ndev) {
-        PyErr_Format(PyExc_ValueError, "%s: device must be 0 to %d (the GPUs there are), got %d",
-                     op, ndev - 1, device);
         return NULL;
     }
     double us = pyccl_ar_launch_floor(st, op, device, (cudaStream_t)stream, calls, pdl);
     return us < 0 ? NULL : PyFloat_FromDouble(us);
+}
+
+/* _watch_costs(device, stream, calls) -> {name: float}: host microseconds
+ * per call of what a call on a communicator with a timeout adds (the
+ * benchmark's --host-breakdown), each `calls` times back to back in C. */
+static PyObject *
+watch_costs(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    const char *op = "_watch_costs";
+    int device, calls;
+    void *stream;
+    pyccl_state *st;
+    double us[PYCCL_WATCH_COSTS];
+    if (pyccl_check_nargs(op, nargs, 3) < 0 ||
+        (st = read_timing_args(m, op, args, &device, &stream, &calls)) == NULL ||
+        pyccl_watch_costs(st, op, device, (cudaStream_t)stream, calls, us) < 0) {
+        return NULL;
+    }
+    PyObject *d = PyDict_New();
+    for (int k = 0; d != NULL && k < PYCCL_WATCH_COSTS; k++) {
+        PyObject *v = PyFloat_FromDouble(us[k]);
+        if (v == NULL || PyDict_SetItemString(d, pyccl_watch_cost_names[k], v) < 0) {
+            Py_XDECREF(v);
+            Py_CLEAR(d);
+            break;
+        }
+        Py_DECREF(v);
+    }
+    return d;
 }
 
 static PyObject *
@@ -787,6 +831,9 @@ PyMethodDef pyccl_nccl_methods[] = {
     {"_ar_launch_floor", (PyCFunction)(void (*)(void))ar_launch_floor, METH_FASTCALL,
      "_ar_launch_floor(device, stream, calls, pdl) -> float: host us per launch of an empty "
      "kernel with the own kernels' parameter block, as they launch (the benchmark's floor)."},
+    {"_watch_costs", (PyCFunction)(void (*)(void))watch_costs, METH_FASTCALL,
+     "_watch_costs(device, stream, calls) -> {name: float}: host us per call of what a call on a "
+     "communicator with a timeout adds, each measured back to back in C (--host-breakdown)."},
     {"_ar_fatbin", ar_fatbin, METH_NOARGS,
      "The own all-reduce kernels' fatbin as compiled in (bytes), or None (tests/_ar_sim.py)."},
     {"_nccl_version", nccl_version, METH_NOARGS,

@@ -76,6 +76,17 @@ int pyccl_watch_init(pyccl_state *st, const char *op, ncclComm_t *out,
  * returns -1 on failure. */
 int pyccl_watch_attach(pyccl_state *st, const char *op, pyccl_comm *c,
                        double timeout);
+/* The benchmark's --host-breakdown (_C._watch_costs): host microseconds per
+ * call, each `calls` times back to back on `s` of `device`, of what a call
+ * on a communicator with a timeout adds to one without (the device looked
+ * up, the capture looked at, an event recorded; the watchdog's query of a
+ * finished one; a clock read, a lock, the GIL let go and taken), in the
+ * order of pyccl_watch_cost_names.  -1 with an exception (ValueError while
+ * `s` is captured). */
+#define PYCCL_WATCH_COSTS 7
+extern const char *const pyccl_watch_cost_names[PYCCL_WATCH_COSTS];
+int pyccl_watch_costs(pyccl_state *st, const char *op, int device, cudaStream_t s, int calls,
+                      double us[PYCCL_WATCH_COSTS]);
 /* The one enqueue of every call, with or without a timeout: `tasks` on
  * `comms` (their communicators, repeats allowed; NULL and 0 for a clique's,
  * which `serialize` covers).  Each communicator is checked first (failed,

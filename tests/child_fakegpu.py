@@ -949,6 +949,29 @@ def launch_floor():
             "after": pyccl._C._ar_launch_floor(rank, 0, 5, False) > 0}
 
 
+def watch_costs():
+    """pyccl._C._watch_costs on the stand-in: each of what a timed call adds, `calls` times
+    in C (the stand-in counts the event records and queries); refused on a captured stream,
+    nothing recorded; each bad argument named."""
+    before = {k: get(k) for k in ("event_records", "event_queries", "stream_syncs", "events_live")}
+    costs = pyccl._C._watch_costs(1, 0x5555, 300)
+    after = {k: get(k) - before[k] for k in before}
+    put("capturing", 1)
+    records = get("event_records")
+    errors = []
+    for args in ((0, 0, 10), (0, 0, 0), (0, "s", 1), (0, 0, "n"), (2, 0, 1), (0, 0)):
+        try:
+            pyccl._C._watch_costs(*args)
+            errors.append(None)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    put("capturing", 0)
+    clean()
+    return {"names": list(costs), "positive": all(type(v) is float and v > 0 for v in costs.values()),
+            "counted": after, "recorded_while_captured": get("event_records") - records,
+            "errors": errors}
+
+
 def shared_gpu_ready():
     """Both ranks on cuda:0 with PYCCL_AR_SHARED_GPU=1 (and no peer access between devices,
     which a peer on the same device does not need): the own kernels are set up and exact."""

@@ -261,6 +261,7 @@ def _no_gpu_here():
     (lambda: pyccl.Communicator(1, pyccl.unique_id(), 0, device=torch.device("cuda", 0)), "Communicator"),
     (lambda: pyccl.init_ranks(1, pyccl.unique_id(), [0], ["cuda:0"]), "init_ranks"),
     (lambda: pyccl._C._ar_launch_floor(0, 0, 10, False), "_ar_launch_floor"),
+    (lambda: pyccl._C._watch_costs(0, 0, 10), "_watch_costs"),
 ])
 def test_no_gpu_raises_cuda_error(call, op):
     _no_gpu_here()

@@ -10,6 +10,7 @@ import array
 import importlib
 import importlib.util
 import json
+import math
 import multiprocessing
 import os
 import pathlib
@@ -1213,7 +1214,9 @@ def test_main_host_breakdown_prints_and_writes(monkeypatch, capsys, tmp_path):
     def run_breakdown(n, cfg):
         return ([R.BreakdownResult("python call of a no-op", n, cfg["host_iters"], 0.05, 0.08),
                  R.BreakdownResult("comm.all_reduce(8 B): own kernel, PDL", n, cfg["host_iters"],
-                                   5.6, 5.7)], [{"pdl": True}, {"pdl": False}])
+                                   5.6, 5.7),
+                 R.BreakdownResult("in C: cudaEventRecord (timing off)", n, cfg["host_iters"], 0.61,
+                                   math.nan)], [{"pdl": True}, {"pdl": False}])
     monkeypatch.setattr(runner, "run_breakdown", run_breakdown)
     assert cli.main(["-g", "2", "--host-breakdown", "--no-progress", "--json",
                      str(tmp_path / "b.json"), "--csv", str(tmp_path / "b.csv")]) == 0
@@ -1226,9 +1229,12 @@ def test_main_host_breakdown_prints_and_writes(monkeypatch, capsys, tmp_path):
     assert out[2].split() == ["host", "us", "gpu", "us"]
     assert out[3].split() == ["python", "call", "of", "a", "no-op", "0.05", "0.08"]
     assert out[4].endswith("    5.60     5.70")
+    # a row timed in C has no GPU figure (nan): "-" in the table, nan again when read back
+    assert out[5] == f"{'in C: cudaEventRecord (timing off)':45}     0.61        -"
     config, _, _, algos, breakdown = R.read_json_all(tmp_path / "b.json")
-    assert config["mode"] == "breakdown" and algos == [] and len(breakdown) == 2
-    assert R.read_csv(tmp_path / "b.csv", R.BreakdownResult) == breakdown
+    assert config["mode"] == "breakdown" and algos == [] and len(breakdown) == 3
+    assert math.isnan(breakdown[2].gpu_us) and breakdown[2].host_us == 0.61
+    assert [repr(b) for b in R.read_csv(tmp_path / "b.csv", R.BreakdownResult)] == [repr(b) for b in breakdown]
 
 
 def test_main_own_kernel_modes_exit_1_naming_the_failure(monkeypatch, capsys):

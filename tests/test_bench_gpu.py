@@ -1,5 +1,6 @@
 """GPU tier of pyccl.bench: a short checked sweep of every collective, and --compare."""
 import json
+import math
 import os
 import sys
 
@@ -96,13 +97,15 @@ def test_algos_on_two_ranks_measure_own_kernels_and_variants(tmp_path):
     assert f"# launch floor: {floor[0]['time_us']:.2f} us per launch" in r.stdout
 
 
+IN_C = ["in C: " + k for k in ("cudaGetDevice", "cudaStreamIsCapturing", "cudaEventRecord (timing off)",
+                               "cudaEventQuery (finished)", "clock read", "mutex lock and unlock",
+                               "GIL released and taken")]
 ONE_RANK_CASES = ["python call of a no-op", "ctypes cuCtxGetDevice",
                   "ctypes cuLaunchKernel, empty kernel", "ctypes cuLaunchKernel, 144-byte param",
                   "comm.all_reduce(empty tensor)", "comm.all_reduce(8 B, algo='nccl')",
-                  "raw ncclAllReduce via ctypes (8 B)", "ctypes cuEventRecord (timing off)",
-                  "ctypes cuStreamIsCapturing",
+                  "raw ncclAllReduce via ctypes (8 B)",
                   "timed, blocking: comm.all_reduce(8 B, algo='nccl')",
-                  "timed, non-blocking: comm.all_reduce(8 B, algo='nccl')",
+                  "timed, non-blocking: comm.all_reduce(8 B, algo='nccl')"] + IN_C + [
                   "on a side stream: empty kernel launch"]
 
 
@@ -113,6 +116,12 @@ def test_host_breakdown_on_one_gpu(tmp_path):
     assert cases == ONE_RANK_CASES, cases
     assert all(x["host_us"] > 0 and x["calls"] == 50 for x in doc["host_breakdown"])
     assert "raw ncclAllReduce via ctypes (8 B)" in r.stdout
+    # the rows timed in C have a host figure only
+    in_c = [x for x in doc["host_breakdown"] if x["case"] in IN_C]
+    assert len(in_c) == len(IN_C) and all(math.isnan(x["gpu_us"]) for x in in_c), in_c
+    assert all(x["gpu_us"] > 0 for x in doc["host_breakdown"] if x["case"] not in IN_C)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("in C: cudaEventRecord"))
+    assert line.split()[-1] == "-", line
 
 
 @needs_ranks(2)
@@ -121,8 +130,8 @@ def test_host_breakdown_on_two_ranks_adds_the_own_kernel_rows(tmp_path):
     cases = [x["case"] for x in doc["host_breakdown"]]
     assert cases == ONE_RANK_CASES[:5] + [
         "comm.all_reduce(8 B): own kernel, PDL", "comm.all_reduce(8 B): own kernel, no PDL",
-        "comm.all_reduce(8 B, algo='oneshot')"] + ONE_RANK_CASES[5:9] + [
-        "timed, blocking: comm.all_reduce(8 B): own kernel", ONE_RANK_CASES[9],
-        "timed, non-blocking: comm.all_reduce(8 B): own kernel", ONE_RANK_CASES[10],
+        "comm.all_reduce(8 B, algo='oneshot')"] + ONE_RANK_CASES[5:7] + [
+        "timed, blocking: comm.all_reduce(8 B): own kernel", ONE_RANK_CASES[7],
+        "timed, non-blocking: comm.all_reduce(8 B): own kernel", ONE_RANK_CASES[8]] + IN_C + [
         "on a side stream: own kernel, PDL", "on a side stream: empty kernel launch"], cases
     assert doc["config"]["all_reduce_info"][1]["pdl"] is False

@@ -303,3 +303,24 @@ def test_fake_shrink_of_a_working_communicator(tmp_path):
 def test_fake_survivors_shrink_a_failed_communicator(tmp_path):
     res = _fakes.run_stand_in(tmp_path, "shrink_after_failure")
     assert res["wait_s"] < 0.3 + 1.0, res
+
+
+def test_watch_costs_times_what_a_timed_call_adds_in_c_and_names_bad_arguments(fakegpu):
+    # pyccl.bench --host-breakdown's rows of what a timeout adds per call, without ctypes: each
+    # measured `calls` times back to back, the event recorded and queried that many times
+    res, _ = run_fake(fakegpu, "watch_costs")
+    assert res["names"] == ["cudaGetDevice", "cudaStreamIsCapturing", "cudaEventRecord (timing off)",
+                            "cudaEventQuery (finished)", "clock read", "mutex lock and unlock",
+                            "GIL released and taken"], res
+    assert res["positive"], res
+    assert res["counted"] == {"event_records": 300, "event_queries": 300, "stream_syncs": 1,
+                              "events_live": 0}, res
+    assert res["recorded_while_captured"] == 0, res
+    assert res["errors"] == [
+        "ValueError: _watch_costs: the stream is being captured into a CUDA graph (the event "
+        "records would become nodes of it); measure on a stream that is not",
+        "ValueError: _watch_costs: calls must be at least 1, got 0",
+        "TypeError: _watch_costs: stream must be an int (a cudaStream_t), got str",
+        "TypeError: _watch_costs: calls must be an int, got str",
+        "ValueError: _watch_costs: device must be 0 to 1 (the GPUs there are), got 2",
+        "TypeError: _watch_costs() takes exactly 3 arguments (2 given)"], res

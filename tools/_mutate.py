@@ -54,6 +54,10 @@ FAULTS = [
          edits=[('    if (st == NULL || pyccl_comm_alive(st, "wait", c) < 0) {\n',
                  '    if (st == NULL) {\n')],
          tests=["tests/test_timeout_cpu.py"]),
+    dict(name="time the event records on a stream being captured", tier="cpu", file="csrc/watchdog.c",
+         edits=[("    else if (cs != cudaStreamCaptureStatusNone) {\n        pyccl_device_leave(a, device, prev);\n",
+                 "    else if (0) {\n        pyccl_device_leave(a, device, prev);\n")],
+         tests=["tests/test_timeout_cpu.py", "-k", "watch_costs"]),
     dict(name="drop the GIL release around a blocking wait", tier="cpu", file="csrc/watch_state.c", edits=[
         ("    wt->next_signals = pyccl_now_s() + PYCCL_SIGNAL_PERIOD;\n    wt->ts = PyEval_SaveThread();\n}\n",
          "    wt->next_signals = pyccl_now_s() + PYCCL_SIGNAL_PERIOD;\n    wt->ts = NULL;\n}\n"),

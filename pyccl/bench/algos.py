@@ -9,12 +9,13 @@ own-kernel columns on a sub-communicator set up under other environment settings
 tensors, a call per tensor against one all_reduce_coalesced. host_breakdown (--host-breakdown):
 where the host time of an eager call goes, from a Python call of a no-op up to the 8-byte
 all_reduce, with the raw launch floors through ctypes, and what a timeout adds (the same calls on
-communicators with timeout=, blocking and non-blocking, beside the driver calls a timed call
-adds). Each message to the parent carries one rank's loops of one measurement; the parent takes
+communicators with timeout=, blocking and non-blocking, and each CUDA runtime call and host step a
+timed call adds, timed in C: host time only). Each message to the parent carries one rank's loops of one measurement; the parent takes
 the median over loops of the maximum over ranks.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -172,12 +173,6 @@ def _driver():
     cu.cuLaunchKernel.restype = ctypes.c_int
     cu.cuCtxGetDevice.argtypes = [vp]
     cu.cuCtxGetDevice.restype = ctypes.c_int
-    cu.cuEventCreate.argtypes = [vp, u]
-    cu.cuEventRecord.argtypes = [vp, vp]
-    cu.cuEventDestroy.argtypes = [vp]
-    cu.cuStreamIsCapturing.argtypes = [vp, vp]
-    for f in (cu.cuEventCreate, cu.cuEventRecord, cu.cuEventDestroy, cu.cuStreamIsCapturing):
-        f.restype = ctypes.c_int
     mod = vp()
     rc = cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(PTX))
     if rc != 0:
@@ -271,18 +266,8 @@ def host_breakdown(drv: _PycclComm, cfg: Mapping[str, Any], out: _Reporter) -> N
         ("raw ncclAllReduce via ctypes (8 B)", raw_nccl()),
     ]
     # What a timeout adds: the same calls on communicators with timeout= (a blocking handle, the
-    # "pyccl" backend's kind, and the default non-blocking one), and the two driver calls a timed
-    # call adds to an untimed one (an event recorded after the work, the capture look before it).
-    ev = ctypes.c_void_p()
-    rc = cu.cuEventCreate(ctypes.byref(ev), 2)  # CU_EVENT_DISABLE_TIMING
-    if rc != 0:
-        raise RuntimeError(f"--host-breakdown: cuEventCreate failed ({rc})")
-    capturing = ctypes.c_int()
-    s = torch.cuda.current_stream().cuda_stream
-    cases += [
-        ("ctypes cuEventRecord (timing off)", lambda: cu.cuEventRecord(ev, s)),
-        ("ctypes cuStreamIsCapturing", lambda: cu.cuStreamIsCapturing(s, ctypes.byref(capturing))),
-    ]
+    # "pyccl" backend's kind, and the default non-blocking one); what such a call does beyond an
+    # untimed one is timed in C below (no ctypes in the figure).
     timed = {blocking: _timed_comm(comm, rank, n, blocking) for blocking in (True, False)}
     for blocking, name in ((True, "timed, blocking"), (False, "timed, non-blocking")):
         tc = timed[blocking]
@@ -300,6 +285,17 @@ def host_breakdown(drv: _PycclComm, cfg: Mapping[str, Any], out: _Reporter) -> N
     for name, fn in cases:
         fn()
         out.put(("breakdown", rank, name, *_time_host(fn, calls, reps, sync)))
+    # each of what a call with a timeout does beyond one without (the device looked up, the
+    # capture looked at, the event recorded; the watchdog's query; clock, lock, GIL), `calls`
+    # times back to back in C: host time only (no GPU figure: nan)
+    s = torch.cuda.current_stream().cuda_stream
+    per: dict[str, list[float]] = {}
+    for _ in range(reps):
+        sync()
+        for key, us in pyccl._C._watch_costs(comm.device, s, calls).items():
+            per.setdefault(key, []).append(us)
+    for key, host in per.items():
+        out.put(("breakdown", rank, f"in C: {key}", host, [math.nan] * reps))
     # a side stream: the whole loop inside one `with` (the stream switch is not per call)
     with torch.cuda.stream(side):
         side_cases = [("on a side stream: empty kernel launch", launch("pyccl_empty"))]
@@ -313,7 +309,6 @@ def host_breakdown(drv: _PycclComm, cfg: Mapping[str, Any], out: _Reporter) -> N
     for tc in timed.values():
         tc.destroy()
     torch.cuda.synchronize()
-    cu.cuEventDestroy(ev)
 
 
 def _timed_comm(comm: Any, rank: int, n: int, blocking: bool) -> Any:

@@ -7,6 +7,7 @@ Everything here is pure (no CUDA); the runner hands in per-rank timings and wron
 import csv
 import dataclasses
 import json
+import math
 import os
 import statistics
 import typing
@@ -231,7 +232,8 @@ def format_breakdown(results: Iterable[BreakdownResult], nranks: int, calls: int
              f"# command: {command}",
              f"{'':45} {'host us':>8} {'gpu us':>8}"]
     for b in results:
-        lines.append(f"{b.case:45} {b.host_us:8.2f} {b.gpu_us:8.2f}")
+        gpu = "-" if math.isnan(b.gpu_us) else f"{b.gpu_us:.2f}"  # nan: timed in C, host only
+        lines.append(f"{b.case:45} {b.host_us:8.2f} {gpu:>8}")
     return "\n".join(lines)
 
 
