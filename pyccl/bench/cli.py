@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="instead of the sweep: host and GPU us per eager call, from a Python no-op and raw "
            "ctypes launches up to the 8-byte all_reduce (own kernel with and without PDL, NCCL), "
            "and what timeout= adds (the same calls on timed communicators, blocking and "
-           "non-blocking, beside the event record and capture look a timed call adds)")
+           "non-blocking, and each CUDA call and host step a timed call adds, timed in C: "
+           "host time only)")
     a("--json", metavar="FILE", help="write configuration and results as JSON")
     a("--csv", metavar="FILE", help="write results as CSV, one row per result (sweep: per size "
                                     "and placement; --algos: per size, algo and timing)")
