@@ -1224,13 +1224,16 @@ def test_main_host_breakdown_prints_and_writes(monkeypatch, capsys, tmp_path):
     assert out.pop(0) == cli._nvls_line()
     assert out[0].startswith("# eager host cost per call, 2 ranks, 400 calls a loop, median of 5, "
                              "max over ranks; torch ")
-    assert out[1] == "# command: python -m pyccl.bench -g 2 --host-breakdown --no-progress --json " \
+    # the host figure is a burst short enough that the launch queue never fills
+    assert out[1] == ("# host: the first 200 calls after a sync (the launch queue never full); gpu: "
+                      "the whole loop; 'in C:' rows: host only, 400 calls in C")
+    assert out[2] == "# command: python -m pyccl.bench -g 2 --host-breakdown --no-progress --json " \
         + str(tmp_path / "b.json") + " --csv " + str(tmp_path / "b.csv")
-    assert out[2].split() == ["host", "us", "gpu", "us"]
-    assert out[3].split() == ["python", "call", "of", "a", "no-op", "0.05", "0.08"]
-    assert out[4].endswith("    5.60     5.70")
+    assert out[3].split() == ["host", "us", "gpu", "us"]
+    assert out[4].split() == ["python", "call", "of", "a", "no-op", "0.05", "0.08"]
+    assert out[5].endswith("    5.60     5.70")
     # a row timed in C has no GPU figure (nan): "-" in the table, nan again when read back
-    assert out[5] == f"{'in C: cudaEventRecord (timing off)':45}     0.61        -"
+    assert out[6] == f"{'in C: cudaEventRecord (timing off)':45}     0.61        -"
     config, _, _, algos, breakdown = R.read_json_all(tmp_path / "b.json")
     assert config["mode"] == "breakdown" and algos == [] and len(breakdown) == 3
     assert math.isnan(breakdown[2].gpu_us) and breakdown[2].host_us == 0.61

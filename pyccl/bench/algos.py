@@ -187,20 +187,31 @@ def _driver():
     return cu, fns
 
 
+# --host-breakdown's host figure: a burst of at most this many calls after a sync, short enough
+# that the launch queue never fills (a longer loop of kernels slower than their launches runs at
+# the GPU's pace, and its host time is the GPU's)
+HOST_BURST = 200
+
+
 def _time_host(fn, calls, repeats, sync):
+    """-> (host us per call of a burst of min(calls, HOST_BURST) after a sync, GPU us per call of
+    a loop of `calls`), one figure per repeat each."""
     import torch
     host, gpu = [], []
+    burst = min(calls, HOST_BURST)
     for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        for _ in range(burst):
+            fn()
+        host.append((time.perf_counter() - t) * 1e6 / burst)
         sync()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        t = time.perf_counter()
         for _ in range(calls):
             fn()
-        t = time.perf_counter() - t
         b.record()
         b.synchronize()
-        host.append(t * 1e6 / calls)
         gpu.append(a.elapsed_time(b) * 1e3 / calls)
     return host, gpu
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
 from . import sizes
+from .algos import HOST_BURST
 
 PLACEMENTS = ("out-of-place", "in-place")
 AVERAGE_MODES = {0: "rank 0", 1: "average", 2: "minimum", 3: "maximum"}
@@ -229,6 +230,8 @@ def format_breakdown(results: Iterable[BreakdownResult], nranks: int, calls: int
                      command: str, torch_version: str = "?") -> str:
     lines = [f"# eager host cost per call, {nranks} ranks, {calls} calls a loop, median of "
              f"{repeats}, max over ranks; torch {torch_version}, pyccl own kernels: {info}",
+             f"# host: the first {min(calls, HOST_BURST)} calls after a sync (the launch queue never "
+             f"full); gpu: the whole loop; 'in C:' rows: host only, {calls} calls in C",
              f"# command: {command}",
              f"{'':45} {'host us':>8} {'gpu us':>8}"]
     for b in results:
