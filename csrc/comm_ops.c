@@ -715,17 +715,6 @@ ops_wait_call(call_ctx *x, cudaStream_t s)
     return pyccl_wait_stream(x->st, x->op, x->c, s);
 }
 
-/* torch._C._nn (an attribute of the extension torch._C, not a module that
- * can be imported by name), or NULL with the exception set. */
-static PyObject *
-torch_nn(PyObject *torch)
-{
-    PyObject *tc = PyObject_GetAttrString(torch, "_C");
-    PyObject *nn = tc != NULL ? PyObject_GetAttrString(tc, "_nn") : NULL;
-    Py_XDECREF(tc);
-    return nn;
-}
-
 /* all_reduce_coalesced(tensors, op=SUM, *, algo=None): pack, one collective,
  * unpack.  The pack and unpack are torch's (flatten_dense_tensors, one cat
  * launch, and _foreach_copy_ of unflatten_dense_tensors' views, one launch
@@ -759,7 +748,7 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
         Py_RETURN_NONE;
     }
     pyccl_tensor first, t;
-    PyObject *torch = NULL, *nn = NULL, *flat = NULL, *parts = NULL, *r = NULL;
+    PyObject *flatten, *unflatten, *copy, *flat = NULL, *parts = NULL, *r = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         char name[64];
         PyOS_snprintf(name, sizeof name, "tensors[%zd]", i);
@@ -775,9 +764,8 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
         }
     }
     if (pyccl_reduce_type(x.st, op, "tensors[0]", &first) < 0 ||
-        (torch = PyImport_ImportModule("torch")) == NULL ||
-        (nn = torch_nn(torch)) == NULL ||
-        (flat = PyObject_CallMethod(nn, "flatten_dense_tensors", "(O)", tensors)) == NULL) {
+        pyccl_torch_pack(x.st, &flatten, &unflatten, &copy) < 0 ||
+        (flat = PyObject_CallOneArg(flatten, tensors)) == NULL) {
         goto done;
     }
     {
@@ -804,16 +792,14 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
         }
         Py_CLEAR(r);
     }
-    if ((parts = PyObject_CallMethod(nn, "unflatten_dense_tensors", "OO", flat, tensors)) == NULL ||
-        (r = PyObject_CallMethod(torch, "_foreach_copy_", "OO", tensors, parts)) == NULL) {
+    if ((parts = PyObject_CallFunctionObjArgs(unflatten, flat, tensors, NULL)) == NULL ||
+        (r = PyObject_CallFunctionObjArgs(copy, tensors, parts, NULL)) == NULL) {
         goto done;
     }
     Py_CLEAR(r);
     r = Py_NewRef(Py_None);
 done:
     Py_XDECREF(tensors);
-    Py_XDECREF(torch);
-    Py_XDECREF(nn);
     Py_XDECREF(flat);
     Py_XDECREF(parts);
     return r;

@@ -81,6 +81,8 @@ struct pyccl_torch {
     PyObject *Stream;            /* torch.cuda.Stream */
     PyObject *strided;           /* torch.strided */
     PyObject *current_raw_stream;/* torch._C._cuda_getCurrentRawStream or NULL */
+    PyObject *pack[3];           /* all_reduce_coalesced's: torch._C._nn.flatten_dense_tensors,
+                                    unflatten_dense_tensors, torch._foreach_copy_ (first use) */
     PyObject *dtypes[PYCCL_NDTYPES]; /* torch.<attr> for each table row, or NULL */
     PyObject *s_is_cuda, *s_layout, *s_dtype, *s_is_contiguous, *s_numel,
              *s_get_device, *s_data_ptr, *s_cuda_stream, *s_device_index,
@@ -156,6 +158,9 @@ pyccl_torch_state_clear(pyccl_state *st)
     Py_CLEAR(t->Stream);
     Py_CLEAR(t->strided);
     Py_CLEAR(t->current_raw_stream);
+    for (int i = 0; i < 3; i++) {
+        Py_CLEAR(t->pack[i]);
+    }
     for (int i = 0; i < PYCCL_NDTYPES; i++) {
         Py_CLEAR(t->dtypes[i]);
     }
@@ -219,6 +224,37 @@ done:
     Py_XDECREF(cuda);
     Py_DECREF(torch);
     return rc;
+}
+
+int
+pyccl_torch_pack(pyccl_state *st, PyObject **flatten, PyObject **unflatten, PyObject **copy)
+{
+    struct pyccl_torch *t = st->torch;
+    if (t->pack[2] == NULL) {
+        PyObject *torch = PyImport_ImportModule("torch");
+        PyObject *tc = torch != NULL ? PyObject_GetAttrString(torch, "_C") : NULL;
+        /* torch._C._nn: an attribute of the extension, not a module importable by name */
+        PyObject *nn = tc != NULL ? PyObject_GetAttrString(tc, "_nn") : NULL;
+        if (nn != NULL) {
+            Py_XSETREF(t->pack[0], PyObject_GetAttrString(nn, "flatten_dense_tensors"));
+            Py_XSETREF(t->pack[1], t->pack[0] != NULL
+                                       ? PyObject_GetAttrString(nn, "unflatten_dense_tensors")
+                                       : NULL);
+            Py_XSETREF(t->pack[2], t->pack[1] != NULL
+                                       ? PyObject_GetAttrString(torch, "_foreach_copy_")
+                                       : NULL);
+        }
+        Py_XDECREF(nn);
+        Py_XDECREF(tc);
+        Py_XDECREF(torch);
+        if (t->pack[2] == NULL) {
+            return -1;
+        }
+    }
+    *flatten = t->pack[0];
+    *unflatten = t->pack[1];
+    *copy = t->pack[2];
+    return 0;
 }
 
 int

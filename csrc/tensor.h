@@ -33,6 +33,10 @@ void pyccl_torch_state_clear(pyccl_state *st);
 void pyccl_torch_state_free(pyccl_state *st);
 int pyccl_torch_init(pyccl_state *st);
 int pyccl_is_tensor(pyccl_state *st, PyObject *obj);
+/* all_reduce_coalesced's pack and unpack (torch._C._nn.flatten_dense_tensors,
+ * unflatten_dense_tensors, torch._foreach_copy_), looked up once; borrowed.
+ * -1 with torch's exception where one is missing. */
+int pyccl_torch_pack(pyccl_state *st, PyObject **flatten, PyObject **unflatten, PyObject **copy);
 /* The torch-order checks of one tensor: cuda dense, dtype == *ref_dtype
  * (set it, a new reference the caller releases, when NULL), contiguous.
  * Fills t.  RuntimeError with torch's texts; a nonsense attribute value
