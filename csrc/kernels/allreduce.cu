@@ -594,7 +594,7 @@ PYCCL_AR_KERNELS(bf16, __nv_bfloat16)
 PYCCL_AR_KERNELS(i32, int32_t)
 
 // Nothing, with the kernels' parameter block: the launch floor the benchmark prints beside the
-// own kernels' host time (pyccl._C._launch_floor).
+// own kernels' host time (pyccl._C._ar_launch_floor).
 extern "C" __global__ void pyccl_ar_empty(const __grid_constant__ pyccl_ar_params p)
 {
 }
