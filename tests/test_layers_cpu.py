@@ -23,6 +23,7 @@ LAYERS = [
                      "ar_load.h", "kernels/allreduce.cu", "kernels/ar_abi.h"]),
     ("the door", ["call.c", "call.h"]),
     ("timeouts", ["watchdog.c", "watch_fail.c", "watch_state.c", "watch_calls.c", "watch_enqueue.c", "watch_life.c",
+                  "watch_costs.c",
                   "timeouts.h", "watch.h"]),
     ("enqueue", ["enqueue.c", "enqueue.h"]),
     ("shared pieces", ["tensor.c", "tensor.h", "loader.c", "loader.h", "args.c", "args.h",

@@ -54,7 +54,7 @@ FAULTS = [
          edits=[('    if (st == NULL || pyccl_comm_alive(st, "wait", c) < 0) {\n',
                  '    if (st == NULL) {\n')],
          tests=["tests/test_timeout_cpu.py"]),
-    dict(name="time the event records on a stream being captured", tier="cpu", file="csrc/watchdog.c",
+    dict(name="time the event records on a stream being captured", tier="cpu", file="csrc/watch_costs.c",
          edits=[("    else if (cs != cudaStreamCaptureStatusNone) {\n        pyccl_device_leave(a, device, prev);\n",
                  "    else if (0) {\n        pyccl_device_leave(a, device, prev);\n")],
          tests=["tests/test_timeout_cpu.py", "-k", "watch_costs"]),
