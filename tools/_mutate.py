@@ -58,6 +58,10 @@ FAULTS = [
          edits=[("    else if (cs != cudaStreamCaptureStatusNone) {\n        pyccl_device_leave(a, device, prev);\n",
                  "    else if (0) {\n        pyccl_device_leave(a, device, prev);\n")],
          tests=["tests/test_timeout_cpu.py", "-k", "watch_costs"]),
+    dict(name="record the watch's event on a stream being captured", tier="cpu", file="csrc/watchdog.c",
+         edits=[("    if (cs != cudaStreamCaptureStatusNone) {\n        e = cudaSuccess;\n        goto out;\n    }\n",
+                 "    if (0) {\n        e = cudaSuccess;\n        goto out;\n    }\n")],
+         tests=["tests/test_timeout_cpu.py", "-k", "graph_capture"]),
     dict(name="drop the GIL release around a blocking wait", tier="cpu", file="csrc/watch_state.c", edits=[
         ("    wt->next_signals = pyccl_now_s() + PYCCL_SIGNAL_PERIOD;\n    wt->ts = PyEval_SaveThread();\n}\n",
          "    wt->next_signals = pyccl_now_s() + PYCCL_SIGNAL_PERIOD;\n    wt->ts = NULL;\n}\n"),

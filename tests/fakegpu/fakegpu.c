@@ -36,7 +36,8 @@ typedef struct { /* the head of ncclConfig_t */
 } ncclConfig_head;
 typedef int cudaError_t;
 enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorNoDevice = 100,
-       cudaErrorInvalidResourceHandle = 400, cudaErrorNotReady = 600 };
+       cudaErrorInvalidResourceHandle = 400, cudaErrorNotReady = 600,
+       cudaErrorCapturedEvent = 907 };
 typedef void *cudaStream_t;
 struct cudaPointerAttributes {
     int type; /* cudaMemoryTypeDevice = 2 */
@@ -60,6 +61,7 @@ struct fevent {
     double done_at;
     struct fcomm *blocker;
     int kwait;
+    int captured; /* last recorded on a capturing stream */
 };
 
 /* FAKE_PEER_MEMORY: pyccl's own kernels launched while `peer_dead` is set wait
@@ -961,6 +963,7 @@ cudaEventRecord(struct fevent *ev, cudaStream_t s)
     ev->done_at = f->done_at;
     ev->blocker = f->blocker != NULL && !STOPPED(f->blocker) ? f->blocker : NULL;
     ev->kwait = kwait_active(f->kwait) ? f->kwait : 0;
+    ev->captured = capturing != 0;
     event_records++;
     pthread_mutex_unlock(&mu);
     return cudaSuccess;
@@ -981,10 +984,18 @@ cudaEventQuery(struct fevent *ev)
         if (capturing && capture_mode != 2) {
             capture_violations++; /* would invalidate the capture */
         }
-        e = (ev->blocker == NULL || STOPPED(ev->blocker)) && !kwait_active(ev->kwait) &&
-                    now() >= ev->done_at
-                ? cudaSuccess
-                : cudaErrorNotReady;
+        if (ev->captured) {
+            /* as the real runtime does in every capture mode: an error, and
+             * the capture that recorded the event is invalidated */
+            capture_violations++;
+            e = cudaErrorCapturedEvent;
+        }
+        else {
+            e = (ev->blocker == NULL || STOPPED(ev->blocker)) && !kwait_active(ev->kwait) &&
+                        now() >= ev->done_at
+                    ? cudaSuccess
+                    : cudaErrorNotReady;
+        }
     }
     pthread_mutex_unlock(&mu);
     if (e != cudaSuccess) {
