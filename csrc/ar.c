@@ -603,6 +603,59 @@ pyccl_ar_launch_floor(pyccl_state *st, const char *op, int device, cudaStream_t 
     return t * 1e6 / calls;
 }
 
+int
+pyccl_ar_copy_usable(int device)
+{
+    char why[400];
+    return pyccl_ar_built() && ar_load_kernels(device, why, sizeof why) == 0;
+}
+
+int
+pyccl_ar_copy_list(pyccl_state *st, const char *op, int device, cudaStream_t s, char *flat,
+                   const pyccl_tensor *ts, Py_ssize_t n, int to_flat)
+{
+    const pyccl_api *a = &st->api;
+    pyccl_copy_params prm;
+    memset(&prm, 0, sizeof prm);
+    prm.flat = flat;
+    prm.to_flat = to_flat;
+    void *args[] = {&prm};
+    CUfunction fn = ar_devs[device].fn[K_COPY];
+    int prev;
+    CUresult r = 0;
+    if (pyccl_device_enter(a, device, &prev) != cudaSuccess) {
+        pyccl_device_leave(a, device, prev);
+        PyErr_Format(st->CudaError, "%s: cannot make cuda:%d current", op, device);
+        return -1;
+    }
+    unsigned long long off = 0;
+    for (Py_ssize_t i = 0; i < n && r == 0;) {
+        unsigned long long most = 0;
+        prm.n = 0;
+        for (; i < n && prm.n < PYCCL_COPY_MAX; i++) {
+            const unsigned long long nbytes =
+                (unsigned long long)ts[i].numel * (unsigned long long)ts[i].itemsize;
+            pyccl_copy_item *it = &prm.item[prm.n++];
+            it->ptr = (unsigned long long)(uintptr_t)ts[i].ptr;
+            it->off = off;
+            it->nbytes = nbytes;
+            off += nbytes;
+            most = nbytes > most ? nbytes : most;
+        }
+        /* a block per 64 KiB of the largest tensor, at most 64 (one at least) */
+        unsigned blocks = (unsigned)((most + 65535) / 65536);
+        blocks = blocks < 1 ? 1 : blocks > 64 ? 64 : blocks;
+        r = ar_drv.cuLaunchKernel(fn, blocks, prm.n, 1, 256, 1, 1, 0, s, args, NULL);
+    }
+    pyccl_device_leave(a, device, prev);
+    if (r != 0) {
+        PyErr_Format(st->CudaError, "%s: launching pyccl's copy kernel on cuda:%d failed: %s", op,
+                     device, ar_cu_error(r));
+        return -1;
+    }
+    return 0;
+}
+
 /* Testing aid: read or set every block's epoch counter (all ranks alike, with
  * no all_reduce in flight), e.g. just below 2^32 to cross the wrap-around. */
 PyObject *

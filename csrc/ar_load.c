@@ -143,8 +143,10 @@ load_kernels_locked(int device, char *why, size_t n)
     }
     for (int k = 0; k < K_COUNT; k++) {
         char name[64];
-        if (k == K_PROBE || k == K_EMPTY) {
-            snprintf(name, sizeof name, k == K_PROBE ? "pyccl_ar_probe" : "pyccl_ar_empty");
+        if (k == K_PROBE || k == K_EMPTY || k == K_COPY) {
+            snprintf(name, sizeof name, "%s",
+                     k == K_PROBE ? "pyccl_ar_probe" : k == K_EMPTY ? "pyccl_ar_empty"
+                                                                     : "pyccl_copy_list");
         } else {
             snprintf(name, sizeof name, "pyccl_ar_%d_%s_%s", k / (K_NTYPES * K_NOPS),
                      type_names[(k / K_NOPS) % K_NTYPES], op_names[k % K_NOPS]);

@@ -715,11 +715,42 @@ ops_wait_call(call_ctx *x, cudaStream_t s)
     return pyccl_wait_stream(x->st, x->op, x->c, s);
 }
 
+/* flat.all_reduce through the method itself (its algo, timeout and checks
+ * all apply): `a1` the op or NULL, `algo` or NULL.  0, or -1 raised. */
+static int
+all_reduce_flat(PyObject *self, PyObject *flat, PyObject *a1, PyObject *algo)
+{
+    PyObject *call[4] = {self, flat, a1, NULL};
+    PyObject *kw = NULL;
+    Py_ssize_t np = a1 ? 3 : 2;
+    if (algo != NULL) {
+        call[np] = algo;
+        kw = Py_BuildValue("(s)", "algo");
+        if (kw == NULL) {
+            return -1;
+        }
+    }
+    PyObject *name = PyUnicode_FromString("all_reduce");
+    PyObject *r = NULL;
+    if (name != NULL) {
+        r = PyObject_VectorcallMethod(name, call, (size_t)np, kw);
+        Py_DECREF(name);
+    }
+    Py_XDECREF(kw);
+    if (r == NULL) {
+        return -1;
+    }
+    Py_DECREF(r);
+    return 0;
+}
+
 /* all_reduce_coalesced(tensors, op=SUM, *, algo=None): pack, one collective,
- * unpack.  The pack and unpack are torch's (flatten_dense_tensors, one cat
- * launch, and _foreach_copy_ of unflatten_dense_tensors' views, one launch
- * each for up to ~100 tensors, both in C++: no Python call per tensor), on
- * the current stream, which is also where the collective goes. */
+ * unpack, all on the current stream.  With pyccl's kernels loaded on the
+ * device, the pack and unpack are one launch of its copy kernel each (per
+ * PYCCL_COPY_MAX tensors) into and out of a buffer made with
+ * tensors[0].new_empty(total); without them, torch's (flatten_dense_tensors,
+ * then _foreach_copy_ of unflatten_dense_tensors' views: in C++, but an
+ * operator per tensor). */
 PyObject *
 pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames)
@@ -747,8 +778,14 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
         Py_DECREF(tensors);
         Py_RETURN_NONE;
     }
-    pyccl_tensor first, t;
+    pyccl_tensor *ts = PyMem_Calloc((size_t)n, sizeof *ts), ft;
     PyObject *flatten, *unflatten, *copy, *flat = NULL, *parts = NULL, *r = NULL;
+    long long total = 0;
+    cudaStream_t s;
+    if (ts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         char name[64];
         PyOS_snprintf(name, sizeof name, "tensors[%zd]", i);
@@ -758,47 +795,41 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
                          Py_TYPE(item)->tp_name);
             goto done;
         }
-        if (ops_read_on_comm(&x, name, item, i ? &t : &first) < 0 ||
-            (i && ops_same_dtype(&x, name, &t, "tensors[0]", &first) < 0)) {
+        if (ops_read_on_comm(&x, name, item, &ts[i]) < 0 ||
+            (i && ops_same_dtype(&x, name, &ts[i], "tensors[0]", &ts[0]) < 0)) {
+            goto done;
+        }
+        if (__builtin_add_overflow(total, (long long)ts[i].numel, &total)) {
+            PyErr_Format(PyExc_ValueError, "%s: the tensors hold more than 2**63-1 elements together",
+                         op);
             goto done;
         }
     }
-    if (pyccl_reduce_type(x.st, op, "tensors[0]", &first) < 0 ||
-        pyccl_torch_pack(x.st, &flatten, &unflatten, &copy) < 0 ||
-        (flat = PyObject_CallOneArg(flatten, tensors)) == NULL) {
+    if (pyccl_reduce_type(x.st, op, "tensors[0]", &ts[0]) < 0) {
         goto done;
     }
-    {
-        PyObject *call[4] = {self, flat, a[1] ? a[1] : NULL, NULL};
-        PyObject *kw = NULL;
-        Py_ssize_t np = a[1] ? 3 : 2;
-        if (a[2] != NULL) {
-            call[np] = a[2];
-            kw = Py_BuildValue("(s)", "algo");
-            if (kw == NULL) {
-                goto done;
-            }
-        }
-        PyObject *name = PyUnicode_FromString("all_reduce");
-        if (name == NULL) {
-            Py_XDECREF(kw);
+    if (pyccl_ar_copy_usable(x.c->device)) {
+        if ((flat = PyObject_CallMethod(ts[0].obj, "new_empty", "(L)", total)) == NULL ||
+            ops_read_on_comm(&x, "the packed buffer", flat, &ft) < 0 ||
+            pyccl_stream(x.st, op, "stream", NULL, x.c->device, "tensors", &s) < 0 ||
+            pyccl_ar_copy_list(x.st, op, x.c->device, s, ft.ptr, ts, n, 1) < 0 ||
+            all_reduce_flat(self, flat, a[1], a[2]) < 0 ||
+            pyccl_ar_copy_list(x.st, op, x.c->device, s, ft.ptr, ts, n, 0) < 0) {
             goto done;
         }
-        r = PyObject_VectorcallMethod(name, call, (size_t)np, kw);
-        Py_DECREF(name);
-        Py_XDECREF(kw);
-        if (r == NULL) {
-            goto done;
-        }
-        Py_CLEAR(r);
+        r = Py_NewRef(Py_None);
+        goto done;
     }
-    if ((parts = PyObject_CallFunctionObjArgs(unflatten, flat, tensors, NULL)) == NULL ||
+    if (pyccl_torch_pack(x.st, &flatten, &unflatten, &copy) < 0 ||
+        (flat = PyObject_CallOneArg(flatten, tensors)) == NULL ||
+        all_reduce_flat(self, flat, a[1], a[2]) < 0 ||
+        (parts = PyObject_CallFunctionObjArgs(unflatten, flat, tensors, NULL)) == NULL ||
         (r = PyObject_CallFunctionObjArgs(copy, tensors, parts, NULL)) == NULL) {
         goto done;
     }
-    Py_CLEAR(r);
-    r = Py_NewRef(Py_None);
+    Py_SETREF(r, Py_NewRef(Py_None));
 done:
+    PyMem_Free(ts);
     Py_XDECREF(tensors);
     Py_XDECREF(flat);
     Py_XDECREF(parts);

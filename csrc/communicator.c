@@ -632,9 +632,10 @@ static PyMethodDef comm_methods[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "all_reduce_coalesced($self, /, tensors, op=0, *, algo=None)\n--\n\n"
      "all_reduce of many tensors (one dtype, this device) in place as one collective: "
-     "one pack kernel (torch._C._nn.flatten_dense_tensors) into a flat buffer, one "
-     "all_reduce (algo= as in all_reduce), one unpack kernel (torch._foreach_copy_), all on "
-     "the current stream, no Python call per tensor. "
+     "one launch of pyccl's copy kernel packs up to 160 tensors into a flat buffer "
+     "(tensors[0].new_empty), one all_reduce (algo= as in all_reduce), one launch unpacks "
+     "them, all on the current stream, no Python call per tensor (without pyccl's kernels "
+     "on this GPU: torch's pack and unpack, an operator per tensor). "
      "For many small gradients, where a call per tensor is latency-bound."},
     {"register", pyccl_comm_register, METH_O,
      "register($self, tensor, /)\n--\n\nRegister `tensor`'s memory with NCCL "

@@ -988,6 +988,47 @@ def shared_gpu_ready():
     return {"values": a.tolist(), "ipc_live": get("ipc_live")}
 
 
+def coalesced_packs():
+    """all_reduce_coalesced of 170 tensors of 1 to 7 float32 elements, integer values that
+    differ per rank, tensor and element: with the own kernels loadable, the pack and unpack are
+    the copy kernel's (160 tensors a launch: two launches each way), the sum exact in every
+    element of every tensor; with no kernel image for the GPU, torch's pack is asked for all
+    170 at once (the stub runs no kernels, so it raises)."""
+    from _hostile import T
+    rank = int(os.environ["FAKE_RANK"])
+    assert fake.cudaSetDevice(rank) == 0
+    c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank)
+    sizes = [1 + i % 7 for i in range(170)]
+
+    def value(r, i, j):
+        return float(1000 * i + 10 * j + r + 1)
+    ts = [T(n, rank) for n in sizes]
+    for i, t in enumerate(ts):
+        for j in range(sizes[i]):
+            t.buf[j] = value(rank, i, j)
+    before = get("copy_launches")
+    c.all_reduce_coalesced(ts)
+    launches = get("copy_launches") - before
+    wrong = [(i, j) for i, t in enumerate(ts) for j in range(sizes[i])
+             if t.buf[j] != value(0, i, j) + value(1, i, j)]
+    info = c.all_reduce_info
+    c.destroy()
+    put("module_error", 209)  # CUDA_ERROR_NO_BINARY_FOR_GPU: the kernels cannot load anywhere now
+    fallback = None
+    try:
+        # the other device: the kernels were never loaded on it in this process
+        c2 = pyccl.Communicator(2, pyccl.unique_id(), rank, device=1 - rank)
+        try:
+            c2.all_reduce_coalesced([T(n, 1 - rank) for n in sizes])
+        except RuntimeError as e:
+            fallback = str(e)
+        c2.destroy()
+    finally:
+        put("module_error", 0)
+    clean()
+    return {"copy_launches": launches, "wrong": wrong[:5], "state": info["state"], "fallback": fallback}
+
+
 def _own_kernels_ready(timeout=None):
     """One of two ranks (FAKE_RANK) of a library built with FAKE_PEER_MEMORY: a
     communicator whose first all_reduce sets the own kernels up (regions shared

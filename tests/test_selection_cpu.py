@@ -122,3 +122,10 @@ def test_one_set_up_when_two_threads_make_the_first_call(peer_lib, tmp_path):
         assert res["values"] == [[3.0, 4.0, 9.0]] * 2, res
         assert res["ipc_live"] == 0, res
         assert res["launches"] == 4, res  # one set-up (two probe stages), two kernels
+
+
+def test_coalesced_packs_with_the_copy_kernel_and_falls_back_to_torch(peer_lib, tmp_path):
+    for res, _ in run_two_ranks(peer_lib, "coalesced_packs", tmp_path, PYCCL_AR_BUFFER_MB="1"):
+        assert res["wrong"] == [] and res["state"] == "ready", res
+        assert res["copy_launches"] == 4, res  # 170 tensors: 160 + 10, in and out
+        assert res["fallback"] == "stub torch runs no kernels (flatten_dense_tensors of 170 tensors)", res

@@ -62,6 +62,13 @@ FAULTS = [
          edits=[("    if (cs != cudaStreamCaptureStatusNone) {\n        e = cudaSuccess;\n        goto out;\n    }\n",
                  "    if (0) {\n        e = cudaSuccess;\n        goto out;\n    }\n")],
          tests=["tests/test_timeout_cpu.py", "-k", "graph_capture"]),
+    dict(name="pack every coalesced tensor at offset 0", tier="cpu", file="csrc/ar.c",
+         edits=[("            it->off = off;\n", "            it->off = 0;\n")],
+         tests=["tests/test_selection_cpu.py", "-k", "coalesced"]),
+    dict(name="skip the coalesced unpack", tier="cpu", file="csrc/comm_ops.c",
+         edits=[("            pyccl_ar_copy_list(x.st, op, x.c->device, s, ft.ptr, ts, n, 0) < 0) {\n",
+                 "            0) {\n")],
+         tests=["tests/test_selection_cpu.py", "-k", "coalesced"]),
     dict(name="drop the GIL release around a blocking wait", tier="cpu", file="csrc/watch_state.c", edits=[
         ("    wt->next_signals = pyccl_now_s() + PYCCL_SIGNAL_PERIOD;\n    wt->ts = PyEval_SaveThread();\n}\n",
          "    wt->next_signals = pyccl_now_s() + PYCCL_SIGNAL_PERIOD;\n    wt->ts = NULL;\n}\n"),

@@ -599,6 +599,33 @@ extern "C" __global__ void pyccl_ar_empty(const __grid_constant__ pyccl_ar_param
 {
 }
 
+// all_reduce_coalesced's pack (to_flat) and unpack: block row y copies tensor y, the blocks of
+// the row striding over its bytes, 16 at a time where both ends allow it.  Ordered on the stream
+// like any kernel: no flag, no fence.
+extern "C" __global__ void pyccl_copy_list(const __grid_constant__ pyccl_copy_params p)
+{
+    if (blockIdx.y >= p.n) {
+        return;
+    }
+    const pyccl_copy_item it = p.item[blockIdx.y];
+    char *dst = p.to_flat ? p.flat + it.off : (char *)it.ptr;
+    const char *src = p.to_flat ? (const char *)it.ptr : p.flat + it.off;
+    const size_t n = it.nbytes;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t done = 0;
+    if ((((uintptr_t)dst | (uintptr_t)src) & 15u) == 0) {
+        const size_t nvec = n / 16;
+        for (size_t v = first; v < nvec; v += stride) {
+            ((uint4 *)dst)[v] = ((const uint4 *)src)[v];
+        }
+        done = nvec * 16;
+    }
+    for (size_t b = done + first; b < n; b += stride) {
+        dst[b] = src[b];
+    }
+}
+
 // The set-up's write-then-read probe, one thread per peer.
 // stage 0: write a value naming (me, peer) into each peer's PROBE[0][me]
 //          (remote write), and one naming me into my own PROBE[1][me].

@@ -104,4 +104,27 @@ static_assert(offsetof(pyccl_ar_params, skew_ns) == 136,
 static_assert(sizeof(pyccl_ar_params) == 144, "ar_abi.h: pyccl_ar_params changed size");
 static_assert(PYCCL_AR_ALIGNOF(pyccl_ar_params) == 8, "ar_abi.h: pyccl_ar_params changed alignment");
 
+/* The copy kernel's parameter (all_reduce_coalesced's pack and unpack): up to
+ * PYCCL_COPY_MAX tensors (pointer and bytes) and each one's byte offset in the
+ * packed buffer; to_flat 1 copies the tensors into it, 0 back out.  Kept
+ * under the 4 KiB every driver accepts for a kernel's parameters. */
+#define PYCCL_COPY_MAX 160
+typedef struct {
+    unsigned long long ptr, off, nbytes;
+} pyccl_copy_item;
+typedef struct {
+    char *flat;
+    unsigned int n;
+    int to_flat;
+    pyccl_copy_item item[PYCCL_COPY_MAX];
+} pyccl_copy_params;
+
+static_assert(sizeof(pyccl_copy_item) == 24, "ar_abi.h: pyccl_copy_item changed size");
+static_assert(offsetof(pyccl_copy_params, n) == 8, "ar_abi.h: pyccl_copy_params.n moved");
+static_assert(offsetof(pyccl_copy_params, to_flat) == 12,
+              "ar_abi.h: pyccl_copy_params.to_flat moved");
+static_assert(offsetof(pyccl_copy_params, item) == 16, "ar_abi.h: pyccl_copy_params.item moved");
+static_assert(sizeof(pyccl_copy_params) == 16 + 24 * PYCCL_COPY_MAX && sizeof(pyccl_copy_params) <= 4096,
+              "ar_abi.h: pyccl_copy_params changed size");
+
 #endif

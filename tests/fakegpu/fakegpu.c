@@ -116,7 +116,7 @@ static __thread int group_nops;
     X(nccl_mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)    \
     X(dereg_calls) X(reg_delay) X(reg_hang) X(reg_quiet) X(cumem_held)    \
     X(dereg_delay) X(redop_creates) X(ar_stuck) X(revokes) X(shrinks)    \
-    X(dereg_busy) X(abort_delay)
+    X(dereg_busy) X(abort_delay) X(copy_launches)
 #define DECL(k) static double k;
 KEYS(DECL)
 #undef DECL
@@ -1540,6 +1540,19 @@ fake_kernel(const char *name, void **args)
     if (strcmp(name, "pyccl_ar_empty") == 0) {
         return 0; /* the launch floor's kernel does nothing */
     }
+    if (strcmp(name, "pyccl_copy_list") == 0) {
+        /* all_reduce_coalesced's pack (to_flat) or unpack, item by item */
+        const pyccl_copy_params *cp = args[0];
+        for (unsigned i = 0; i < cp->n && i < PYCCL_COPY_MAX; i++) {
+            const pyccl_copy_item *it = &cp->item[i];
+            char *t = (char *)(uintptr_t)it->ptr, *f = cp->flat + it->off;
+            memmove(cp->to_flat ? f : t, cp->to_flat ? t : f, (size_t)it->nbytes);
+        }
+        pthread_mutex_lock(&mu);
+        copy_launches++;
+        pthread_mutex_unlock(&mu);
+        return 0;
+    }
     if (strcmp(name, "pyccl_ar_probe") == 0) {
         int stage = *(int *)args[1];
         uint32_t *mine = (uint32_t *)(p->base[p->rank] + PYCCL_AR_PROBE_OFF);
@@ -1584,7 +1597,8 @@ launch(void *f, cudaStream_t s, void **args)
     pthread_mutex_lock(&mu);
     launches++;
     if (peer_dead && strcmp((const char *)f, "pyccl_ar_probe") != 0 &&
-        strcmp((const char *)f, "pyccl_ar_empty") != 0) {
+        strcmp((const char *)f, "pyccl_ar_empty") != 0 &&
+        strcmp((const char *)f, "pyccl_copy_list") != 0) {
         /* an all-reduce kernel whose peer is gone: it waits on its stream */
         int k = nkwaits++ % 256;
         kwaits[k].word = (volatile int *)p->host_error;
