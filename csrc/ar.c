@@ -41,7 +41,9 @@ buffer_bytes(void)
 }
 
 /* Auto's thresholds by world size, in bytes: the one-shot kernel up to
- * `one`, the two-shot up to `two`, NCCL above (both capped at the buffer).
+ * `one`, the two-shot up to `two`, NCCL above (the table's values capped at
+ * the buffer; an override is not, and a call above the buffer runs in
+ * chunks of it).
  * Each row from a sweep of float32 sum in place (tools/sweep.sh):
  *   2 ranks, 2xH200 and 2xH100 (docs/PERFORMANCE.md): one-shot beats NCCL
  *     up to the whole buffer (8 MiB: 36 against 51 us on H200, 36 against
@@ -80,10 +82,8 @@ thresholds(int nranks, size_t *one, size_t *two)
     }
     size_t o = ar_thresholds[k].one == AR_BUFFER ? cap : ar_thresholds[k].one;
     size_t t = ar_thresholds[k].two == AR_BUFFER ? cap : ar_thresholds[k].two;
-    o = (size_t)env_long("PYCCL_AR_ONESHOT_MAX", (long)o, 0, 1L << 40);
-    t = (size_t)env_long("PYCCL_AR_TWOSHOT_MAX", (long)t, 0, 1L << 40);
-    *one = o < cap ? o : cap;
-    *two = t < cap ? t : cap;
+    *one = (size_t)env_long("PYCCL_AR_ONESHOT_MAX", (long)(o < cap ? o : cap), 0, 1L << 40);
+    *two = (size_t)env_long("PYCCL_AR_TWOSHOT_MAX", (long)(t < cap ? t : cap), 0, 1L << 40);
 }
 
 int
@@ -294,17 +294,17 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
 }
 
 /* One kernel of variant (0 LL, 1 one-shot, 2 two-shot) and index k for
- * t -> o on stream s, ordered after c's previous one; 1, or -1 with an
- * exception. */
+ * nbytes of t -> o from byte off on, on stream s, ordered after c's previous
+ * one; 0, or -1 with an exception. */
 static int
-launch(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const pyccl_tensor *t,
-       const pyccl_tensor *o, size_t nbytes, int variant, int k, cudaStream_t s)
+launch(pyccl_state *st, pyccl_ar *f, const char *op, const pyccl_tensor *t,
+       const pyccl_tensor *o, size_t off, size_t nbytes, int variant, int k, cudaStream_t s)
 {
     const pyccl_api *a = &st->api;
     pyccl_ar_params prm;
     memset(&prm, 0, sizeof prm);
-    prm.in = t->ptr;
-    prm.out = o->ptr;
+    prm.in = t->ptr + off;
+    prm.out = o->ptr + off;
     memcpy(prm.base, f->region.peer, sizeof prm.base);
     prm.host_error = f->host_err;
     prm.nbytes = nbytes;
@@ -312,7 +312,7 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const pyccl_
     prm.timeout_ns = (unsigned long long)(f->kernel_timeout * 1e9);
     prm.rank = f->rank;
     prm.nranks = f->nranks;
-    prm.aligned = (((uintptr_t)t->ptr | (uintptr_t)o->ptr) & 15u) == 0;
+    prm.aligned = (((uintptr_t)prm.in | (uintptr_t)prm.out) & 15u) == 0;
     prm.ll_slot = 2 * f->ll_max;
     prm.skew_ns = f->skew_ns;
     void *args[] = {&prm};
@@ -367,8 +367,7 @@ launch(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, const pyccl_
                      op, f->device, bad_device ? "cannot make the device current" : ar_cu_error(r));
         return -1;
     }
-    /* as an NCCL call would be: watched with a timeout, else noted for wait() */
-    return pyccl_call_track(st, op, c, s, NULL, NULL) < 0 ? -1 : 1;
+    return 0;
 }
 
 /* Whether the own kernels may take this call at all (kt, ko: the kernel's type
@@ -506,21 +505,28 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
     if (nccl_sized) {
         return 0;
     }
-    /* after the set-up, which checked that every rank has this buffer size */
-    if (forced && nbytes > f->half_bytes) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: algo='%s' handles up to %zu bytes (PYCCL_AR_BUFFER_MB), got %zu",
-                     op, algo_name(algo), f->half_bytes, nbytes);
-        return -1;
-    }
     if (*(volatile int *)f->host_err) {
         /* a kernel gave up on a peer: the communicator is done for */
         AR_WHY(f, "a wait gave up after %g s", f->timeout);
         return turn_off(st, c, f, op, 0, ncclInProgress, " in pyccl's all-reduce kernel", s);
     }
-    int variant = algo == PYCCL_ALGO_TWOSHOT ? 2 : nbytes <= f->ll_max ? 0 : 1;
-    int k = variant * K_NTYPES * K_NOPS + kt * K_NOPS + ko;
-    return launch(st, c, f, op, t, o, nbytes, variant, k, s);
+    /* A call larger than a half of the staging buffer runs as chunks of equal
+     * size (256-byte multiples, so each stays aligned and whole elements), one
+     * kernel each, in order on s: a chunk's kernel reuses the buffer as the
+     * next call would.  Every rank cuts the same chunks (the set-up checked
+     * that they have one buffer size; the call's size is the same). */
+    size_t chunks = (nbytes + f->half_bytes - 1) / f->half_bytes;
+    size_t per = chunks == 1 ? nbytes : ((nbytes + chunks - 1) / chunks + 255) & ~(size_t)255;
+    for (size_t off = 0; off < nbytes; off += per) {
+        size_t n = nbytes - off < per ? nbytes - off : per;
+        int variant = algo == PYCCL_ALGO_TWOSHOT ? 2 : n <= f->ll_max ? 0 : 1;
+        int k = variant * K_NTYPES * K_NOPS + kt * K_NOPS + ko;
+        if (launch(st, f, op, t, o, off, n, variant, k, s) < 0) {
+            return -1;
+        }
+    }
+    /* as an NCCL call would be: watched with a timeout, else noted for wait() */
+    return pyccl_call_track(st, op, c, s, NULL, NULL) < 0 ? -1 : 1;
 }
 
 PyObject *

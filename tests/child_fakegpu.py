@@ -1029,6 +1029,52 @@ def coalesced_packs():
     return {"copy_launches": launches, "wrong": wrong[:5], "state": info["state"], "fallback": fallback}
 
 
+def own_chunked():
+    """With PYCCL_AR_BUFFER_MB=1, all_reduce of 3 MiB + 20 B of float32 (values that differ per
+    rank and element, so a chunk at the wrong place shows): algo='oneshot' and 'twoshot' (in and
+    out of place) run as four kernels of at most the buffer each, and sum every element; auto
+    takes NCCL above its thresholds, and the chunked one-shot where PYCCL_AR_ONESHOT_MAX reaches
+    above the buffer."""
+    rank = int(os.environ["FAKE_RANK"])
+    assert fake.cudaSetDevice(rank) == 0
+    n = (3 << 18) + 5
+
+    def fill(r):
+        return Array(range(r * 3 + 1, r * 3 + 1 + n))  # element j: j + 3r + 1
+
+    def wrong(a, want=lambda j: 2 * j + 5):
+        return [j for j, v in enumerate(a.buf) if v != want(j)][:5]
+    out = {}
+
+    def run(c, name, **kw):
+        a = fill(rank)
+        o = fill(rank) if kw.pop("out", False) else None
+        k0, x0 = get("ar_kernels"), get("ar_oversize")
+        if o is None:
+            c.all_reduce(a, **kw)
+        else:
+            o.buf[:3] = [-1.0] * 3
+            c.all_reduce(a, out=o, **kw)
+            out[name + " input kept"] = wrong(a, lambda j: j + rank * 3 + 1) == []
+        out[name] = [get("ar_kernels") - k0, get("ar_oversize") - x0, wrong(a if o is None else o)]
+    c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank)
+    run(c, "oneshot", algo="oneshot")
+    run(c, "twoshot", algo="twoshot")
+    run(c, "twoshot out", algo="twoshot", out=True)
+    run(c, "auto", algo="auto")
+    c.destroy()
+    os.environ["PYCCL_AR_ONESHOT_MAX"] = str(4 << 20)
+    try:
+        c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank)
+        out["oneshot_max"] = c.all_reduce_info["oneshot_max"]
+        run(c, "auto, oneshot_max 4 MiB")
+        c.destroy()
+    finally:
+        del os.environ["PYCCL_AR_ONESHOT_MAX"]
+    clean()
+    return out
+
+
 def _own_kernels_ready(timeout=None):
     """One of two ranks (FAKE_RANK) of a library built with FAKE_PEER_MEMORY: a
     communicator whose first all_reduce sets the own kernels up (regions shared
@@ -1961,7 +2007,7 @@ def abort_waits_for_a_call_inside_nccl():
 def thresholds_by_rank_count():
     """all_reduce_info's oneshot_max/twoshot_max, read before any set-up, for each world size:
     ar.c's one table (2 ranks: the whole buffer; 4: the 4-rank sweep's; others: the
-    unmeasured default), each capped at the buffer, PYCCL_AR_* overriding."""
+    unmeasured default), each capped at the buffer, PYCCL_AR_* overriding (uncapped)."""
     got = {}
     for world in (2, 3, 4, 5, 8):
         c = new(world=world, timeout=None)

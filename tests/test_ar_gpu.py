@@ -151,7 +151,14 @@ def test_first_call_over_the_buffer_still_sets_up():
 def test_algo_argument_errors_then_working_calls():
     res = run_ranks(fa.errors, W)
     assert res[0] == ["ValueError", "TypeError", "ValueError", "ValueError", "ValueError",
-                      "ValueError", "group"]
+                      "group"]
+
+
+@needs_ranks(2)
+@needs_kernels
+def test_calls_above_the_buffer_run_in_chunks_bitwise():
+    res = run_ranks(fa.chunked, W, env={"PYCCL_AR_BUFFER_MB": "1"})
+    assert all(res[r] == (4 * 3 * 2 * 12, 1 << 20) for r in range(W)), res
 
 
 @needs_ranks(2)

@@ -129,3 +129,15 @@ def test_coalesced_packs_with_the_copy_kernel_and_falls_back_to_torch(peer_lib, 
         assert res["wrong"] == [] and res["state"] == "ready", res
         assert res["copy_launches"] == 4, res  # 170 tensors: 160 + 10, in and out
         assert res["fallback"] == "stub torch runs no kernels (flatten_dense_tensors of 170 tensors)", res
+
+
+def test_a_call_above_the_buffer_runs_in_chunks_of_it(peer_lib, tmp_path):
+    # 3 MiB + 20 B with a 1 MiB buffer: four kernels, none staging more than the buffer (the
+    # stand-in refuses and counts those), every element summed at its place
+    for res, _ in run_two_ranks(peer_lib, "own_chunked", tmp_path, timeout=120,
+                                PYCCL_AR_BUFFER_MB="1"):
+        for name in ("oneshot", "twoshot", "twoshot out", "auto, oneshot_max 4 MiB"):
+            assert res[name] == [4, 0, []], (name, res)
+        assert res["twoshot out input kept"] is True, res
+        assert res["auto"] == [0, 0, []], res  # auto: NCCL above the 1 MiB thresholds
+        assert res["oneshot_max"] == 4 << 20, res

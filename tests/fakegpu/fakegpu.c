@@ -116,7 +116,7 @@ static __thread int group_nops;
     X(nccl_mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)    \
     X(dereg_calls) X(reg_delay) X(reg_hang) X(reg_quiet) X(cumem_held)    \
     X(dereg_delay) X(redop_creates) X(ar_stuck) X(revokes) X(shrinks)    \
-    X(dereg_busy) X(abort_delay) X(copy_launches)
+    X(dereg_busy) X(abort_delay) X(copy_launches) X(ar_kernels) X(ar_oversize)
 #define DECL(k) static double k;
 KEYS(DECL)
 #undef DECL
@@ -1586,6 +1586,13 @@ fake_kernel(const char *name, void **args)
     fc.xseq = kseq++;
     if (t < 0 || o < 0 || p->nbytes % 4) {
         return 98; /* CUDA_ERROR_INVALID_HANDLE: not modelled */
+    }
+    ar_kernels++;
+    if (p->nbytes > p->half_bytes || (variant == 0 && p->nbytes > p->ll_slot / 2)) {
+        /* the real kernel would stage past its half of the buffer (or its LL
+         * slot): refused here, and counted */
+        ar_oversize++;
+        return 1; /* CUDA_ERROR_INVALID_VALUE */
     }
     return xproc_all_reduce(&fc, p->in, p->out, (size_t)(p->nbytes / 4), t, o) == ncclSuccess ? 0 : 999;
 }
