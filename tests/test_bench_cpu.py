@@ -1527,13 +1527,18 @@ def test_sweep_ranks_runs_each_rank_count_into_its_own_folder(tmp_path):
 def test_sweep_without_ranks_runs_once_into_out_as_before(tmp_path):
     r, out, files = _sweep(tmp_path, gpus=3)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert files == ["algos.txt", "cmp.txt", "cmpg.txt", "coll.txt", "ddp.txt", "symm.txt", "tables.md"]
+    assert files == ["algos-large.txt", "algos.txt", "cmp.txt", "cmpg.txt", "coll.txt", "ddp.txt",
+                     "symm.txt", "tables.md"]
     assert r.stdout.splitlines()[0] == "sweep: 3 ranks, one GPU each"
     # all_gather and reduce_scatter beside the same peers as all_reduce, at the run's rank count
     assert (out / "coll.txt").read_text() == (
         "ran: -m pyccl.bench -g 3 --coll all_gather,reduce_scatter -b 8 -e 64M -f 4 --compare "
         f"-n 100 --repeats 3 --json {out}/coll.json --no-progress\n")
     assert (out / "algos.txt").read_text().startswith("ran: -m pyccl.bench -g 3 ")
+    # 64 MiB to 1 GiB apart, as nccl-tests' 1G section (the own kernels in chunks there)
+    assert (out / "algos-large.txt").read_text() == (
+        "ran: -m pyccl.bench -g 3 -b 64M -e 1G -f 4 -n 20 --algos nccl,oneshot,twoshot,auto "
+        f"--json {out}/algos-large.json --no-progress\n")
     r, out, files = _sweep(tmp_path, "--only", "symm", gpus=4, SWEEP_RANKS="3")
     assert r.returncode == 0 and files == ["symm.txt", "tables.md"], r.stdout
     assert (out / "symm.txt").read_text().startswith("ran: tools/peers_bench.py symm -g 3 ")
@@ -1544,7 +1549,7 @@ def test_sweep_a_failed_step_is_named_the_others_still_run(tmp_path):
     assert r.returncode == 1
     assert r.stdout.count("sweep: failed (exit 1): timeout 150 ") == 1
     assert f"peers_bench.py symm -g 2 --json {out}/r2/symm.json" in r.stdout
-    assert files == [f"r{n}/{s}.txt" for n in (2, 3) for s in ("algos", "ddp", "symm")] + ["tables.md"]
+    assert files == [f"r{n}/{s}.txt" for n in (2, 3) for s in ("algos-large", "algos", "ddp", "symm")] + ["tables.md"]
 
 
 @pytest.mark.parametrize("argv, env, rc, message", [
@@ -1609,6 +1614,13 @@ def test_sweep_tables_put_every_system_side_by_side(tmp_path):
 
     algos(r2, 2, 1.0)
     algos(r3, 3, 101.0)
+    # algos-large.json (64 MiB-1 GiB): rows of their own beside nccl-tests' 1G section
+    g = 1 << 30
+    report.write_json(r2 / "algos-large.json", {}, [], algos=[
+        report.AlgoResult("pyccl", 2, g, algo, None, timing, 5, t)
+        for algo, timing, t in (("auto", "eager", 500.0), ("auto", "graph", 501.0), ("auto", "host", 7.0),
+                                ("oneshot", "eager", 900.0), ("oneshot", "graph", 901.0),
+                                ("nccl", "eager", 600.0), ("nccl", "graph", 601.0))])
 
     def res(system, dtype, size, placement, t):
         return report.Result(system, "all_reduce", dtype, "sum", 0, size, size // 4, 2, placement, t)
@@ -1619,7 +1631,9 @@ def test_sweep_tables_put_every_system_side_by_side(tmp_path):
     (r2 / "symm.json").write_text(json.dumps([
         {"kernel": "one_shot", "dtype": "float", "bytes": 8, "eager_us": 10.4, "graph_us": 6.4},
         {"kernel": "two_shot", "dtype": "float", "bytes": 2048, "eager_us": 9.7, "graph_us": None}]))
-    (r2 / "nt.txt").write_text(_NT)
+    (r2 / "nt.txt").write_text(_NT + "### nccl-tests float 1G\n"
+                               "  1073741824  268435456  float  sum  -1  5000.1  214.7  322.1  0"
+                               "  5000.5  214.7  322.0  0\n")
     out = subprocess.run([sys.executable, str(pathlib.Path(st.__file__)), str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -1631,6 +1645,7 @@ def test_sweep_tables_put_every_system_side_by_side(tmp_path):
         "|---:|" + "---:|" * 10,
         "| 8 | 1.0 | 21.0 | 2.0 | — | 4.0 | 11.0 | 10.4 | — | — | 17.2 |",
         "| 2 K | 3.0 | 23.0 | 4.0 | 5.0 | 6.0 | — | — | 9.7 | 25.0 | 16.3 |",
+        "| 1 G | 500.0 | 7.0 | 900.0 | — | 600.0 | — | — | — | — | 5000.5 |",
         "", "Launch floor, measured in the same run: 4.25 µs of host time per launch of an empty "
         "kernel with the own kernels' parameter block, launched as they are (`auto host` less this "
         "is what a call adds to its launch).",
@@ -1640,6 +1655,7 @@ def test_sweep_tables_put_every_system_side_by_side(tmp_path):
         "|---:|" + "---:|" * 6,
         "| 8 | 11.0 | 12.0 | — | 14.0 | 6.4 | 6.1 |",
         "| 2 K | 13.0 | 14.0 | 15.0 | 16.0 | — | 6.3 |",
+        "| 1 G | 501.0 | 901.0 | — | 601.0 | — | — |",
         "", "### bfloat16 sum in place, eager (µs per call)", "",
         "| bytes | pyccl auto | NCCL symmetric (pyccl windows) |",
         "|---:|---:|---:|",

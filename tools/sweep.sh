@@ -10,7 +10,7 @@
 #        NCCL_TESTS_SOURCE: a checkout of github.com/NVIDIA/nccl-tests; without it the
 #        nccl-tests part is left out.
 # Writes nt.txt (and nt-mpi.txt: nccl-tests built with MPI, one process per GPU, where mpicc is
-# found), algos.txt/json, cmp.txt/json, cmpg.txt/json, coll.txt/json, symm.txt/json, ddp.txt
+# found), algos.txt/json (and algos-large.txt/json: 64 MiB-1 GiB), cmp.txt/json, cmpg.txt/json, coll.txt/json, symm.txt/json, ddp.txt
 # under $OUT (or ./sweep-out), and tables.md: every table of docs/PERFORMANCE.md from them
 # (tools/sweep_tables.py); about 8 minutes on 2 H100s at 2 ranks without the coll step.  SWEEP_ARCH (default 90) is the compute
 # capability nccl-tests is built for.  SWEEP_RANKS (default: every GPU) runs it at that many ranks,
@@ -149,6 +149,9 @@ run_nt() {  # nccl-tests at $G ranks into $D
 run_algos() {
   step timeout 200 $PY -m pyccl.bench -g "$G" -b 8 -e 64M -f 4 -n 100 --algos nccl,oneshot,twoshot,auto \
       --json "$D/algos.json" --no-progress > "$D/algos.txt" 2>&1; tail -40 "$D/algos.txt"
+  # 64 MiB to 1 GiB (the sizes of nccl-tests' 1G section), own kernels in chunks of their buffer
+  step timeout 180 $PY -m pyccl.bench -g "$G" -b 64M -e 1G -f 4 -n 20 --algos nccl,oneshot,twoshot,auto \
+      --json "$D/algos-large.json" --no-progress > "$D/algos-large.txt" 2>&1; tail -12 "$D/algos-large.txt"
 }
 run_symm() {
   step timeout 150 $PY tools/peers_bench.py symm -g "$G" --json "$D/symm.json" > "$D/symm.txt" 2>&1

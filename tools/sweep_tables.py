@@ -9,12 +9,14 @@ Usage: python tools/sweep_tables.py OUT
 
 Where each column comes from (the files sweep.sh writes):
   algos.json   pyccl auto, own one-shot, own two-shot and NCCL through pyccl (algo="nccl"):
-               eager, graph and auto's host µs per call (python -m pyccl.bench --algos)
+               eager, graph and auto's host µs per call (python -m pyccl.bench --algos);
+               algos-large.json the same from 64 MiB to 1 GiB (rows of their own)
   cmp.json     NCCL symmetric (pyccl windows), dist "nccl", dist "pyccl", torch.cuda.nccl
                and, for bfloat16, pyccl auto (--compare --registered; in place)
   cmpg.json    NCCL symmetric in a graph of 10 calls (-G 10 --registered)
   symm.json    torch's symmetric-memory one_shot and two_shot, eager and graph
-  nt.txt       nccl-tests (one process, every GPU): eager, -G 10, -R 2 (symmetric), in place
+  nt.txt       nccl-tests (one process, every GPU): eager, -G 10, -R 2 (symmetric), in place;
+               its float 64 MiB-1 GiB section beside algos-large's rows
   nt-mpi.txt   nccl-tests built with MPI, one process per GPU, the same three
   coll.json    all_gather and reduce_scatter, every system of --compare (in place)
 """
@@ -69,6 +71,12 @@ class Sweep:
     def __init__(self, folder):
         self.folder = folder
         self.algos = _load(os.path.join(folder, "algos.json"))
+        large = _load(os.path.join(folder, "algos-large.json"))
+        if large is not None:
+            if self.algos is None:
+                self.algos = large
+            else:
+                self.algos["algos"] = self.algos.get("algos", []) + large.get("algos", [])
         self.cmp = _load(os.path.join(folder, "cmp.json"))
         self.cmpg = _load(os.path.join(folder, "cmpg.json"))
         self.symm = _load(os.path.join(folder, "symm.json"))
@@ -113,7 +121,10 @@ class Sweep:
         return got or None
 
     def nccl_tests(self, title, mpi=False):
-        return (self.ntm if mpi else self.nt).get(title)
+        got = (self.ntm if mpi else self.nt).get(title)
+        if title == "nccl-tests float eager" and not mpi and "nccl-tests float 1G" in self.nt:
+            got = {**(got or {}), **self.nt["nccl-tests float 1G"]}  # 64 MiB-1 GiB, eager too
+        return got
 
 
 def table(columns, sizes=None):
@@ -127,7 +138,8 @@ def table(columns, sizes=None):
              "|---:|" + "---:|" * len(columns)]
     for s in every:
         cells = [f"{col[s]:.1f}" if s in col else DASH for _, col in columns]
-        lines.append(f"| {human(s)} | " + " | ".join(cells) + " |")
+        if any(c != DASH for c in cells):  # a size no column has (64 MiB-1 GiB in bfloat16): no row
+            lines.append(f"| {human(s)} | " + " | ".join(cells) + " |")
     return lines
 
 
