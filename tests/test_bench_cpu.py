@@ -1680,3 +1680,27 @@ def test_sweep_tables_refuse_what_holds_no_sweep(tmp_path):
     assert run(str(tmp_path / "nowhere")) == (2, [f"sweep_tables: {tmp_path / 'nowhere'} is not a folder"])
     assert run() == (2, ["Usage: python tools/sweep_tables.py OUT"])
     assert run("--help") == (0, ["Usage: python tools/sweep_tables.py OUT"])
+
+
+def test_bench_algo_measures_the_own_kernels_above_their_buffer(monkeypatch):
+    # --algo oneshot/twoshot: a size above the buffer runs in chunks (a call, not N/A); a dtype
+    # or op the kernels do not take reads N/A
+    import pyccl
+    from pyccl.bench import drivers
+    calls = []
+
+    class Comm:
+        all_reduce_info = {"buffer_bytes": 16}
+
+        def all_reduce(self, t, op, **kw):
+            calls.append((t.numel(), op, kw))
+    d = object.__new__(drivers._PycclComm)
+    d.comm, d.pyccl, d.rank, d.nranks = Comm(), pyccl, 0, 2
+    d.ops = {"sum": pyccl.SUM, "prod": pyccl.PROD}
+    t = torch.zeros(64)  # 256 bytes, over the 16 of this buffer
+    for algo in ("oneshot", "twoshot"):
+        monkeypatch.setenv("PYCCL_BENCH_ALGO", algo)
+        d.build("all_reduce", "in-place", "sum", 0, [(t, t)])()
+        assert d.build("all_reduce", "in-place", "prod", 0, [(t, t)]) is None
+        assert d.build("all_reduce", "in-place", "sum", 0, [(t.double(), t.double())]) is None
+    assert calls == [(64, pyccl.SUM, {"algo": "oneshot"}), (64, pyccl.SUM, {"algo": "twoshot"})]

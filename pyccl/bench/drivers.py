@@ -127,15 +127,14 @@ class _PycclComm(_Driver):
         c, o, ip = self.comm, self.ops.get(op), placement == "in-place"
         if coll == "all_reduce":
             # --algo: auto (pyccl's choice), nccl, oneshot or twoshot; the forced own kernels
-            # read N/A where they do not apply (dtype, op, size over their buffer)
+            # read N/A where they do not apply (dtype, op; above their buffer they run in
+            # chunks of it)
             algo = os.environ.get("PYCCL_BENCH_ALGO", "auto")
             if algo in ("oneshot", "twoshot"):
-                info = c.all_reduce_info
-                fits = inp.numel() * inp.element_size() <= info["buffer_bytes"]
                 kinds = (self.pyccl.SUM, self.pyccl.MAX, self.pyccl.MIN)
                 ok_dtype = str(inp.dtype) in ("torch.float32", "torch.float16", "torch.bfloat16",
                                               "torch.int32")
-                if not (fits and ok_dtype and o in kinds):
+                if not (ok_dtype and o in kinds):
                     return None
             if ip:
                 return lambda: c.all_reduce(inp, o, algo=algo)
