@@ -557,6 +557,23 @@ pyccl_ar_info(pyccl_state *st, pyccl_comm *c)
                          f->pdl ? Py_True : Py_False, "parked", pyccl_ar_parked());
 }
 
+/* The kernels loaded on `device`, made current for the load (the module
+ * goes into the current context), whatever device the calling thread has;
+ * -1 with `why`. */
+static int
+load_on(pyccl_state *st, int device, char *why, size_t n)
+{
+    const pyccl_api *a = &st->api;
+    int prev, rc = -1;
+    if (pyccl_device_enter(a, device, &prev) != cudaSuccess) {
+        snprintf(why, n, "cannot make cuda:%d current", device);
+    } else {
+        rc = ar_load_kernels(device, why, n);
+    }
+    pyccl_device_leave(a, device, prev);
+    return rc;
+}
+
 double
 pyccl_ar_launch_floor(pyccl_state *st, const char *op, int device, cudaStream_t s, int calls,
                       int pdl)
@@ -568,7 +585,7 @@ pyccl_ar_launch_floor(pyccl_state *st, const char *op, int device, cudaStream_t 
                      op);
         return -1;
     }
-    if (ar_load_kernels(device, why, sizeof why) < 0) {
+    if (load_on(st, device, why, sizeof why) < 0) {
         PyErr_Format(PyExc_RuntimeError, "%s: %s", op, why);
         return -1;
     }
@@ -610,10 +627,21 @@ pyccl_ar_launch_floor(pyccl_state *st, const char *op, int device, cudaStream_t 
 }
 
 int
-pyccl_ar_copy_usable(int device)
+pyccl_ar_copy_usable(pyccl_state *st, int device)
 {
-    char why[400];
-    return pyccl_ar_built() && ar_load_kernels(device, why, sizeof why) == 0;
+    /* per device: 0 not tried, 1 loaded, -1 cannot load (kept, so a call does
+     * not try the module's load again each time: that is set-up work) */
+    static int usable[MAX_DEVICES];
+    if (!pyccl_ar_built() || device < 0 || device >= MAX_DEVICES) {
+        return 0;
+    }
+    int u = __atomic_load_n(&usable[device], __ATOMIC_ACQUIRE);
+    if (u == 0) {
+        char why[400];
+        u = load_on(st, device, why, sizeof why) == 0 ? 1 : -1;
+        __atomic_store_n(&usable[device], u, __ATOMIC_RELEASE);
+    }
+    return u > 0;
 }
 
 int

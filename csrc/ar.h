@@ -38,11 +38,12 @@ int pyccl_ar_parked(void);
 double pyccl_ar_launch_floor(pyccl_state *st, const char *op, int device, cudaStream_t s,
                              int calls, int pdl);
 /* all_reduce_coalesced's pack and unpack with the copy kernel.  usable: 1
- * when the kernels load on `device` (else the caller packs with torch).
+ * when the kernels load on `device` (else the caller packs with torch),
+ * tried once per device.
  * copy_list: the n tensors of ts into (to_flat) or out of flat, each after
  * the one before, on stream s of `device`, PYCCL_COPY_MAX a launch; 0, or -1
  * with CudaError naming op. */
-int pyccl_ar_copy_usable(int device);
+int pyccl_ar_copy_usable(pyccl_state *st, int device);
 int pyccl_ar_copy_list(pyccl_state *st, const char *op, int device, cudaStream_t s, char *flat,
                        const pyccl_tensor *ts, Py_ssize_t n, int to_flat);
 /* Whether the kernels were compiled in (setup.py found nvcc). */

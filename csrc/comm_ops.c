@@ -808,7 +808,7 @@ pyccl_comm_all_reduce_coalesced(PyObject *self, PyObject *const *args, Py_ssize_
     if (pyccl_reduce_type(x.st, op, "tensors[0]", &ts[0]) < 0) {
         goto done;
     }
-    if (pyccl_ar_copy_usable(x.c->device)) {
+    if (pyccl_ar_copy_usable(x.st, x.c->device)) {
         if ((flat = PyObject_CallMethod(ts[0].obj, "new_empty", "(L)", total)) == NULL ||
             ops_read_on_comm(&x, "the packed buffer", flat, &ft) < 0 ||
             pyccl_stream(x.st, op, "stream", NULL, x.c->device, "tensors", &s) < 0 ||

@@ -1007,8 +1007,13 @@ def coalesced_packs():
         for j in range(sizes[i]):
             t.buf[j] = value(rank, i, j)
     before = get("copy_launches")
+    # the calling thread's current device is the other one: the module must still be loaded
+    # with the communicator's device current (into its context)
+    assert fake.cudaSetDevice(1 - rank) == 0
     c.all_reduce_coalesced(ts)
     launches = get("copy_launches") - before
+    module_device = get("module_device")
+    assert fake.cudaSetDevice(rank) == 0
     wrong = [(i, j) for i, t in enumerate(ts) for j in range(sizes[i])
              if t.buf[j] != value(0, i, j) + value(1, i, j)]
     info = c.all_reduce_info
@@ -1018,15 +1023,19 @@ def coalesced_packs():
     try:
         # the other device: the kernels were never loaded on it in this process
         c2 = pyccl.Communicator(2, pyccl.unique_id(), rank, device=1 - rank)
-        try:
-            c2.all_reduce_coalesced([T(n, 1 - rank) for n in sizes])
-        except RuntimeError as e:
-            fallback = str(e)
+        loads = get("module_loads")
+        for _ in range(2):
+            try:
+                c2.all_reduce_coalesced([T(n, 1 - rank) for n in sizes])
+            except RuntimeError as e:
+                fallback = str(e)
+        loads = get("module_loads") - loads
         c2.destroy()
     finally:
         put("module_error", 0)
     clean()
-    return {"copy_launches": launches, "wrong": wrong[:5], "state": info["state"], "fallback": fallback}
+    return {"copy_launches": launches, "wrong": wrong[:5], "state": info["state"], "fallback": fallback,
+            "module_device": module_device, "failed_loads": loads}
 
 
 def own_chunked():

@@ -125,10 +125,15 @@ def test_one_set_up_when_two_threads_make_the_first_call(peer_lib, tmp_path):
 
 
 def test_coalesced_packs_with_the_copy_kernel_and_falls_back_to_torch(peer_lib, tmp_path):
-    for res, _ in run_two_ranks(peer_lib, "coalesced_packs", tmp_path, PYCCL_AR_BUFFER_MB="1"):
+    results = run_two_ranks(peer_lib, "coalesced_packs", tmp_path, PYCCL_AR_BUFFER_MB="1")
+    for res, _ in results:
         assert res["wrong"] == [] and res["state"] == "ready", res
         assert res["copy_launches"] == 4, res  # 170 tensors: 160 + 10, in and out
         assert res["fallback"] == "stub torch runs no kernels (flatten_dense_tensors of 170 tensors)", res
+    for rank, (res, _) in enumerate(results):
+        # loaded into the communicator's device though the thread had the other one current;
+        # a device whose load failed is not tried again on the next call
+        assert res["module_device"] == rank and res["failed_loads"] == 1, res
 
 
 def test_a_call_above_the_buffer_runs_in_chunks_of_it(peer_lib, tmp_path):

@@ -72,6 +72,15 @@ FAULTS = [
     dict(name="write every chunk at the output's start", tier="cpu", file="csrc/ar.c",
          edits=[("    prm.out = o->ptr + off;\n", "    prm.out = o->ptr;\n")],
          tests=["tests/test_selection_cpu.py", "-k", "chunks"]),
+    dict(name="load the kernels with the caller's device current", tier="cpu", file="csrc/ar.c",
+         edits=[("    if (pyccl_device_enter(a, device, &prev) != cudaSuccess) {\n"
+                 "        snprintf(why, n, \"cannot make cuda:%d current\", device);\n",
+                 "    if ((prev = device) < 0) {\n"
+                 "        snprintf(why, n, \"cannot make cuda:%d current\", device);\n")],
+         tests=["tests/test_selection_cpu.py", "-k", "coalesced"]),
+    dict(name="try the copy kernel's load again on every call", tier="cpu", file="csrc/ar.c",
+         edits=[("        __atomic_store_n(&usable[device], u, __ATOMIC_RELEASE);\n", "")],
+         tests=["tests/test_selection_cpu.py", "-k", "coalesced"]),
     dict(name="skip the coalesced unpack", tier="cpu", file="csrc/comm_ops.c",
          edits=[("            pyccl_ar_copy_list(x.st, op, x.c->device, s, ft.ptr, ts, n, 0) < 0) {\n",
                  "            0) {\n")],

@@ -116,7 +116,7 @@ static __thread int group_nops;
     X(nccl_mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)    \
     X(dereg_calls) X(reg_delay) X(reg_hang) X(reg_quiet) X(cumem_held)    \
     X(dereg_delay) X(redop_creates) X(ar_stuck) X(revokes) X(shrinks)    \
-    X(dereg_busy) X(abort_delay) X(copy_launches) X(ar_kernels) X(ar_oversize)
+    X(dereg_busy) X(abort_delay) X(copy_launches) X(ar_kernels) X(ar_oversize) X(module_loads) X(module_device)
 #define DECL(k) static double k;
 KEYS(DECL)
 #undef DECL
@@ -1505,6 +1505,10 @@ cuModuleLoadData(void **mod, const void *image)
 {
     (void)image;
     *mod = fn_names;
+    pthread_mutex_lock(&mu);
+    module_loads++;
+    module_device = cur_dev; /* the module goes into the current device's context */
+    pthread_mutex_unlock(&mu);
     return (CUresult)module_error;
 }
 
