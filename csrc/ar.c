@@ -87,27 +87,26 @@ thresholds(int nranks, size_t *one, size_t *two)
 }
 
 int
-pyccl_read_algo(const char *op, PyObject *obj, pyccl_algo *out)
+pyccl_read_algo(const char *op, PyObject *obj, int two, pyccl_algo *out)
 {
     static const char *const names[] = {"auto", "nccl", "oneshot", "twoshot"};
+    const char *which = two ? "'auto', 'nccl', 'oneshot' or 'twoshot'" : "'auto', 'nccl' or 'oneshot'";
     *out = PYCCL_ALGO_AUTO;
     if (obj == NULL || obj == Py_None) {
         return 0;
     }
     if (PyUnicode_Check(obj)) {
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < (two ? 4 : 3); i++) {
             if (PyUnicode_CompareWithASCIIString(obj, names[i]) == 0) {
                 *out = (pyccl_algo)i;
                 return 0;
             }
         }
-        PyErr_Format(PyExc_ValueError,
-                     "%s: algo must be 'auto', 'nccl', 'oneshot' or 'twoshot', got %R", op, obj);
+        PyErr_Format(PyExc_ValueError, "%s: algo must be %s, got %R", op, which, obj);
         return -1;
     }
-    PyErr_Format(PyExc_TypeError,
-                 "%s: algo must be a str ('auto', 'nccl', 'oneshot' or 'twoshot'), got %.200s",
-                 op, Py_TYPE(obj)->tp_name);
+    PyErr_Format(PyExc_TypeError, "%s: algo must be a str (%s), got %.200s", op, which,
+                 Py_TYPE(obj)->tp_name);
     return -1;
 }
 
@@ -293,29 +292,36 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
     return 0;
 }
 
-/* One kernel of variant (0 LL, 1 one-shot, 2 two-shot) and index k for
- * nbytes of t -> o from byte off on, on stream s, ordered after c's previous
- * one; 0, or -1 with an exception. */
+/* The parameter block of a kernel of f for nbytes of in -> out. */
+static void
+params(const pyccl_ar *f, pyccl_ar_params *prm, const char *in, char *out, size_t nbytes)
+{
+    memset(prm, 0, sizeof *prm);
+    prm->in = in;
+    prm->out = out;
+    memcpy(prm->base, f->region.peer, sizeof prm->base);
+    prm->host_error = f->host_err;
+    prm->nbytes = nbytes;
+    prm->half_bytes = f->half_bytes;
+    prm->timeout_ns = (unsigned long long)(f->kernel_timeout * 1e9);
+    prm->rank = f->rank;
+    prm->nranks = f->nranks;
+    prm->aligned = (((uintptr_t)in | (uintptr_t)out) & 15u) == 0;
+    prm->ll_slot = 2 * f->ll_max;
+    prm->skew_ns = f->skew_ns;
+}
+
+/* Kernel k with the parameter block prm (ll: the LL kernel, whose blocks
+ * shrink to the size) on stream s, ordered after c's previous one; 0, or -1
+ * with CudaError naming op and `what` (the kernel). */
 static int
-launch(pyccl_state *st, pyccl_ar *f, const char *op, const pyccl_tensor *t,
-       const pyccl_tensor *o, size_t off, size_t nbytes, int variant, int k, cudaStream_t s)
+launch_prm(pyccl_state *st, pyccl_ar *f, const char *op, pyccl_ar_params *prm, int ll, int k,
+           const char *what, cudaStream_t s)
 {
     const pyccl_api *a = &st->api;
-    pyccl_ar_params prm;
-    memset(&prm, 0, sizeof prm);
-    prm.in = t->ptr + off;
-    prm.out = o->ptr + off;
-    memcpy(prm.base, f->region.peer, sizeof prm.base);
-    prm.host_error = f->host_err;
-    prm.nbytes = nbytes;
-    prm.half_bytes = f->half_bytes;
-    prm.timeout_ns = (unsigned long long)(f->kernel_timeout * 1e9);
-    prm.rank = f->rank;
-    prm.nranks = f->nranks;
-    prm.aligned = (((uintptr_t)prm.in | (uintptr_t)prm.out) & 15u) == 0;
-    prm.ll_slot = 2 * f->ll_max;
-    prm.skew_ns = f->skew_ns;
-    void *args[] = {&prm};
+    const size_t nbytes = prm->nbytes;
+    const int variant = ll ? 0 : 1;
+    void *args[] = {prm};
     int prev;
     CUresult r = 0;
     int bad_device = 0;
@@ -363,18 +369,31 @@ launch(pyccl_state *st, pyccl_ar *f, const char *op, const pyccl_tensor *t,
     }
     pyccl_device_leave(a, f->device, prev);
     if (bad_device || r != 0) {
-        PyErr_Format(st->CudaError, "%s: launching pyccl's all-reduce kernel on cuda:%d failed: %s",
-                     op, f->device, bad_device ? "cannot make the device current" : ar_cu_error(r));
+        PyErr_Format(st->CudaError, "%s: launching pyccl's %s kernel on cuda:%d failed: %s",
+                     op, what, f->device,
+                     bad_device ? "cannot make the device current" : ar_cu_error(r));
         return -1;
     }
     return 0;
+}
+
+/* One all-reduce kernel of variant (0 LL, 1 one-shot, 2 two-shot) and index k
+ * for nbytes of t -> o from byte off on, on stream s; 0, or -1 with an
+ * exception. */
+static int
+launch(pyccl_state *st, pyccl_ar *f, const char *op, const pyccl_tensor *t,
+       const pyccl_tensor *o, size_t off, size_t nbytes, int variant, int k, cudaStream_t s)
+{
+    pyccl_ar_params prm;
+    params(f, &prm, t->ptr + off, o->ptr + off, nbytes);
+    return launch_prm(st, f, op, &prm, variant == 0, k, "all-reduce", s);
 }
 
 /* Whether the own kernels may take this call at all (kt, ko: the kernel's type
  * and op): 1 yes, 0 NCCL's, -1 raised (a forced algo that cannot). */
 static int
 eligible(pyccl_comm *c, const char *op, pyccl_algo algo, const pyccl_tensor *t, int redop,
-         int *kt, int *ko)
+         int typed, int *kt, int *ko)
 {
     if (c->size < 2 || c->size > PYCCL_AR_MAX_RANKS) {
         if (algo != PYCCL_ALGO_AUTO) {
@@ -388,7 +407,7 @@ eligible(pyccl_comm *c, const char *op, pyccl_algo algo, const pyccl_tensor *t, 
     const int forced = algo != PYCCL_ALGO_AUTO;
     *kt = t->dtype >= 0 ? kernel_type(pyccl_dtype_table[t->dtype].nccl) : -1;
     *ko = kernel_op(redop);
-    if (*kt < 0 || *ko < 0) {
+    if (typed && (*kt < 0 || *ko < 0)) {
         if (forced) {
             PyObject *name = pyccl_dtype_name(t);
             if (name != NULL) {
@@ -460,7 +479,7 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
         return 0;
     }
     int kt, ko;
-    int ok = eligible(c, op, algo, t, redop, &kt, &ko);
+    int ok = eligible(c, op, algo, t, redop, 1, &kt, &ko);
     if (ok <= 0) {
         return ok;
     }
@@ -526,6 +545,60 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
         }
     }
     /* as an NCCL call would be: watched with a timeout, else noted for wait() */
+    return pyccl_call_track(st, op, c, s, NULL, NULL) < 0 ? -1 : 1;
+}
+
+int
+pyccl_ar_gather_scatter(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo algo,
+                        const pyccl_tensor *in, const pyccl_tensor *out, int redop, int rs,
+                        cudaStream_t s)
+{
+    const pyccl_tensor *part_of = rs ? out : in;
+    if (algo != PYCCL_ALGO_ONESHOT || part_of->numel == 0) {
+        return 0; /* auto: NCCL's until a sweep measures where the kernels win */
+    }
+    int kt, ko;
+    int ok = eligible(c, op, algo, part_of, redop, rs, &kt, &ko);
+    if (ok <= 0) {
+        return ok;
+    }
+    const size_t part = (size_t)part_of->numel * (size_t)part_of->itemsize;
+    pyccl_ar *f = ar_of(c, op);
+    if (f == NULL || set_up_first(st, c, f, op, algo, 1, s) < 0) {
+        return -1;
+    }
+    if (__atomic_load_n(&f->state, __ATOMIC_ACQUIRE) != AR_READY) {
+        PyErr_Format(PyExc_RuntimeError, "%s: algo='%s' is unavailable on rank %d: %s", op,
+                     algo_name(algo), f->rank, f->reason);
+        return -1;
+    }
+    if (*(volatile int *)f->host_err) {
+        AR_WHY(f, "a wait gave up after %g s", f->timeout);
+        return turn_off(st, c, f, op, 0, ncclInProgress, " in pyccl's all-reduce kernel", s);
+    }
+    /* A launch stages one part (all_gather) or every rank's (reduce_scatter)
+     * in a half of the buffer: larger calls run in equal chunks of the parts,
+     * as all_reduce does. */
+    size_t cap = (rs ? f->half_bytes / (size_t)f->nranks : f->half_bytes) & ~(size_t)255;
+    size_t chunks = (part + cap - 1) / cap;
+    size_t per = chunks == 1 ? part : ((part + chunks - 1) / chunks + 255) & ~(size_t)255;
+    for (size_t off = 0; off < part; off += per) {
+        size_t n = part - off < per ? part - off : per;
+        pyccl_ar_params prm;
+        params(f, &prm, in->ptr + off, out->ptr + off, n);
+        prm.stride = part;
+        uintptr_t m = (uintptr_t)prm.in | (uintptr_t)prm.out | n | part;
+        int k;
+        if (rs) {
+            prm.aligned = (m & 15u) == 0;
+            k = K_RS + kt * K_NOPS + ko;
+        } else {
+            k = K_AG + ((m & 15u) == 0 ? 0 : (m & 3u) == 0 ? 1 : 2);
+        }
+        if (launch_prm(st, f, op, &prm, 0, k, rs ? "reduce_scatter" : "all_gather", s) < 0) {
+            return -1;
+        }
+    }
     return pyccl_call_track(st, op, c, s, NULL, NULL) < 0 ? -1 : 1;
 }
 

@@ -9,14 +9,23 @@
 #include "pyccl.h"
 
 typedef enum { PYCCL_ALGO_AUTO, PYCCL_ALGO_NCCL, PYCCL_ALGO_ONESHOT, PYCCL_ALGO_TWOSHOT } pyccl_algo;
-/* all_reduce's algo= argument (None: auto). */
-int pyccl_read_algo(const char *op, PyObject *obj, pyccl_algo *out);
+/* The algo= argument (None: auto); two: 'twoshot' is one (all_reduce's),
+ * else only 'auto', 'nccl' and 'oneshot' (all_gather's, reduce_scatter's). */
+int pyccl_read_algo(const char *op, PyObject *obj, int two, pyccl_algo *out);
 /* Run t -> o on the own kernels when `algo` and the arguments allow: 1 when
  * enqueued, 0 when NCCL should do it, -1 with an exception.  Collective on
  * the first call that qualifies (it sets up peer memory). */
 int pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op,
                             pyccl_algo algo, const pyccl_tensor *t,
                             const pyccl_tensor *o, int redop, cudaStream_t s);
+/* all_gather (rs 0: in, one rank's part, into every rank's part of out) or
+ * reduce_scatter (rs 1: part `rank` of every rank's in, reduced with redop,
+ * into out) on the own kernels, where algo='oneshot' asks for them (auto is
+ * NCCL's): 1 enqueued, 0 NCCL's, -1 with an exception.  Larger calls than
+ * the buffer holds run in chunks. */
+int pyccl_ar_gather_scatter(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo algo,
+                            const pyccl_tensor *in, const pyccl_tensor *out, int redop, int rs,
+                            cudaStream_t s);
 /* Free what the own kernels hold on c (also after abort(): the stop word
  * ended their waits).  `collective`: every rank is destroying c together, so
  * the exported region is freed behind a barrier (bounded by c's timeout);

@@ -147,6 +147,11 @@ load_kernels_locked(int device, char *why, size_t n)
             snprintf(name, sizeof name, "%s",
                      k == K_PROBE ? "pyccl_ar_probe" : k == K_EMPTY ? "pyccl_ar_empty"
                                                                      : "pyccl_copy_list");
+        } else if (k >= K_AG) {
+            snprintf(name, sizeof name, "pyccl_ag_%d", (int[]){16, 4, 1}[k - K_AG]);
+        } else if (k >= K_RS) {
+            snprintf(name, sizeof name, "pyccl_rs_%s_%s", type_names[(k - K_RS) / K_NOPS],
+                     op_names[(k - K_RS) % K_NOPS]);
         } else {
             snprintf(name, sizeof name, "pyccl_ar_%d_%s_%s", k / (K_NTYPES * K_NOPS),
                      type_names[(k / K_NOPS) % K_NTYPES], op_names[k % K_NOPS]);

@@ -51,14 +51,17 @@ typedef struct {
 } ar_driver;
 
 /* kernels: [0 one-shot LL, 1 one-shot, 2 two-shot][dtype][op], then the
- * probe, the empty kernel (the launch floor) and the copy kernel
- * (all_reduce_coalesced's pack and unpack) */
+ * probe, the empty kernel (the launch floor), the copy kernel
+ * (all_reduce_coalesced's pack and unpack), reduce_scatter's [dtype][op] and
+ * all_gather's by unit (16, 4 and 1 bytes) */
 enum { K_F32, K_F16, K_BF16, K_I32, K_NTYPES };
 enum { K_SUM, K_MAX, K_MIN, K_NOPS };
 #define K_PROBE (3 * K_NTYPES * K_NOPS)
 #define K_EMPTY (K_PROBE + 1)
 #define K_COPY (K_PROBE + 2)
-#define K_COUNT (K_PROBE + 3)
+#define K_RS (K_PROBE + 3)
+#define K_AG (K_RS + K_NTYPES * K_NOPS)
+#define K_COUNT (K_AG + 3)
 
 #define MAX_DEVICES 64
 typedef struct {

@@ -420,7 +420,7 @@ pyccl_comm_all_reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     }
     if ((type = pyccl_reduce_type(x.st, x.op, "tensor", &t)) < 0 ||
         ops_stream(&x, a[3], &s) < 0 ||
-        pyccl_read_algo(x.op, a[4], &algo) < 0 ||
+        pyccl_read_algo(x.op, a[4], 1, &algo) < 0 ||
         read_op(&x, a[1], &t, type, &redop, &made) < 0) {
         return NULL;
     }
@@ -547,30 +547,63 @@ per_rank(call_ctx *x, pyccl_coll coll, void *mine, const pyccl_tensor *list, siz
     return res;
 }
 
-/* all_gather(input, output, *, stream=None): output is one array of size x
- * input elements, or a list of size arrays (a group of broadcasts). */
+/* One all_gather or reduce_scatter task (rs): pyccl's own kernel where
+ * algo='oneshot' asks for it, else NCCL's, as ops_finish. */
+static PyObject *
+gather_scatter_finish(call_ctx *x, pyccl_task *tk, pyccl_algo algo, const pyccl_tensor *in,
+                      const pyccl_tensor *out, int redop, int made, int rs, cudaStream_t s)
+{
+    if (algo != PYCCL_ALGO_ONESHOT) {
+        return ops_finish(x, tk, tk->count > 0, redop, made);
+    }
+    if (tk->count == 0) {
+        Py_RETURN_NONE; /* nothing to move */
+    }
+    /* one call: begun after the last user code, the own kernel or NCCL, ended */
+    if (pyccl_call_begin(x->st, x->op, x->c) < 0) {
+        return NULL;
+    }
+    int rc = pyccl_ar_gather_scatter(x->st, x->c, x->op, algo, in, out, redop, rs, s);
+    if (rc == 0) {
+        rc = pyccl_call_submit(x->st, x->op, tk, 1, redop, made ? &x->premul : NULL, NULL,
+                               &x->c, 1);
+    }
+    pyccl_call_end(x->c);
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+/* all_gather(input, output, *, stream=None, algo=None): output is one array
+ * of size x input elements, or a list of size arrays (a group of
+ * broadcasts); algo='oneshot' asks for pyccl's kernel (one output array). */
 PyObject *
 pyccl_comm_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                       PyObject *kwnames)
 {
-    static const char *const names[] = {"input", "output", "stream"};
-    PyObject *a[3], *res = NULL, *keep = NULL;
+    static const char *const names[] = {"input", "output", "stream", "algo"};
+    PyObject *a[4], *res = NULL, *keep = NULL;
     call_ctx x;
     pyccl_tensor in, out, *list = NULL;
     cudaStream_t s;
     int type;
     size_t count;
     int64_t whole;
-    if (pyccl_parse_args("all_gather", args, nargs, kwnames, names, 3, 2, 2, a) < 0 ||
+    pyccl_algo algo;
+    if (pyccl_parse_args("all_gather", args, nargs, kwnames, names, 4, 2, 2, a) < 0 ||
         ops_ctx_init(&x, self, "all_gather") < 0 ||
         ops_read_on_comm(&x, "input", a[0], &in) < 0 ||
-        ops_stream(&x, a[2], &s) < 0) {
+        ops_stream(&x, a[2], &s) < 0 ||
+        pyccl_read_algo(x.op, a[3], 0, &algo) < 0) {
         return NULL;
     }
     pyccl_move_type(x.st, &in, &type, &count, (size_t)in.numel);
     list = ops_read_list(&x, "output", a[1], &in, "input", in.numel, &keep);
     if (list == NULL && PyErr_Occurred()) {
         return NULL;
+    }
+    if (list != NULL && algo == PYCCL_ALGO_ONESHOT) {
+        PyErr_SetString(PyExc_ValueError,
+                        "all_gather: algo='oneshot' needs one output tensor, not a list");
+        goto done;
     }
     if (list == NULL) {
         if (ops_read_on_comm(&x, "output", a[1], &out) < 0 ||
@@ -583,7 +616,7 @@ pyccl_comm_all_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         }
         pyccl_task tk;
         ops_task(&tk, PYCCL_ALL_GATHER, in.ptr, out.ptr, count, type, 0, &x, s);
-        return ops_finish(&x, &tk, count > 0, 0, 0);
+        return gather_scatter_finish(&x, &tk, algo, &in, &out, 0, 0, 0, s);
     }
     if (slot_or_apart(&x, "input", &in, "output", NULL, list) < 0) {
         goto done;
@@ -595,28 +628,36 @@ done:
     return res;
 }
 
-/* reduce_scatter(input, output, op=SUM, *, stream=None): input is one array
- * of size x output elements, or a list of size arrays (a group of reduces). */
+/* reduce_scatter(input, output, op=SUM, *, stream=None, algo=None): input
+ * is one array of size x output elements, or a list of size arrays (a group
+ * of reduces); algo='oneshot' asks for pyccl's kernel (one input array). */
 PyObject *
 pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
                           Py_ssize_t nargs, PyObject *kwnames)
 {
-    static const char *const names[] = {"input", "output", "op", "stream"};
-    PyObject *a[4], *res = NULL, *keep = NULL;
+    static const char *const names[] = {"input", "output", "op", "stream", "algo"};
+    PyObject *a[5], *res = NULL, *keep = NULL;
     call_ctx x;
     pyccl_tensor in, out, *list = NULL;
     cudaStream_t s;
     int type, redop, made = 0;
     int64_t whole;
-    if (pyccl_parse_args("reduce_scatter", args, nargs, kwnames, names, 4, 3, 2, a) < 0 ||
+    pyccl_algo algo;
+    if (pyccl_parse_args("reduce_scatter", args, nargs, kwnames, names, 5, 3, 2, a) < 0 ||
         ops_ctx_init(&x, self, "reduce_scatter") < 0 ||
         ops_read_on_comm(&x, "output", a[1], &out) < 0 ||
-        ops_stream(&x, a[3], &s) < 0) {
+        ops_stream(&x, a[3], &s) < 0 ||
+        pyccl_read_algo(x.op, a[4], 0, &algo) < 0) {
         return NULL;
     }
     list = ops_read_list(&x, "input", a[0], &out, "output", out.numel, &keep);
     if (list == NULL && PyErr_Occurred()) {
         return NULL;
+    }
+    if (list != NULL && algo == PYCCL_ALGO_ONESHOT) {
+        PyErr_SetString(PyExc_ValueError,
+                        "reduce_scatter: algo='oneshot' needs one input tensor, not a list");
+        goto done;
     }
     if (list == NULL &&
         (ops_read_on_comm(&x, "input", a[0], &in) < 0 ||
@@ -633,6 +674,12 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
         read_op(&x, a[2], &out, type, &redop, &made) < 0) {
         goto done;
     }
+    if (made && algo == PYCCL_ALGO_ONESHOT) {
+        /* refused before anything is made */
+        PyErr_SetString(PyExc_ValueError,
+                        "reduce_scatter: algo='oneshot' supports SUM, MAX and MIN, not premul_sum");
+        goto done;
+    }
     if (!made) {
         redop = pyccl_reduce_scatter_op(redop, x.c->size);
     }
@@ -640,7 +687,7 @@ pyccl_comm_reduce_scatter(PyObject *self, PyObject *const *args,
     if (list == NULL) {
         pyccl_task tk;
         ops_task(&tk, PYCCL_REDUCE_SCATTER, in.ptr, out.ptr, count, type, 0, &x, s);
-        res = ops_finish(&x, &tk, count > 0, redop, made);
+        res = gather_scatter_finish(&x, &tk, algo, &in, &out, redop, made, 1, s);
         goto done;
     }
     res = per_rank(&x, PYCCL_REDUCE, out.ptr, list, count, type, s, redop, made);

@@ -568,16 +568,20 @@ static PyMethodDef comm_methods[] = {
      "Reduce `tensor` over all ranks into the root's `out` (default: in place)."},
     {"all_gather", (PyCFunction)(void (*)(void))pyccl_comm_all_gather,
      METH_FASTCALL | METH_KEYWORDS,
-     "all_gather($self, /, input, output, *, stream=None)\n--\n\n"
+     "all_gather($self, /, input, output, *, stream=None, algo=None)\n--\n\n"
      "Every rank's `input`, in rank order, into `output`: one tensor of size x "
-     "input elements or a list of `size` tensors.\n\n" PYCCL_INPUT_FIRST},
+     "input elements or a list of `size` tensors. algo: 'auto' (None) and 'nccl' "
+     "are NCCL's; 'oneshot' is pyccl's own kernel (2 to 8 ranks of one host, one "
+     "output tensor, any dtype).\n\n" PYCCL_INPUT_FIRST},
     {"reduce_scatter", (PyCFunction)(void (*)(void))pyccl_comm_reduce_scatter,
      METH_FASTCALL | METH_KEYWORDS,
-     "reduce_scatter($self, /, input, output, op=0, *, stream=None)\n--\n\n"
+     "reduce_scatter($self, /, input, output, op=0, *, stream=None, algo=None)\n--\n\n"
      "Reduce `input` (one tensor of size x output elements, or a list of `size` "
      "tensors) and give rank r chunk r in `output`. op: pyccl.SUM/PROD/MAX/MIN/AVG, "
-     "its name ('sum'), a torch.distributed.ReduceOp or pyccl.premul_sum(x).\n\n"
-     PYCCL_INPUT_FIRST},
+     "its name ('sum'), a torch.distributed.ReduceOp or pyccl.premul_sum(x). algo: "
+     "'auto' (None) and 'nccl' are NCCL's; 'oneshot' is pyccl's own kernel (2 to 8 "
+     "ranks of one host, one input tensor, float32, float16, bfloat16 or int32 with "
+     "SUM, MAX or MIN).\n\n" PYCCL_INPUT_FIRST},
     {"send", (PyCFunction)(void (*)(void))pyccl_comm_send,
      METH_FASTCALL | METH_KEYWORDS,
      "send($self, /, tensor, peer, *, stream=None)\n--\n\n"

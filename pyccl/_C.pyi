@@ -88,9 +88,17 @@ class Communicator:
     def reduce(
         self, tensor: _Tensor, root: int, op: _Op = 0, *, out: _Tensor | None = None, stream: _Stream = None
     ) -> None: ...
-    def all_gather(self, input: _Tensor, output: _Tensor | Sequence[_Tensor], *, stream: _Stream = None) -> None: ...
+    def all_gather(
+        self, input: _Tensor, output: _Tensor | Sequence[_Tensor], *, stream: _Stream = None, algo: str | None = None
+    ) -> None: ...
     def reduce_scatter(
-        self, input: _Tensor | Sequence[_Tensor], output: _Tensor, op: _Op = 0, *, stream: _Stream = None
+        self,
+        input: _Tensor | Sequence[_Tensor],
+        output: _Tensor,
+        op: _Op = 0,
+        *,
+        stream: _Stream = None,
+        algo: str | None = None,
     ) -> None: ...
     def send(self, tensor: _Tensor, peer: int, *, stream: _Stream = None) -> None: ...
     def recv(self, tensor: _Tensor, peer: int, *, stream: _Stream = None) -> None: ...

@@ -396,6 +396,97 @@ def chunked(comm, replays=3):
     return kernels, half
 
 
+def gather_scatter(comm, replays=3):
+    """algo='oneshot' all_gather and reduce_scatter on pyccl's kernels, bitwise equal to NCCL's
+    and to the reference: integer-valued data, every dtype and op reduce_scatter's kernels take,
+    any dtype for all_gather; parts of 16-byte multiples and not, out of place, in place (the
+    input as this rank's part of the output, or the output as this rank's part of the input) and
+    one element in; a part larger than a launch stages (run with PYCCL_AR_BUFFER_MB=1: chunks,
+    the epoch moves by them); then both in a CUDA graph replayed with new data."""
+    W, r, dev = comm.size, comm.rank, f"cuda:{comm.device}"
+    half = comm.all_reduce_info["buffer_bytes"]
+    comm.all_reduce(torch.ones(4, device=dev), algo="oneshot")  # sets the kernels up
+    checks = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.int64, torch.float16):
+        size = torch.empty(0, dtype=dtype).element_size()
+        for count in (1, 3, 1023, 4096, half // size + 3):
+            x = ((torch.arange(count, dtype=torch.int64) * 7 + r * 1000 + 1) % 120).to(dtype).to(dev)
+            want = torch.empty(W * count, dtype=dtype, device=dev)
+            comm.all_gather(x, want, algo="nccl")
+            parts = [((torch.arange(count, dtype=torch.int64) * 7 + q * 1000 + 1) % 120).to(dtype)
+                     for q in range(W)]
+            _check(want, torch.cat(parts), "all_gather nccl", dtype, count)
+            got = torch.full_like(want, 3)
+            before = comm._all_reduce_epoch()
+            comm.all_gather(x, got, algo="oneshot")
+            torch.cuda.synchronize()
+            chunks = -(-count * size // half)
+            assert comm._all_reduce_epoch() == (before + chunks) % (1 << 32), (dtype, count)
+            _check(got, want, "all_gather", dtype, count)
+            inplace = torch.zeros_like(want)
+            inplace[r * count:(r + 1) * count] = x
+            comm.all_gather(inplace[r * count:(r + 1) * count], inplace, algo="oneshot")
+            _check(inplace, want, "all_gather in place", dtype, count)
+            big = torch.zeros(W * count + 1, dtype=dtype, device=dev)
+            comm.all_gather(x, big[1:], algo="oneshot")
+            _check(big[1:], want, "all_gather one element in", dtype, count)
+            checks += 3
+    for dtype in DTYPES:
+        size = torch.empty(0, dtype=dtype).element_size()
+        for op in OPS:
+            for count in (1, 3, 1023, 4096, half // size // W + 3):
+                vals = [rank_values(k, W * count, dtype, op, W) for k in range(W)]
+                ref = reduce_ref(vals, op, dtype)[r * count:(r + 1) * count]
+                mine = to_dtype(vals[r], dtype).to(dev)
+                nccl = torch.empty(count, dtype=dtype, device=dev)
+                comm.reduce_scatter(mine, nccl, op, algo="nccl")
+                _check(nccl, ref, "reduce_scatter nccl", dtype, OP_NAMES[op], count)
+                got = torch.full_like(nccl, 3)
+                before = comm._all_reduce_epoch()
+                comm.reduce_scatter(mine, got, op, algo="oneshot")
+                torch.cuda.synchronize()
+                chunks = -(-W * count * size // half)
+                assert comm._all_reduce_epoch() == (before + chunks) % (1 << 32), (dtype, count)
+                _check(got, nccl, "reduce_scatter", dtype, OP_NAMES[op], count)
+                _check(mine, to_dtype(vals[r], dtype), "input kept")
+                inplace = mine.clone()
+                comm.reduce_scatter(inplace, inplace[r * count:(r + 1) * count], op, algo="oneshot")
+                _check(inplace[r * count:(r + 1) * count], ref, "reduce_scatter in place", dtype,
+                       OP_NAMES[op], count)
+                odd = torch.empty(W * count + 1, dtype=dtype, device=dev)
+                odd[1:] = mine
+                out = torch.empty(count + 1, dtype=dtype, device=dev)
+                comm.reduce_scatter(odd[1:], out[1:], op, algo="oneshot")
+                _check(out[1:], ref, "reduce_scatter one element in", dtype, OP_NAMES[op], count)
+                checks += 3
+    n = 1000
+    a = torch.zeros(n, dtype=torch.float32, device=dev)
+    ga = torch.zeros(W * n, dtype=torch.float32, device=dev)
+    b = torch.zeros(W * n, dtype=torch.int32, device=dev)
+    rb = torch.zeros(n, dtype=torch.int32, device=dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        comm.all_gather(a, ga, algo="oneshot")
+        comm.reduce_scatter(b, rb, algo="oneshot")
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        comm.all_gather(a, ga, algo="oneshot")
+        comm.reduce_scatter(b, rb, algo="oneshot")
+    for k in range(replays):
+        a.copy_(torch.arange(n, dtype=torch.float32) * (k + 1) + r)
+        b.copy_(torch.arange(W * n, dtype=torch.int32) * (k + 2) + r)
+        g.replay()
+        torch.cuda.synchronize()
+        _check(ga, torch.cat([torch.arange(n, dtype=torch.float32) * (k + 1) + q for q in range(W)]),
+               "graph all_gather", k)
+        _check(rb, sum(torch.arange(W * n, dtype=torch.int32)[r * n:(r + 1) * n] * (k + 2) + q
+                       for q in range(W)), "graph reduce_scatter", k)
+    return checks
+
+
 def errors(comm):
     """Argument errors of algo=, each followed by a working call."""
     dev = f"cuda:{comm.device}"

@@ -35,11 +35,11 @@ class Params(ctypes.Structure):
         ("nbytes", ctypes.c_ulonglong), ("half_bytes", ctypes.c_ulonglong),
         ("timeout_ns", ctypes.c_ulonglong), ("magic", ctypes.c_uint), ("aligned", ctypes.c_int),
         ("ll_slot", ctypes.c_ulonglong), ("rank", ctypes.c_int), ("nranks", ctypes.c_int),
-        ("skew_ns", ctypes.c_uint),
+        ("skew_ns", ctypes.c_uint), ("stride", ctypes.c_ulonglong),
     ]
 
 
-assert ctypes.sizeof(Params) == 144, ctypes.sizeof(Params)  # what ar.c passes by value
+assert ctypes.sizeof(Params) == 152, ctypes.sizeof(Params)  # what ar.c passes by value
 
 
 class LaunchAttr(ctypes.Structure):

@@ -1084,6 +1084,71 @@ def own_chunked():
     return out
 
 
+def own_gather_scatter():
+    """With PYCCL_AR_BUFFER_MB=1, all_gather and reduce_scatter with algo='oneshot' on the own
+    kernels: parts of 16-byte multiples and not (the stand-in refuses a unit that does not fit),
+    and parts larger than a launch stages (chunks); values that differ per rank and element, so
+    a part at the wrong place shows.  auto stays NCCL's.  Then the argument errors, each followed
+    by a working call."""
+    rank = int(os.environ["FAKE_RANK"])
+    assert fake.cudaSetDevice(rank) == 0
+    c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank)
+    out = {}
+
+    def val(r, j):
+        return float(j % 100003 + 7 * r + 1)
+
+    def gather(name, n, **kw):
+        a = Array([val(rank, j) for j in range(n)])
+        o = Array([-1.0] * (2 * n))
+        k0, x0 = get("ag_kernels"), get("ar_oversize")
+        c.all_gather(a, o, **kw)
+        bad = [j for j in range(2 * n) if o.buf[j] != val(j // n, j % n)][:5]
+        out[name] = [get("ag_kernels") - k0, get("ar_oversize") - x0, bad]
+
+    def scatter(name, n, **kw):
+        a = Array([val(rank, j) for j in range(2 * n)])
+        o = Array([-1.0] * n)
+        k0, x0 = get("rs_kernels"), get("ar_oversize")
+        c.reduce_scatter(a, o, **kw)
+        want = [val(0, rank * n + j) + val(1, rank * n + j) for j in range(n)]
+        bad = [j for j in range(n) if o.buf[j] != want[j]][:5] if kw else None
+        out[name] = [get("rs_kernels") - k0, get("ar_oversize") - x0, bad]
+    gather("ag 1024", 1024, algo="oneshot")
+    gather("ag 1001", 1001, algo="oneshot")
+    gather("ag chunked", (1 << 18) + 5, algo="oneshot")
+    gather("ag auto", 1024)
+    scatter("rs 1024", 1024, algo="oneshot")
+    scatter("rs 1001", 1001, algo="oneshot")
+    scatter("rs chunked", (1 << 17) + 3, algo="oneshot")
+    scatter("rs auto", 1024)
+    a, o = Array([1.0, 2.0]), Array([0.0] * 4)
+    errors = []
+    for call in (lambda: c.all_gather(a, o, algo="twoshot"),
+                 lambda: c.all_gather(a, o, algo=1),
+                 lambda: c.all_gather(a, [Array([0.0, 0.0]), Array([0.0, 0.0])], algo="oneshot"),
+                 lambda: c.reduce_scatter(o, a, algo="twoshot"),
+                 lambda: c.reduce_scatter([Array([0.0, 0.0]), Array([0.0, 0.0])], a, algo="oneshot"),
+                 lambda: c.reduce_scatter(o, a, pyccl.premul_sum(2.0), algo="oneshot")):
+        try:
+            call()
+            errors.append("no error")
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            errors.append(f"{type(e).__name__}: {e}")
+        gather("after", 4, algo="oneshot")
+        errors.append(out["after"][2] == [])
+    with pyccl.group():
+        try:
+            c.all_gather(a, o, algo="oneshot")
+            errors.append("no error")
+        except RuntimeError as e:
+            errors.append(f"RuntimeError: {e}")
+    out["errors"] = errors
+    c.destroy()
+    clean()
+    return out
+
+
 def _own_kernels_ready(timeout=None):
     """One of two ranks (FAKE_RANK) of a library built with FAKE_PEER_MEMORY: a
     communicator whose first all_reduce sets the own kernels up (regions shared

@@ -156,6 +156,13 @@ def test_algo_argument_errors_then_working_calls():
 
 @needs_ranks(2)
 @needs_kernels
+def test_all_gather_and_reduce_scatter_oneshot_bitwise_against_nccl():
+    res = run_ranks(fa.gather_scatter, W, env={"PYCCL_AR_BUFFER_MB": "1"})
+    assert all(res[r] == 5 * 5 * 3 + 4 * 3 * 5 * 3 for r in range(W)), res
+
+
+@needs_ranks(2)
+@needs_kernels
 def test_calls_above_the_buffer_run_in_chunks_bitwise():
     res = run_ranks(fa.chunked, W, env={"PYCCL_AR_BUFFER_MB": "1"})
     assert all(res[r] == (4 * 3 * 2 * 12, 1 << 20) for r in range(W)), res

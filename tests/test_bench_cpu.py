@@ -1527,14 +1527,17 @@ def test_sweep_ranks_runs_each_rank_count_into_its_own_folder(tmp_path):
 def test_sweep_without_ranks_runs_once_into_out_as_before(tmp_path):
     r, out, files = _sweep(tmp_path, gpus=3)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert files == ["algos-large.txt", "algos.txt", "cmp.txt", "cmpg.txt", "coll.txt", "ddp.txt",
-                     "symm.txt", "tables.md"]
+    assert files == ["algos-large.txt", "algos.txt", "cmp.txt", "cmpg.txt", "coll-own.txt", "coll.txt",
+                     "ddp.txt", "symm.txt", "tables.md"]
     assert r.stdout.splitlines()[0] == "sweep: 3 ranks, one GPU each"
     # all_gather and reduce_scatter beside the same peers as all_reduce, at the run's rank count
     assert (out / "coll.txt").read_text() == (
         "ran: -m pyccl.bench -g 3 --coll all_gather,reduce_scatter -b 8 -e 64M -f 4 --compare "
         f"-n 100 --repeats 3 --json {out}/coll.json --no-progress\n")
     assert (out / "algos.txt").read_text().startswith("ran: -m pyccl.bench -g 3 ")
+    assert (out / "coll-own.txt").read_text() == (
+        "ran: -m pyccl.bench -g 3 --coll all_gather,reduce_scatter -b 8 -e 64M -f 4 --algo oneshot "
+        f"-n 100 --repeats 3 --json {out}/coll-own.json --no-progress\n")
     # 64 MiB to 1 GiB apart, as nccl-tests' 1G section (the own kernels in chunks there)
     assert (out / "algos-large.txt").read_text() == (
         "ran: -m pyccl.bench -g 3 -b 64M -e 1G -f 4 -n 20 --algos nccl,oneshot,twoshot,auto "
@@ -1680,6 +1683,59 @@ def test_sweep_tables_refuse_what_holds_no_sweep(tmp_path):
     assert run(str(tmp_path / "nowhere")) == (2, [f"sweep_tables: {tmp_path / 'nowhere'} is not a folder"])
     assert run() == (2, ["Usage: python tools/sweep_tables.py OUT"])
     assert run("--help") == (0, ["Usage: python tools/sweep_tables.py OUT"])
+
+
+def test_bench_algo_reaches_all_gather_and_reduce_scatter(monkeypatch):
+    # --algo oneshot: pyccl's kernel for all_gather (any dtype) and reduce_scatter (its dtypes
+    # and ops, else N/A); twoshot N/A for both; auto and nccl call them without algo= (NCCL's)
+    import pyccl
+    from pyccl.bench import drivers
+    calls = []
+
+    class Comm:
+        def all_gather(self, i, o, **kw):
+            calls.append(("all_gather", str(i.dtype), kw))
+
+        def reduce_scatter(self, i, o, op, **kw):
+            calls.append(("reduce_scatter", op, kw))
+    d = object.__new__(drivers._PycclComm)
+    d.comm, d.pyccl, d.rank, d.nranks = Comm(), pyccl, 0, 2
+    d.ops = {"sum": pyccl.SUM, "prod": pyccl.PROD}
+    t = torch.zeros(4)
+    monkeypatch.setenv("PYCCL_BENCH_ALGO", "oneshot")
+    d.build("all_gather", "out-of-place", "sum", 0, [(t, t)])()
+    d.build("all_gather", "out-of-place", "sum", 0, [(t.double(), t.double())])()
+    d.build("reduce_scatter", "out-of-place", "sum", 0, [(t, t)])()
+    assert d.build("reduce_scatter", "out-of-place", "prod", 0, [(t, t)]) is None
+    assert d.build("reduce_scatter", "out-of-place", "sum", 0, [(t.double(), t.double())]) is None
+    monkeypatch.setenv("PYCCL_BENCH_ALGO", "twoshot")
+    assert d.build("all_gather", "out-of-place", "sum", 0, [(t, t)]) is None
+    assert d.build("reduce_scatter", "out-of-place", "sum", 0, [(t, t)]) is None
+    monkeypatch.setenv("PYCCL_BENCH_ALGO", "nccl")
+    d.build("all_gather", "out-of-place", "sum", 0, [(t, t)])()
+    d.build("reduce_scatter", "out-of-place", "sum", 0, [(t, t)])()
+    assert calls == [("all_gather", "torch.float32", {"algo": "oneshot"}),
+                     ("all_gather", "torch.float64", {"algo": "oneshot"}),
+                     ("reduce_scatter", pyccl.SUM, {"algo": "oneshot"}),
+                     ("all_gather", "torch.float32", {}), ("reduce_scatter", pyccl.SUM, {})]
+
+
+def test_sweep_tables_put_the_own_all_gather_beside_the_others(tmp_path):
+    # coll-own.json (--algo oneshot): pyccl's rows as their own column, "pyccl oneshot"
+    st = _tool("sweep_tables")
+    from pyccl.bench import report
+
+    def res(system, coll, size, t):
+        return report.Result(system, coll, "float", "sum", 0, size, size // 4, 2, "in-place", t)
+    report.write_json(tmp_path / "coll.json", {}, [res("pyccl", "all_gather", 8, 14.0),
+                                                   res("torch.distributed", "all_gather", 8, 30.0)])
+    report.write_json(tmp_path / "coll-own.json", {}, [res("pyccl", "all_gather", 8, 5.5),
+                                                       res("pyccl", "reduce_scatter", 8, 6.5)])
+    lines = st.tables(st.Sweep(str(tmp_path)))
+    assert lines[lines.index("### all_gather, float32, in place (µs per call)") + 2:][:3] == [
+        "| bytes | pyccl | pyccl oneshot | torch.distributed |", "|---:|---:|---:|---:|",
+        "| 8 | 14.0 | 5.5 | 30.0 |"], lines
+    assert "| 8 | 6.5 |" in lines, lines
 
 
 def test_bench_algo_measures_the_own_kernels_above_their_buffer(monkeypatch):

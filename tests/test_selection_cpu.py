@@ -146,3 +146,24 @@ def test_a_call_above_the_buffer_runs_in_chunks_of_it(peer_lib, tmp_path):
         assert res["twoshot out input kept"] is True, res
         assert res["auto"] == [0, 0, []], res  # auto: NCCL above the 1 MiB thresholds
         assert res["oneshot_max"] == 4 << 20, res
+
+
+def test_all_gather_and_reduce_scatter_on_the_own_kernels_with_algo_oneshot(peer_lib, tmp_path):
+    # [kernels, refused launches, wrong elements]: one kernel a call within the buffer, two for
+    # parts larger than a launch stages (1 MiB buffer: all_gather 1 MiB + 20 B a part,
+    # reduce_scatter 512 KiB + 12 B a part, two of them staged); the 4-byte unit where a part
+    # is no 16-byte multiple; auto is NCCL's (no kernel)
+    for res, _ in run_two_ranks(peer_lib, "own_gather_scatter", tmp_path, timeout=120,
+                                PYCCL_AR_BUFFER_MB="1"):
+        for name in ("ag 1024", "ag 1001", "rs 1024", "rs 1001"):
+            assert res[name] == [1, 0, []], (name, res)
+        assert res["ag chunked"] == [2, 0, []] and res["rs chunked"] == [2, 0, []], res
+        assert res["ag auto"] == [0, 0, []] and res["rs auto"][:2] == [0, 0], res
+        assert res["errors"] == [
+            "ValueError: all_gather: algo must be 'auto', 'nccl' or 'oneshot', got 'twoshot'", True,
+            "TypeError: all_gather: algo must be a str ('auto', 'nccl' or 'oneshot'), got int", True,
+            "ValueError: all_gather: algo='oneshot' needs one output tensor, not a list", True,
+            "ValueError: reduce_scatter: algo must be 'auto', 'nccl' or 'oneshot', got 'twoshot'", True,
+            "ValueError: reduce_scatter: algo='oneshot' needs one input tensor, not a list", True,
+            "ValueError: reduce_scatter: algo='oneshot' supports SUM, MAX and MIN, not premul_sum", True,
+            "RuntimeError: all_gather: algo='oneshot' cannot run inside pyccl.group()"], res

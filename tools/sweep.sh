@@ -10,7 +10,7 @@
 #        NCCL_TESTS_SOURCE: a checkout of github.com/NVIDIA/nccl-tests; without it the
 #        nccl-tests part is left out.
 # Writes nt.txt (and nt-mpi.txt: nccl-tests built with MPI, one process per GPU, where mpicc is
-# found), algos.txt/json (and algos-large.txt/json: 64 MiB-1 GiB), cmp.txt/json, cmpg.txt/json, coll.txt/json, symm.txt/json, ddp.txt
+# found), algos.txt/json (and algos-large.txt/json: 64 MiB-1 GiB), cmp.txt/json, cmpg.txt/json, coll.txt/json (and coll-own.txt/json: pyccl's own kernels), symm.txt/json, ddp.txt
 # under $OUT (or ./sweep-out), and tables.md: every table of docs/PERFORMANCE.md from them
 # (tools/sweep_tables.py); about 8 minutes on 2 H100s at 2 ranks without the coll step.  SWEEP_ARCH (default 90) is the compute
 # capability nccl-tests is built for.  SWEEP_RANKS (default: every GPU) runs it at that many ranks,
@@ -171,6 +171,9 @@ run_cmpg() {
 run_coll() {
   step timeout 280 $PY -m pyccl.bench -g "$G" --coll all_gather,reduce_scatter -b 8 -e 64M -f 4 --compare \
       -n 100 --repeats 3 --json "$D/coll.json" --no-progress > "$D/coll.txt" 2>&1; tail -50 "$D/coll.txt"
+  # pyccl's own all_gather and reduce_scatter kernels (algo="oneshot"), the same sizes
+  step timeout 150 $PY -m pyccl.bench -g "$G" --coll all_gather,reduce_scatter -b 8 -e 64M -f 4 --algo oneshot \
+      -n 100 --repeats 3 --json "$D/coll-own.json" --no-progress > "$D/coll-own.txt" 2>&1; tail -20 "$D/coll-own.txt"
 }
 for G in $LIST; do
   D=$OUT; [ -n "$RANKS" ] && D=$OUT/r$G

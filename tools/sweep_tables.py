@@ -18,7 +18,8 @@ Where each column comes from (the files sweep.sh writes):
   nt.txt       nccl-tests (one process, every GPU): eager, -G 10, -R 2 (symmetric), in place;
                its float 64 MiB-1 GiB section beside algos-large's rows
   nt-mpi.txt   nccl-tests built with MPI, one process per GPU, the same three
-  coll.json    all_gather and reduce_scatter, every system of --compare (in place)
+  coll.json    all_gather and reduce_scatter, every system of --compare (in place);
+               coll-own.json pyccl's own kernels for them (--algo oneshot), "pyccl oneshot"
 """
 import json
 import os
@@ -81,6 +82,10 @@ class Sweep:
         self.cmpg = _load(os.path.join(folder, "cmpg.json"))
         self.symm = _load(os.path.join(folder, "symm.json"))
         self.coll = _load(os.path.join(folder, "coll.json"))
+        own = _load(os.path.join(folder, "coll-own.json"))
+        if own is not None:
+            rows = [dict(r, system="pyccl oneshot") for r in own.get("results", []) if r["system"] == "pyccl"]
+            self.coll = {**(self.coll or {}), "results": (self.coll or {}).get("results", []) + rows}
         self.nt = read_nccl_tests(os.path.join(folder, "nt.txt"))
         self.ntm = read_nccl_tests(os.path.join(folder, "nt-mpi.txt"))
 

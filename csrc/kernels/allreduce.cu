@@ -395,8 +395,9 @@ __device__ __forceinline__ bool twoshot_body(const pyccl_ar_params &p, uint32_t 
     return true;
 }
 
-// begin(), the call's half, the body, end().
-template <typename T, int OP, bool TWO> __device__ void staged(const pyccl_ar_params &p)
+// begin(), the call's half, Body::run (one of the bodies: this call's epoch,
+// its half at data_off; false when it gave up), end().
+template <typename Body> __device__ void staged(const pyccl_ar_params &p)
 {
     __shared__ int gaveup;
     bool stop;
@@ -405,22 +406,135 @@ template <typename T, int OP, bool TWO> __device__ void staged(const pyccl_ar_pa
         return;
     }
     const size_t data_off = PYCCL_AR_DATA_OFF + (size_t)(epoch & 1u) * p.half_bytes;
-    const size_t nvec = p.nbytes / 16;
-    if (TWO ? twoshot_body<T, OP>(p, epoch, data_off, nvec, &gaveup)
-            : oneshot_body<T, OP>(p, epoch, data_off, nvec, &gaveup)) {
+    if (Body::run(p, epoch, data_off, &gaveup)) {
         end(p, epoch);
     }
 }
 
+template <typename T, int OP, bool TWO> struct AllReduceBody {
+    static __device__ bool run(const pyccl_ar_params &p, uint32_t epoch, size_t data_off,
+                               int *gaveup)
+    {
+        const size_t nvec = p.nbytes / 16;
+        return TWO ? twoshot_body<T, OP>(p, epoch, data_off, nvec, gaveup)
+                   : oneshot_body<T, OP>(p, epoch, data_off, nvec, gaveup);
+    }
+};
+
 template <typename T, int OP> __device__ void oneshot(const pyccl_ar_params &p)
 {
-    staged<T, OP, false>(p);
+    staged<AllReduceBody<T, OP, false>>(p);
 }
 
 template <typename T, int OP> __device__ void twoshot(const pyccl_ar_params &p)
 {
-    staged<T, OP, true>(p);
+    staged<AllReduceBody<T, OP, true>>(p);
 }
+
+// ---- all_gather and reduce_scatter, staged as the one-shot all-reduce ----
+// p.nbytes: this launch's bytes of each rank's part; p.stride: the bytes
+// between the ranks' parts of out (all_gather) or of in (reduce_scatter).
+// As in the all-reduce, block b takes the same positions in every step and on
+// every rank, so its barrier covers exactly what it reads next.
+
+// all_gather in units U (16, 4 or 1 bytes: the largest that divides in, out,
+// nbytes and stride): this rank's part into its half, the barrier, then every
+// rank's half into out at rank * stride.  Any dtype: bytes are moved.
+template <typename U>
+__device__ __forceinline__ bool gather_body(const pyccl_ar_params &p, uint32_t epoch,
+                                            size_t data_off, int *gaveup)
+{
+    const size_t n = p.nbytes / sizeof(U);
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    U *mine = (U *)(p.base[p.rank] + data_off);
+    for (size_t v = first; v < n; v += stride) {
+        mine[v] = ((const U *)p.in)[v];
+    }
+    if (!block_barrier(p, epoch, 0, gaveup)) {
+        give_up(p);
+        return false;
+    }
+    for (int k = 0; k < p.nranks; k++) {
+        const int s = (p.rank + k) % p.nranks; // spread the load over the peers
+        const U *theirs = (const U *)(p.base[s] + data_off);
+        U *dst = (U *)((char *)p.out + (size_t)s * p.stride);
+        for (size_t v = first; v < n; v += stride) {
+            dst[v] = __ldcg(theirs + v);
+        }
+    }
+    return true;
+}
+
+// reduce_scatter: the nranks parts of in (stride apart) one after another
+// into this rank's half, the barrier, then part `rank` of every rank's half
+// reduced in rank order into out (16-byte vectors where in, out, nbytes and
+// stride allow, else element by element).
+template <typename T, int OP>
+__device__ __forceinline__ bool scatter_body(const pyccl_ar_params &p, uint32_t epoch,
+                                             size_t data_off, int *gaveup)
+{
+    typedef typename Acc<T>::type A;
+    char *mine = p.base[p.rank] + data_off;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t mine_off = data_off + (size_t)p.rank * p.nbytes;
+    if (p.aligned) {
+        const size_t n = p.nbytes / 16;
+        for (int s = 0; s < p.nranks; s++) {
+            const uint4 *src = (const uint4 *)((const char *)p.in + (size_t)s * p.stride);
+            uint4 *dst = (uint4 *)(mine + (size_t)s * p.nbytes);
+            for (size_t v = first; v < n; v += stride) {
+                dst[v] = src[v];
+            }
+        }
+        if (!block_barrier(p, epoch, 0, gaveup)) {
+            give_up(p);
+            return false;
+        }
+        for (size_t v = first; v < n; v += stride) {
+            ((uint4 *)p.out)[v] = reduce_vec<T, OP>(p, mine_off + v * 16);
+        }
+        return true;
+    }
+    const size_t n = p.nbytes / sizeof(T);
+    for (int s = 0; s < p.nranks; s++) {
+        const T *src = (const T *)((const char *)p.in + (size_t)s * p.stride);
+        T *dst = (T *)(mine + (size_t)s * p.nbytes);
+        for (size_t i = first; i < n; i += stride) {
+            dst[i] = src[i];
+        }
+    }
+    if (!block_barrier(p, epoch, 0, gaveup)) {
+        give_up(p);
+        return false;
+    }
+    for (size_t i = first; i < n; i += stride) {
+        const size_t off = mine_off + i * sizeof(T);
+        A acc = Acc<T>::in(__ldcg((const T *)(p.base[0] + off)));
+        for (int r = 1; r < p.nranks; r++) {
+            acc = combine<OP>(acc, Acc<T>::in(__ldcg((const T *)(p.base[r] + off))));
+        }
+        ((T *)p.out)[i] = Acc<T>::out(acc);
+    }
+    return true;
+}
+
+template <typename U> struct GatherBody {
+    static __device__ bool run(const pyccl_ar_params &p, uint32_t epoch, size_t data_off,
+                               int *gaveup)
+    {
+        return gather_body<U>(p, epoch, data_off, gaveup);
+    }
+};
+
+template <typename T, int OP> struct ScatterBody {
+    static __device__ bool run(const pyccl_ar_params &p, uint32_t epoch, size_t data_off,
+                               int *gaveup)
+    {
+        return scatter_body<T, OP>(p, epoch, data_off, gaveup);
+    }
+};
 
 // ---- one-shot for small sizes, LL: 8 payload bytes per 16-byte line ----
 
@@ -592,6 +706,35 @@ PYCCL_AR_KERNELS(f32, float)
 PYCCL_AR_KERNELS(f16, __half)
 PYCCL_AR_KERNELS(bf16, __nv_bfloat16)
 PYCCL_AR_KERNELS(i32, int32_t)
+
+// reduce_scatter: pyccl_rs_<type>_<op>; all_gather: pyccl_ag_<unit bytes>
+#define PYCCL_RS_KERNEL(tname, T, opname, OP)                                                  \
+    extern "C" __global__ void __launch_bounds__(512)                                          \
+        pyccl_rs_##tname##_##opname(const __grid_constant__ pyccl_ar_params p)                 \
+    {                                                                                          \
+        staged<ScatterBody<T, OP>>(p);                                                         \
+    }
+#define PYCCL_RS_KERNELS(tname, T)                                                            \
+    PYCCL_RS_KERNEL(tname, T, sum, OP_SUM)                                                     \
+    PYCCL_RS_KERNEL(tname, T, max, OP_MAX)                                                     \
+    PYCCL_RS_KERNEL(tname, T, min, OP_MIN)
+PYCCL_RS_KERNELS(f32, float)
+PYCCL_RS_KERNELS(f16, __half)
+PYCCL_RS_KERNELS(bf16, __nv_bfloat16)
+PYCCL_RS_KERNELS(i32, int32_t)
+
+extern "C" __global__ void __launch_bounds__(512) pyccl_ag_16(const __grid_constant__ pyccl_ar_params p)
+{
+    staged<GatherBody<uint4>>(p);
+}
+extern "C" __global__ void __launch_bounds__(512) pyccl_ag_4(const __grid_constant__ pyccl_ar_params p)
+{
+    staged<GatherBody<unsigned int>>(p);
+}
+extern "C" __global__ void __launch_bounds__(512) pyccl_ag_1(const __grid_constant__ pyccl_ar_params p)
+{
+    staged<GatherBody<unsigned char>>(p);
+}
 
 // Nothing, with the kernels' parameter block: the launch floor the benchmark prints beside the
 // own kernels' host time (pyccl._C._ar_launch_floor).

@@ -70,6 +70,8 @@ typedef struct {
     int rank;
     int nranks;
     unsigned int skew_ns;           /* testing only: block b starts b * skew_ns late */
+    unsigned long long stride;      /* all_gather: bytes between the ranks' parts of out;
+                                     * reduce_scatter: of in (nbytes unless chunked) */
 } pyccl_ar_params;
 
 #ifdef __cplusplus
@@ -101,7 +103,8 @@ static_assert(offsetof(pyccl_ar_params, rank) == 128, "ar_abi.h: pyccl_ar_params
 static_assert(offsetof(pyccl_ar_params, nranks) == 132, "ar_abi.h: pyccl_ar_params.nranks moved");
 static_assert(offsetof(pyccl_ar_params, skew_ns) == 136,
               "ar_abi.h: pyccl_ar_params.skew_ns moved");
-static_assert(sizeof(pyccl_ar_params) == 144, "ar_abi.h: pyccl_ar_params changed size");
+static_assert(offsetof(pyccl_ar_params, stride) == 144, "ar_abi.h: pyccl_ar_params.stride moved");
+static_assert(sizeof(pyccl_ar_params) == 152, "ar_abi.h: pyccl_ar_params changed size");
 static_assert(PYCCL_AR_ALIGNOF(pyccl_ar_params) == 8, "ar_abi.h: pyccl_ar_params changed alignment");
 
 /* The copy kernel's parameter (all_reduce_coalesced's pack and unpack): up to

@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="pyccl API: comm = per-rank Communicator (default), nccl = torch.cuda.nccl drop-in")
     a("--algo", choices=algos.ALGOS, default=None,
       help="pyccl all_reduce algorithm (per-rank API): auto = pyccl's own kernels where they "
-           "win, else NCCL (default auto)")
+           "win, else NCCL (default auto); all_gather and reduce_scatter take oneshot (pyccl's "
+           "kernel; auto and nccl are NCCL's there)")
     a("--compare", action="store_true",
       help="also run torch.distributed (on nccl and on pyccl) and torch.cuda.nccl and print "
            "pyccl/peer ratios")

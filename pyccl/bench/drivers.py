@@ -125,17 +125,20 @@ class _PycclComm(_Driver):
               bufs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], object] | None:
         (inp, out), = bufs
         c, o, ip = self.comm, self.ops.get(op), placement == "in-place"
-        if coll == "all_reduce":
-            # --algo: auto (pyccl's choice), nccl, oneshot or twoshot; the forced own kernels
-            # read N/A where they do not apply (dtype, op; above their buffer they run in
-            # chunks of it)
-            algo = os.environ.get("PYCCL_BENCH_ALGO", "auto")
-            if algo in ("oneshot", "twoshot"):
-                kinds = (self.pyccl.SUM, self.pyccl.MAX, self.pyccl.MIN)
-                ok_dtype = str(inp.dtype) in ("torch.float32", "torch.float16", "torch.bfloat16",
-                                              "torch.int32")
-                if not (ok_dtype and o in kinds):
+        # --algo: auto (pyccl's choice), nccl, oneshot or twoshot; the forced own kernels read
+        # N/A where they do not apply (dtype, op; all_gather and reduce_scatter have one-shot
+        # only; above their buffer they run in chunks of it)
+        algo = os.environ.get("PYCCL_BENCH_ALGO", "auto")
+        if algo in ("oneshot", "twoshot") and coll in ("all_reduce", "all_gather", "reduce_scatter"):
+            kinds = (self.pyccl.SUM, self.pyccl.MAX, self.pyccl.MIN)
+            ok_dtype = str(inp.dtype) in ("torch.float32", "torch.float16", "torch.bfloat16",
+                                          "torch.int32")
+            if coll == "all_gather":
+                if algo == "twoshot":
                     return None
+            elif not (ok_dtype and o in kinds) or (coll == "reduce_scatter" and algo == "twoshot"):
+                return None
+        if coll == "all_reduce":
             if ip:
                 return lambda: c.all_reduce(inp, o, algo=algo)
             return lambda: c.all_reduce(inp, o, out=out, algo=algo)
@@ -143,10 +146,12 @@ class _PycclComm(_Driver):
             return (lambda: c.broadcast(inp, root)) if ip else (lambda: c.broadcast(inp, root, out=out))
         if coll == "reduce":
             return (lambda: c.reduce(inp, root, o)) if ip else (lambda: c.reduce(inp, root, o, out=out))
-        if coll == "all_gather":
-            return lambda: c.all_gather(inp, out)
-        if coll == "reduce_scatter":
-            return lambda: c.reduce_scatter(inp, out, o)
+        if coll in ("all_gather", "reduce_scatter"):
+            # auto and nccl are NCCL's; oneshot pyccl's kernel
+            kw = {"algo": algo} if algo == "oneshot" else {}
+            if coll == "all_gather":
+                return lambda: c.all_gather(inp, out, **kw)
+            return lambda: c.reduce_scatter(inp, out, o, **kw)
         if coll == "sendrecv":
             if ip:  # one buffer sent and received in one group: NCCL orders neither, a race
                 return None

@@ -116,7 +116,7 @@ static __thread int group_nops;
     X(nccl_mem_live) X(mem_allocs) X(registered) X(windows) X(reg_calls)    \
     X(dereg_calls) X(reg_delay) X(reg_hang) X(reg_quiet) X(cumem_held)    \
     X(dereg_delay) X(redop_creates) X(ar_stuck) X(revokes) X(shrinks)    \
-    X(dereg_busy) X(abort_delay) X(copy_launches) X(ar_kernels) X(ar_oversize) X(module_loads) X(module_device)
+    X(dereg_busy) X(abort_delay) X(copy_launches) X(ar_kernels) X(ar_oversize) X(module_loads) X(module_device) X(ag_kernels) X(rs_kernels)
 #define DECL(k) static double k;
 KEYS(DECL)
 #undef DECL
@@ -1531,6 +1531,92 @@ cuModuleGetFunction(void **fn, void *mod, const char *name)
 
 #include "../../csrc/kernels/ar_abi.h"
 
+/* The exchange of a kernel's ranks: its own serial, apart from the
+ * communicators' exchanges, and its own sequence of calls. */
+static struct fcomm
+kernel_fcomm(const pyccl_ar_params *p, int serial, int seq)
+{
+    struct fcomm fc;
+    memset(&fc, 0, sizeof fc);
+    fc.rank = p->rank;
+    fc.nranks = p->nranks;
+    fc.serial = serial;
+    fc.xseq = seq;
+    return fc;
+}
+
+/* all_gather's kernels (pyccl_ag_<unit>: bytes) and reduce_scatter's
+ * (pyccl_rs_<type>_<op>, int32 SUM/MAX/MIN and float32 SUM modelled), done at
+ * once across the rank processes.  A launch that would stage more than a half
+ * of the buffer, or whose pointers, part or stride do not fit its unit (16,
+ * 4 or 1 bytes; reduce_scatter: 16 when `aligned`, else 4), is refused and
+ * counted in ar_oversize. */
+static int
+fake_gather_scatter(const char *name, const pyccl_ar_params *p)
+{
+    static int gseq;
+    struct fcomm fc = kernel_fcomm(p, -2, gseq++); /* apart from the all-reduce kernels' */
+    const int rs = name[6] == 'r';
+    size_t nb = (size_t)p->nbytes, unit = 16;
+    int t = 0, o = 0;
+    if (rs) {
+        char type[8], op[8];
+        if (sscanf(name, "pyccl_rs_%7[a-z0-9]_%7[a-z]", type, op) != 2) {
+            return 98;
+        }
+        t = strcmp(type, "f32") == 0 ? 7 : strcmp(type, "i32") == 0 ? 2 : -1;
+        o = strcmp(op, "sum") == 0 ? 0 : strcmp(op, "max") == 0 ? 2 : strcmp(op, "min") == 0 ? 3 : -1;
+        if (t < 0 || o < 0) {
+            return 98; /* not modelled */
+        }
+        unit = p->aligned ? 16 : 4;
+    } else {
+        unit = (size_t)atoi(name + 9);
+    }
+    uintptr_t m = (uintptr_t)p->in | (uintptr_t)p->out | nb | (uintptr_t)p->stride;
+    pthread_mutex_lock(&mu);
+    if (rs) {
+        rs_kernels++;
+    } else {
+        ag_kernels++;
+    }
+    int bad = (rs ? nb * (size_t)p->nranks : nb) > p->half_bytes || (m & (unit - 1)) != 0;
+    if (bad) {
+        ar_oversize++;
+    }
+    pthread_mutex_unlock(&mu);
+    if (bad) {
+        return 1; /* CUDA_ERROR_INVALID_VALUE */
+    }
+    size_t mine_bytes = rs ? nb * (size_t)p->nranks : nb;
+    char *mine = malloc(mine_bytes + 1), *all = malloc((size_t)p->nranks * mine_bytes + 1);
+    for (int s = 0; s < (rs ? p->nranks : 1); s++) {
+        memcpy(mine + (size_t)s * nb, (const char *)p->in + (size_t)s * p->stride, nb);
+    }
+    int rc = xproc_exchange(&fc, mine, mine_bytes, all);
+    for (int r = 0; rc == 0 && r < p->nranks; r++) {
+        if (!rs) {
+            memcpy((char *)p->out + (size_t)r * p->stride, all + (size_t)r * nb, nb);
+            continue;
+        }
+        /* part `rank` of rank r's input, reduced in rank order */
+        const char *part = all + (size_t)r * mine_bytes + (size_t)p->rank * nb;
+        for (size_t i = 0; i < nb / 4; i++) {
+            if (t == 7) {
+                float v = ((const float *)part)[i];
+                ((float *)p->out)[i] = r == 0 ? v : ((float *)p->out)[i] + v;
+            } else {
+                int32_t v = ((const int32_t *)part)[i], *acc = (int32_t *)p->out + i;
+                *acc = r == 0 ? v : o == 0 ? (int32_t)((uint32_t)*acc + (uint32_t)v)
+                                  : o == 2 ? (v > *acc ? v : *acc) : (v < *acc ? v : *acc);
+            }
+        }
+    }
+    free(mine);
+    free(all);
+    return rc == 0 ? 0 : 999;
+}
+
 /* What the kernels do, done at once on the host (device memory is host
  * memory here): the set-up's write-then-read probe across the ranks'
  * regions, and the all-reduce itself for int32 SUM/MAX/MIN and float32 SUM,
@@ -1574,6 +1660,9 @@ fake_kernel(const char *name, void **args)
         }
         return 0;
     }
+    if (strncmp(name, "pyccl_ag_", 9) == 0 || strncmp(name, "pyccl_rs_", 9) == 0) {
+        return fake_gather_scatter(name, p);
+    }
     char type[8], op[8];
     int variant;
     if (sscanf(name, "pyccl_ar_%d_%7[a-z0-9]_%7[a-z]", &variant, type, op) != 3) {
@@ -1581,13 +1670,8 @@ fake_kernel(const char *name, void **args)
     }
     int t = strcmp(type, "f32") == 0 ? 7 : strcmp(type, "i32") == 0 ? 2 : -1;
     int o = strcmp(op, "sum") == 0 ? 0 : strcmp(op, "max") == 0 ? 2 : strcmp(op, "min") == 0 ? 3 : -1;
-    struct fcomm fc;
-    memset(&fc, 0, sizeof fc);
     static int kseq;
-    fc.rank = p->rank;
-    fc.nranks = p->nranks;
-    fc.serial = -1; /* apart from the communicators' exchanges */
-    fc.xseq = kseq++;
+    struct fcomm fc = kernel_fcomm(p, -1, kseq++);
     if (t < 0 || o < 0 || p->nbytes % 4) {
         return 98; /* CUDA_ERROR_INVALID_HANDLE: not modelled */
     }
