@@ -160,7 +160,10 @@ read_settings(pyccl_ar *f, const pyccl_comm *c, const char *op)
     f->blocks = (int)env_long("PYCCL_AR_BLOCKS", 64, 1, PYCCL_AR_MAX_BLOCKS);
     f->threads = (int)env_long("PYCCL_AR_THREADS", 512, 32, 512) & ~31;
     /* a wait on peers gives up after the communicator's timeout (or
-     * PYCCL_AR_TIMEOUT seconds for one without) */
+     * PYCCL_AR_TIMEOUT seconds for one without).  With a timeout of the
+     * communicator, that is what bounds a call of the kernels (no event
+     * follows them): a kernel that gave up says so in its word, which the
+     * watchdog reads */
     const char *to = getenv("PYCCL_AR_TIMEOUT");
     const double ct = c->timeout;
     f->timeout = ct;
@@ -178,10 +181,6 @@ read_settings(pyccl_ar *f, const pyccl_comm *c, const char *op)
             f->timeout = v;
         }
     }
-    /* with a watchdog, a second later than it: the watchdog fails the
-     * communicator first, so a call that gave up is never mistaken for a
-     * finished one */
-    f->kernel_timeout = ct > 0 ? f->timeout + 1.0 : f->timeout;
     f->skew_ns = (unsigned)env_long("PYCCL_AR_DEBUG_SKEW_NS", 0, 0, 1000000);
     /* programmatic dependent launch: a rank-local choice (it changes when a
      * kernel is scheduled, not what it does), so ranks need not agree; the
@@ -303,7 +302,7 @@ params(const pyccl_ar *f, pyccl_ar_params *prm, const char *in, char *out, size_
     prm->host_error = f->host_err;
     prm->nbytes = nbytes;
     prm->half_bytes = f->half_bytes;
-    prm->timeout_ns = (unsigned long long)(f->kernel_timeout * 1e9);
+    prm->timeout_ns = (unsigned long long)(f->timeout * 1e9);
     prm->rank = f->rank;
     prm->nranks = f->nranks;
     prm->aligned = (((uintptr_t)in | (uintptr_t)out) & 15u) == 0;

@@ -447,6 +447,8 @@ out:
     if (ok) {
         f->reason[0] = '\0';
         ar_live_add(f);
+        /* with a timeout, the watchdog reads the kernels' word from now on */
+        pyccl_watch_kernels(c, f->host_err);
         /* release: a thread that reads READY (acquire) sees the mappings */
         __atomic_store_n(&f->state, AR_READY, __ATOMIC_RELEASE);
     } else {
@@ -498,6 +500,7 @@ pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
          * region is kept (leaked). */
         int aborted = __atomic_load_n(&c->abort_asked, __ATOMIC_ACQUIRE);
         Py_BEGIN_ALLOW_THREADS
+        pyccl_watch_kernels(c, NULL); /* the watchdog stops reading the word first */
         ar_region_close_peers(a, &f->region);
         free_local(a, f);
         int freed = 0;

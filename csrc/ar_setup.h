@@ -62,7 +62,6 @@ typedef struct pyccl_ar {
     int rank, nranks, device;
     double timeout;                     /* seconds a wait may take; 0 = forever */
     pyccl_secs_text timeout_text;       /* as messages write it, from the set-up on */
-    double kernel_timeout;              /* the kernels' deadline */
     unsigned skew_ns;                   /* PYCCL_AR_DEBUG_SKEW_NS (testing) */
     double deadline;                    /* the set-up's (monotonic s); 0: none */
     int gone;                           /* the set-up found the communicator aborted */

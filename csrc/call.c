@@ -109,9 +109,13 @@ pyccl_call_track(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s,
             return 0; /* no memory for the record: c stays as it was */
         }
     }
-    /* a row of the kernel launched: noted (without a watch) or watched as
-     * an NCCL call's rows are (an event after it, with room made in the
-     * watch first), and a failure (before or now) raised */
+    if (gave_up == NULL && c->watch != NULL) {
+        /* with a timeout: the kernels' waits on peers are bounded by it,
+         * and the watchdog reads their word; no event */
+        return pyccl_watch_launched(st, op, c, s);
+    }
+    /* a row of the kernel launched: noted (without a watch), or, with a
+     * watch that only records a failure, that failure raised */
     const pyccl_task launched = {.coll = PYCCL_LAUNCHED, .comm = c->comm, .stream = s};
     return pyccl_enqueue(st, op, &launched, 1, ncclSum, NULL, NULL, &c, 1);
 }

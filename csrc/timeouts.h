@@ -4,7 +4,9 @@
  * call).  What the six share among themselves is watch.h.
  *
  * A communicator created with timeout= records a CUDA event on its stream
- * after each call's work, and one watchdog thread per process aborts it
+ * after each call's work (pyccl's own kernels bound their waits by the
+ * timeout themselves and say when one gave up: no event), and one watchdog
+ * thread per process aborts it
  * (ncclCommRevoke or ncclCommAbort, which also stop its stuck kernels) when
  * an unfinished call's work has had the timeout to run or NCCL reports an
  * asynchronous error; its handle is NCCL non-blocking (every host-side NCCL
@@ -58,6 +60,18 @@ ncclResult_t pyccl_comm_held_call(const pyccl_api *a, pyccl_comm *c, pyccl_task 
                                   double deadline, char *last, size_t last_size, int *gone);
 /* -1 raising c's failure when it failed (then c->comm is cleared), else 0. */
 int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
+/* pyccl's own kernels on c are set up (`word`: their host word, which a
+ * kernel sets to 1 when it gave up waiting for peers after the timeout), or
+ * about to be freed (NULL).  Without the GIL; takes c's lock.  On a
+ * communicator with a timeout the watchdog reads the word at each look and
+ * fails c when a kernel gave up; every failure of c sets it to 2 (the
+ * kernels' stop word). */
+void pyccl_watch_kernels(pyccl_comm *c, int *word);
+/* A call `op` on c, which has a watch, launched pyccl's own kernels on s
+ * (GIL held): no event follows them (their waits on peers are bounded by the
+ * timeout, and the watchdog reads their word); s is noted for wait().  0, or
+ * -1 raising c's failure when it failed meanwhile (MemoryError). */
+int pyccl_watch_launched(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s);
 /* -1 raising c's failure (timed out, aborted: its watch's record, first), or
  * RuntimeError when c is not ready or destroyed (pyccl_raise_unusable). */
 int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);

@@ -28,6 +28,10 @@ now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* See struct pyccl_watch's marks. */
+#define PYCCL_KERNEL_MARK_EVERY 16
+#define PYCCL_KERNEL_MARKS 16
+
 typedef struct {
     cudaEvent_t ev;
     cudaStream_t stream; /* where it was recorded */
@@ -86,6 +90,22 @@ struct pyccl_watch {
     int npool, cappool;
     uint64_t seq;             /* seq of the last event recorded */
     uint64_t retired;         /* events found finished so far (by any thread) */
+    /* pyccl's own kernels on the communicator, once set up: their host word
+     * (1 when a kernel gave up waiting for peers, 2 their stop word) and the
+     * op of the last call that launched them.  A kernel's waits are bounded
+     * by the timeout, so no event follows it: the watchdog reads the word at
+     * each look.  The word is set and cleared (before it is freed) under mu. */
+    volatile int *kernel_word;
+    const char *kernel_op;
+    /* So that the host stays at most PYCCL_KERNEL_MARK_EVERY x
+     * PYCCL_KERNEL_MARKS launches of them ahead of the GPU (a kernel stuck
+     * on a dead peer must not let the host run on into a full launch queue,
+     * where it would block holding the GIL): every PYCCL_KERNEL_MARK_EVERY-th
+     * launch gets an event after it (as an NCCL call does), and the seq of
+     * that event goes into a ring; the event PYCCL_KERNEL_MARKS marks back
+     * is waited for first.  With the GIL held. */
+    unsigned kernel_calls, nmarks;
+    uint64_t marks[PYCCL_KERNEL_MARKS];
     /* The failure: reason and code are written once, under mu, before
      * `failed` is published (release); readers load it with acquire. */
     int failed;
@@ -162,6 +182,11 @@ cudaError_t watch_retire(struct pyccl_watch *w, const char **bad_op);
  * has had the timeout to run by `now` (index into w->q; its deadline counts
  * as pending_event.t says), or -1. */
 int watch_overdue(const struct pyccl_watch *w, double now);
+/* Under w->mu: 1 when one of pyccl's own kernels on w's communicator gave up
+ * waiting for its peers (their word says so: the kernel decided, after the
+ * timeout, in its own wait), and w is failed now with the timeout's message,
+ * as watch_overdue's caller fails it; else 0. */
+int watch_kernels_gave_up(struct pyccl_watch *w);
 pyccl_state * watch_state_of(PyObject *self);
 /* Add w to the watchdog's list, starting its thread on first use; -1 with
  * RuntimeError when it cannot start. */
@@ -180,6 +205,9 @@ int wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit);
 /* The work a wait looked at is done: whether an abort() ended it. */
 int wait_end(pyccl_state *st, const char *op, pyccl_comm *c);
 int wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit, int interruptible);
+/* wait_work up to the event of seq `upto` (0: every event so far). */
+int wait_work_upto(pyccl_state *st, const char *op, struct pyccl_watch *w, uint64_t upto,
+                   double limit, int interruptible);
 
 #pragma GCC visibility pop
 

@@ -22,14 +22,22 @@
 
 /* ---------------- waiting for the work ---------------- */
 
-/* Until the work enqueued on w so far finished, or `limit` seconds (the
- * communicator's own deadline still applies inside); `limit` 0: until the
- * work made no progress (no call of it finished) for the communicator's
- * timeout, however long the whole takes.  0; 1 when w failed (nothing
- * raised: the caller raises it); -1 with an exception. */
+/* Until the work enqueued on w so far finished (`upto` 0; else the work
+ * up to the event of that seq), or `limit` seconds (the communicator's own
+ * deadline still applies inside); `limit` 0: until the work made no progress
+ * (no call of it finished) for the communicator's timeout, however long the
+ * whole takes.  0; 1 when w failed (nothing raised: the caller raises it); -1
+ * with an exception. */
 int
 wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
           int interruptible)
+{
+    return wait_work_upto(st, op, w, 0, limit, interruptible);
+}
+
+int
+wait_work_upto(pyccl_state *st, const char *op, struct pyccl_watch *w, uint64_t upto,
+               double limit, int interruptible)
 {
     int status = 0; /* 1 failed, 2 limit passed, -1 interrupted */
     const char *head_op = op;
@@ -39,7 +47,7 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
     waiter wt;
     waiter_start(&wt, interruptible);
     pyccl_lock(w->mu, PYCCL_LOCK_COMM);
-    uint64_t target = w->seq, retired = w->retired;
+    uint64_t target = upto != 0 ? upto : w->seq, retired = w->retired;
     for (;;) {
         if (w->failed) {
             status = 1;
@@ -100,11 +108,25 @@ wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
     return status;
 }
 
+static int wait_stream_list(pyccl_state *st, const char *op, pyccl_comm *c,
+                            cudaStream_t *from, int n, double limit);
+
 int
 pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
                  double limit)
 {
-    int rc = wait_work(st, op, c->watch, limit, 1);
+    struct pyccl_watch *w = c->watch;
+    int rc = wait_work(st, op, w, limit, 1);
+    if (rc == 0 && c->nstreams > 0) {
+        /* pyccl's own kernels (no events: their streams), which end by
+         * the timeout at the latest; then whether one of them gave up */
+        rc = wait_stream_list(st, op, c, c->streams, c->nstreams, limit);
+        if (rc == 0) {
+            lock_watch(w);
+            watch_kernels_gave_up(w);
+            pyccl_unlock(w->mu);
+        }
+    }
     return rc < 0 ? rc : wait_end(st, op, c);
 }
 
@@ -132,11 +154,9 @@ wait_end(pyccl_state *st, const char *op, pyccl_comm *c)
     return pyccl_watch_check(st, op, c);
 }
 
-/* wait() of a communicator without timeout: an event recorded now on each
- * stream it was used on covers its work there (and whatever came before
- * it).  `limit` 0: no limit. */
-static int wait_stream_list(pyccl_state *st, const char *op, pyccl_comm *c,
-                            cudaStream_t *from, int n, double limit);
+/* wait() of a communicator without timeout (and of the own kernels of one
+ * with): an event recorded now on each stream it was used on covers its work
+ * there (and whatever came before it).  `limit` 0: no limit. */
 
 int
 wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit)

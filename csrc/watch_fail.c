@@ -47,6 +47,10 @@ watch_fail(struct pyccl_watch *w, int kind, int code, const char *fmt, ...)
     va_end(ap);
     w->code = code;
     __atomic_store_n(&w->failed, kind, __ATOMIC_RELEASE);
+    if (w->kernel_word != NULL) {
+        /* the own kernels that wait for peers give up at once */
+        *w->kernel_word = 2;
+    }
     ncclComm_t comm = *w->comm;
     __atomic_store_n(w->comm, NULL, __ATOMIC_RELEASE);
     if (comm != NULL) {

@@ -5,7 +5,9 @@
  * Each call on a watched communicator records a CUDA event on its stream
  * after its work (not while the stream is captured into a CUDA graph:
  * replays are not watched; inside pyccl.group() when the outermost group
- * ends).  When an unfinished event's work has had the timeout to run (from
+ * ends), but for pyccl's own kernels: their waits on peers give up after the
+ * timeout by themselves, and the watchdog reads the word a kernel that gave
+ * up sets (watch_kernels_gave_up).  When an unfinished event's work has had the timeout to run (from
  * its record, or from when the event ahead of it on its stream was seen
  * finished if that came later), or NCCL reports an asynchronous error, the watchdog marks the communicator
  * failed and ends its handle (ncclCommRevoke where NCCL has it, so that
@@ -203,6 +205,17 @@ watch_overdue(const struct pyccl_watch *w, double now)
     return due >= 0 && now - w->q[due].t > w->timeout ? due : -1;
 }
 
+int
+watch_kernels_gave_up(struct pyccl_watch *w)
+{
+    if (w->kernel_word == NULL || *w->kernel_word != 1 || w->failed) {
+        return 0;
+    }
+    const char *op = __atomic_load_n(&w->kernel_op, __ATOMIC_RELAXED);
+    fail_timeout(w, op != NULL ? op : "all_reduce", "its peers in pyccl's all-reduce kernel");
+    return 1;
+}
+
 /* Record an event on s after the work just enqueued there.  Not while s is
  * being captured into a CUDA graph: the event would become a graph node. */
 cudaError_t
@@ -320,7 +333,9 @@ check(struct pyccl_watch *w, double now)
     if (w->api->ncclCommGetAsyncError(*w->comm, &ae) == ncclSuccess &&
         ae != ncclSuccess && ae != ncclInProgress) {
         fail_nccl(w, w->nq > 0 ? w->q[0].op : "watchdog", ae);
+        return;
     }
+    watch_kernels_gave_up(w);
 }
 
 /* ---------------- the watchdog thread ---------------- */

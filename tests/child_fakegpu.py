@@ -1389,8 +1389,9 @@ def own_abort_refused_in_group():
     c = _own_kernels_ready(timeout=5.0 if os.environ["FAKE_CASE"] == "timed" else None)
     refused = group_end = "not reached"
     try:
+        inside = Array([5.0, 7.0])  # kept: NCCL reads it at the group's end
         with pyccl.group():
-            c.all_reduce(Array([5.0, 7.0]))   # NCCL's inside a group
+            c.all_reduce(inside)   # NCCL's inside a group
             _, err = timed(c.abort)
             refused = _outcome(err)
         group_end = None
@@ -1479,9 +1480,8 @@ def own_kernel_stuck_abort_wait():
 
 def own_kernel_stuck_timed():
     """A communicator with a 2 s timeout whose own kernel waits for a peer that died with
-    the call in flight: the launch is watched as an NCCL call is (an event after it), so
-    wait() raises the watchdog's NcclTimeoutError once the timeout passed, ahead of the
-    kernel's own deadline (1 s later), and so does the next call."""
+    the call in flight: the kernel gives up at its deadline (the timeout), so wait() raises
+    NcclTimeoutError once the timeout passed, and so does the next call."""
     _bounded(25)
     c = _own_kernels_ready(timeout=2.0)
     put("peer_dead", 1)
@@ -1493,6 +1493,85 @@ def own_kernel_stuck_timed():
     _step("all_reduce()")
     dt, err = timed(lambda: c.all_reduce(Array([1.0, 2.0])))
     out["next"] = [dt, _outcome(err)]
+    out["misuse"] = get("misuse")
+    return out
+
+
+def own_kernel_timed_unevented():
+    """A communicator with a 2 s timeout.  Its own-kernel calls record no CUDA event but every
+    16th (their waits on peers are bounded by the timeout) and give their sums; wait() still covers them
+    (an event of its own on their stream).  Then, FAKE_CASE "gave_up": a kernel stuck on a
+    dead peer gives up at the timeout, and the watchdog fails the communicator by itself, no
+    call of this process looking (get_async_error() only reads its verdict), and the next
+    call raises it.  "nccl_error": NCCL reports an error while the kernel waits: the watchdog
+    fails the communicator, and the kernel stops at once (destroy() waits for it)."""
+    _bounded(25)
+    case = os.environ["FAKE_CASE"]
+    rank = int(os.environ["FAKE_RANK"])
+    c = _own_kernels_ready(timeout=2.0)
+    records = get("event_records")
+    sums = []
+    for i in range(20):
+        a = Array([float(i + 3 * rank), -1.5 * (rank + 1)])
+        c.all_reduce(a)
+        sums.append(a.tolist())
+    out = {"records": get("event_records") - records, "sums": sums}
+    c.wait()
+    out["wait_records"] = get("event_records") - records
+    put("peer_dead", 1)
+    c.all_reduce(Array([1.0, 2.0]))
+    assert get("ar_stuck") == 1, "the own kernel was not launched"
+    t0 = time.monotonic()
+    if case == "nccl_error":
+        put("async_error", 2)
+    seen = None
+    while seen is None and time.monotonic() - t0 < 6.0:
+        time.sleep(0.02)
+        err = c.get_async_error()
+        if err is not None:
+            seen = [round(time.monotonic() - t0, 2), type(err).__name__, str(err)]
+    out["async"] = seen
+    if case == "gave_up":
+        _step("all_reduce()")
+        out["next"] = _outcome(timed(lambda: c.all_reduce(Array([1.0, 2.0])))[1])
+    else:
+        _step("destroy()")
+        dt, err = timed(c.destroy)
+        out["destroy"] = [dt, _outcome(err)]
+    out["misuse"] = get("misuse")
+    return out
+
+
+def own_kernel_timed_lead():
+    """A communicator with a 2 s timeout whose own kernels wait for a dead peer, called in a
+    loop on another thread: the host stops 16 x 16 launches ahead of the stuck kernel (an
+    event after every 16th, the one 16 back waited for), waiting with the GIL released (this
+    thread runs meanwhile) until the kernel gave up at the timeout; then the call raises."""
+    _bounded(25)
+    c = _own_kernels_ready(timeout=2.0)
+    put("peer_dead", 1)
+    launches = get("launches")
+    res = {}
+
+    def loop():
+        n = 0
+        assert fake.cudaSetDevice(int(os.environ["FAKE_RANK"])) == 0  # the device is per thread
+        try:
+            for n in range(1, 1001):
+                c.all_reduce(Array([1.0, 2.0]))
+        except Exception as e:  # noqa: BLE001 (reported)
+            res["err"] = [n, type(e).__name__, str(e)]
+
+    t = threading.Thread(target=loop)
+    t0 = time.monotonic()
+    t.start()
+    ticks = 0
+    while time.monotonic() - t0 < 1.0:
+        ticks += 1
+        time.sleep(0.01)
+    out = {"ahead": get("launches") - launches, "ticks": ticks}
+    t.join(10)
+    out["err"], out["dt"] = res.get("err"), time.monotonic() - t0
     out["misuse"] = get("misuse")
     return out
 

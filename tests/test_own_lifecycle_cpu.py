@@ -129,13 +129,59 @@ def test_a_wait_that_abort_ended_says_so_though_the_kernel_stopped_first(peer_li
 
 def test_a_stuck_own_kernel_is_watched_on_a_timed_communicator(peer_lib, tmp_path):
     for rank, res in enumerate(run_ranks(peer_lib, "own_kernel_stuck_timed", tmp_path)):
-        msg = (f"all_reduce: rank {rank} of 2 timed out after 2.0 s waiting for its peers; "
-               "the communicator was aborted")
+        msg = (f"all_reduce: rank {rank} of 2 timed out after 2.0 s waiting for its peers in "
+               "pyccl's all-reduce kernel; the communicator was aborted")
         dt, err = res["wait"]
         assert err == ["NcclTimeoutError", "wait: " + msg], res
-        # the watchdog's verdict (its 10 ms looks), not the kernel's own deadline 1 s later
-        assert dt < 2.0 + 0.9, res
+        # the kernel's own deadline: the timeout
+        assert 2.0 <= dt < 2.0 + 0.9, res
         assert res["next"][1] == ["NcclTimeoutError", msg], res
+        assert res["misuse"] == 0, res
+
+
+def test_own_kernels_on_a_timed_communicator_record_no_event(peer_lib, tmp_path):
+    # their waits on peers are bounded by the timeout: the watchdog reads the kernels' word
+    # and fails the communicator when one gave up, with no event (but every 16th call's, which
+    # bounds how far the host runs ahead) and no call looking
+    for rank, res in enumerate(run_ranks(peer_lib, "own_kernel_timed_unevented", tmp_path, "gave_up")):
+        assert res["records"] == 1, res   # the 16th call's (the set-up's call was the first)
+        assert res["sums"] == [[2.0 * i + 3.0, -4.5] for i in range(20)], res
+        assert res["wait_records"] == 2, res   # and wait()'s own, on the stream the calls used
+        msg = (f"all_reduce: rank {rank} of 2 timed out after 2.0 s waiting for its peers in "
+               "pyccl's all-reduce kernel; the communicator was aborted")
+        dt, kind, text = res["async"]
+        assert (kind, text) == ("NcclTimeoutError", "get_async_error: " + msg), res
+        assert 2.0 <= dt < 2.0 + 0.9, res
+        assert res["next"] == ["NcclTimeoutError", msg], res
+        assert res["misuse"] == 0, res
+
+
+def test_the_host_stays_a_bounded_number_of_own_kernels_ahead(peer_lib, tmp_path):
+    # with no event per call, every 16th launch's event bounds how far the host runs ahead of
+    # a kernel stuck on a dead peer (16 x 16 launches, as 256 pending events bound NCCL
+    # calls), the GIL released while it waits
+    for rank, res in enumerate(run_ranks(peer_lib, "own_kernel_timed_lead", tmp_path)):
+        # the set-up's call was the first: the 17th mark is the loop's 271st call
+        assert res["ahead"] == 16 * 17 - 1, res
+        assert res["ticks"] >= 50, res
+        n, kind, text = res["err"]
+        assert n == 16 * 17 - 1 and kind == "NcclTimeoutError", res
+        assert text == (f"all_reduce: rank {rank} of 2 timed out after 2.0 s waiting for its peers in "
+                        "pyccl's all-reduce kernel; the communicator was aborted"), res
+        assert 2.0 <= res["dt"] < 2.0 + 1.5, res
+        assert res["misuse"] == 0, res
+
+
+def test_a_timed_communicator_that_fails_stops_its_waiting_own_kernels(peer_lib, tmp_path):
+    # an NCCL error fails the communicator while an own kernel waits for a dead peer: the
+    # kernel stops then (its stop word), not at its own deadline 2 s later
+    for rank, res in enumerate(run_ranks(peer_lib, "own_kernel_timed_unevented", tmp_path, "nccl_error")):
+        dt, kind, text = res["async"]
+        assert kind == "NcclError" and dt < 1.0, res
+        assert text == (f"get_async_error: watchdog: rank {rank} of 2: NCCL error 2 (unknown result "
+                        "code) while its work ran; the communicator was aborted"), res
+        destroy_dt, err = res["destroy"]
+        assert err is None and destroy_dt < 1.0, res
         assert res["misuse"] == 0, res
 
 

@@ -5,6 +5,7 @@
 # against csrc/locks.h's order; a broken order aborts the process), then run the CPU tier's memory-safety tests under it:
 #   tests/test_bad_input.py tests/test_api_cpu.py tests/test_nccl_cpu.py
 #   tests/test_timeout_cpu.py tests/test_fuzz_cpu.py tests/test_lifecycle_cpu.py
+#   tests/test_own_lifecycle_cpu.py
 # (test_bench_cpu.py is left out: it tests the benchmark runner's Python, not
 # the extension, and is the slowest file).  Child processes (the stand-in GPU
 # scenarios, the fuzz batches) inherit the sanitizer runtime.  Exit status:
@@ -65,7 +66,8 @@ unset PYTHONPATH
 set +e
 (cd "$scratch" && LD_PRELOAD="$libasan $libubsan" "$py" -m pytest -q -p no:cacheprovider --capture=sys \
     tests/test_bad_input.py tests/test_api_cpu.py tests/test_nccl_cpu.py \
-    tests/test_timeout_cpu.py tests/test_fuzz_cpu.py tests/test_lifecycle_cpu.py "$@" 2>&1) | tee "$scratch/pytest.log"
+    tests/test_timeout_cpu.py tests/test_fuzz_cpu.py tests/test_lifecycle_cpu.py \
+    tests/test_own_lifecycle_cpu.py "$@" 2>&1) | tee "$scratch/pytest.log"
 rc=${PIPESTATUS[0]}
 set -e
 
