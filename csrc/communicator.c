@@ -676,7 +676,8 @@ static PyMethodDef comm_methods[] = {
      "in time (the communicator is aborted once a call's work exceeded its "
      "own timeout), or the error that aborted it. Without a timeout of its own "
      "it waits for everything enqueued so far on the streams it was used "
-     "on."},
+     "on; with one, so it does on the streams pyccl's own kernels ran on "
+     "(their calls record no event)."},
     {"get_async_error", comm_get_async_error, METH_NOARGS,
      "get_async_error($self, /)\n--\n\nNone while all is well, else the exception "
      "(not raised) that the next call would raise: an NcclTimeoutError or "
@@ -774,7 +775,8 @@ static PyType_Slot comm_slots[] = {
      "the GPU must finish within it, else the communicator is aborted and "
      "NcclTimeoutError raised (by the call itself, or by the next call on it "
      "/ comm.wait()); pyccl's watchdog checks an event recorded after each "
-     "call. None: nothing watched (a lost peer can hang the others).\n\n"
+     "NCCL call, and pyccl's own kernels give up waiting for peers after it. "
+     "None: nothing watched (a lost peer can hang the others).\n\n"
      "blocking: NCCL's mode of the handle. With a timeout the default is "
      "False (non-blocking): the init and every host-side NCCL call (a "
      "connection, a split, a registration) are bounded by the timeout too, "
