@@ -274,10 +274,7 @@ pyccl_watch_launched(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_
     if (wait_work_upto(st, op, w, back, 0.0, 1) < 0) {
         return -1;
     }
-    /* a kernel ahead may have ended by giving up */
-    lock_watch(w);
-    watch_kernels_gave_up(w);
-    pyccl_unlock(w->mu);
+    watch_kernels_look(w); /* a kernel ahead may have ended by giving up */
     return pyccl_watch_check(st, op, c);
 }
 
