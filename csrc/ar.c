@@ -300,6 +300,7 @@ params(const pyccl_ar *f, pyccl_ar_params *prm, const char *in, char *out, size_
     prm->out = out;
     memcpy(prm->base, f->region.peer, sizeof prm->base);
     prm->host_error = f->host_err;
+    prm->done = f->done;
     prm->nbytes = nbytes;
     prm->half_bytes = f->half_bytes;
     prm->timeout_ns = (unsigned long long)(f->timeout * 1e9);
@@ -344,6 +345,15 @@ launch_prm(pyccl_state *st, pyccl_ar *f, const char *op, pyccl_ar_params *prm, i
         }
         f->last_stream = s;
         f->launched = 1;
+        if (++f->launches % PYCCL_AR_LEAD_EVERY == 0) {
+            /* a mark (not in a capture: a replay would store a stale one) */
+            enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+            if (a->cudaStreamIsCapturing(s, &cs) != cudaSuccess) {
+                a->cudaGetLastError();
+                cs = cudaStreamCaptureStatusActive; /* another thread captures in global mode */
+            }
+            prm->mark = cs == cudaStreamCaptureStatusNone ? f->launches : 0;
+        }
         unsigned threads = (unsigned)f->threads;
         if (variant == 0) {
             /* LL: one 8-byte line per thread is enough; every block still
@@ -367,11 +377,41 @@ launch_prm(pyccl_state *st, pyccl_ar *f, const char *op, pyccl_ar_params *prm, i
         }
     }
     pyccl_device_leave(a, f->device, prev);
+    if (!bad_device && r == 0 && prm->mark != 0) {
+        /* the call waits for the mark PYCCL_AR_LEAD_MARKS back (wait_for_marks) */
+        unsigned long long *slot = &f->lead[f->nlead++ % PYCCL_AR_LEAD_MARKS];
+        f->lead_back = *slot > f->lead_back ? *slot : f->lead_back;
+        *slot = prm->mark;
+    }
     if (bad_device || r != 0) {
         PyErr_Format(st->CudaError, "%s: launching pyccl's %s kernel on cuda:%d failed: %s",
                      op, what, f->device,
                      bad_device ? "cannot make the device current" : ar_cu_error(r));
         return -1;
+    }
+    return 0;
+}
+
+/* After a call's launches: where one carried a mark, the mark PYCCL_AR_LEAD_MARKS
+ * back must have ended (ar_setup.h), waited for with the GIL released; a
+ * kernel that gave up meanwhile fails the call as it would the next one, and
+ * abort() or a failure of c (their stop word) end the wait for the call's
+ * tracking to raise.  f is read again only while c still has it (abort()
+ * from another thread frees it).  0, or -1 raised. */
+static int
+wait_for_marks(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t s)
+{
+    const unsigned long long back = f->lead_back;
+    f->lead_back = 0;
+    if (back == 0) {
+        return 0;
+    }
+    if (pyccl_wait_mark(f->done, back, f->host_err, &f->waiters) < 0) {
+        return -1;
+    }
+    if (c->ar == f && *(volatile int *)f->host_err == 1) {
+        AR_WHY(f, "a wait gave up after %g s", f->timeout);
+        return turn_off(st, c, f, op, 0, ncclInProgress, " in pyccl's all-reduce kernel", s);
     }
     return 0;
 }
@@ -540,8 +580,12 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
         int variant = algo == PYCCL_ALGO_TWOSHOT ? 2 : n <= f->ll_max ? 0 : 1;
         int k = variant * K_NTYPES * K_NOPS + kt * K_NOPS + ko;
         if (launch(st, f, op, t, o, off, n, variant, k, s) < 0) {
+            f->lead_back = 0;
             return -1;
         }
+    }
+    if (wait_for_marks(st, c, f, op, s) < 0) {
+        return -1;
     }
     /* as an NCCL call would be: watched with a timeout, else noted for wait() */
     return pyccl_call_track(st, op, c, s, NULL, NULL) < 0 ? -1 : 1;
@@ -595,8 +639,12 @@ pyccl_ar_gather_scatter(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
             k = K_AG + ((m & 15u) == 0 ? 0 : (m & 3u) == 0 ? 1 : 2);
         }
         if (launch_prm(st, f, op, &prm, 0, k, rs ? "reduce_scatter" : "all_gather", s) < 0) {
+            f->lead_back = 0;
             return -1;
         }
+    }
+    if (wait_for_marks(st, c, f, op, s) < 0) {
+        return -1;
     }
     return pyccl_call_track(st, op, c, s, NULL, NULL) < 0 ? -1 : 1;
 }

@@ -17,6 +17,7 @@
 #include "tensor.h"
 #include "errors.h"
 
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -167,6 +168,7 @@ free_local(const pyccl_api *a, pyccl_ar *f)
         a->cudaFreeHost(f->host_err);
     }
     f->host_err = NULL;
+    f->done = NULL;
 }
 
 /* The peers' regions closed here, what is local freed, and this rank's
@@ -187,7 +189,8 @@ alloc_local(const pyccl_api *a, pyccl_ar *f, size_t total, ar_record *mine)
     cudaError_t e = ar_region_alloc(a, &f->region, total, &mine->handle, mine->marks,
                                     sizeof mine->marks);
     if (e == cudaSuccess) {
-        e = a->cudaHostAlloc((void **)&f->host_err, sizeof(int), cudaHostAllocMapped);
+        /* the stop word, and 8 bytes on the mark word (host_err + 2) */
+        e = a->cudaHostAlloc((void **)&f->host_err, 16, cudaHostAllocMapped);
     }
     if (e == cudaSuccess) {
         e = a->cudaDeviceGetPCIBusId(mine->busid, (int)sizeof mine->busid, f->device);
@@ -203,6 +206,8 @@ alloc_local(const pyccl_api *a, pyccl_ar *f, size_t total, ar_record *mine)
         return 0;
     }
     *f->host_err = 0;
+    f->done = (unsigned long long *)(f->host_err + 2);
+    *f->done = 0;
     return 1;
 }
 
@@ -492,6 +497,22 @@ pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
     /* with the GIL: from here on no other thread reaches f */
     c->ar = NULL;
     ar_live_remove(f);
+    if (__atomic_load_n(&f->waiters, __ATOMIC_ACQUIRE) > 0) {
+        /* a call of another thread waits for a mark, reading f (abort():
+         * its stop word ends the wait; set again here should anything else
+         * release f under such a wait) */
+        if (st->exiting) {
+            return; /* at exit, a daemon thread's call: f is left to it */
+        }
+        if (f->host_err != NULL) {
+            *(volatile int *)f->host_err = 2;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        while (__atomic_load_n(&f->waiters, __ATOMIC_ACQUIRE) > 0) {
+            sched_yield();
+        }
+        Py_END_ALLOW_THREADS
+    }
     if (ready && entered) {
         /* Peers may read this rank's region until they closed their mapping:
          * free it only after a barrier that follows every rank's close (bounded

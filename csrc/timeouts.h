@@ -72,6 +72,13 @@ void pyccl_watch_kernels(pyccl_comm *c, int *word);
  * timeout, and the watchdog reads their word); s is noted for wait().  0, or
  * -1 raising c's failure when it failed meanwhile (MemoryError). */
 int pyccl_watch_launched(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s);
+/* Wait, the GIL released and KeyboardInterrupt between looks, until
+ * *done >= mark or *stop != 0: words in host memory that pyccl's own kernels
+ * store (the last mark one ended with; gave up or told to stop).  *waiters
+ * counts this thread meanwhile: the words' owner frees them once it is 0.
+ * 0, or -1 with the signal handler's exception. */
+int pyccl_wait_mark(const volatile unsigned long long *done, unsigned long long mark,
+                    const volatile int *stop, int *waiters);
 /* -1 raising c's failure (timed out, aborted: its watch's record, first), or
  * RuntimeError when c is not ready or destroyed (pyccl_raise_unusable). */
 int pyccl_comm_alive(pyccl_state *st, const char *op, pyccl_comm *c);

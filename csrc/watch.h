@@ -28,10 +28,6 @@ now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* See struct pyccl_watch's marks. */
-#define PYCCL_KERNEL_MARK_EVERY 16
-#define PYCCL_KERNEL_MARKS 16
-
 typedef struct {
     cudaEvent_t ev;
     cudaStream_t stream; /* where it was recorded */
@@ -97,15 +93,6 @@ struct pyccl_watch {
      * each look.  The word is set and cleared (before it is freed) under mu. */
     volatile int *kernel_word;
     const char *kernel_op;
-    /* So that the host stays at most PYCCL_KERNEL_MARK_EVERY x
-     * PYCCL_KERNEL_MARKS launches of them ahead of the GPU (a kernel stuck
-     * on a dead peer must not let the host run on into a full launch queue,
-     * where it would block holding the GIL): every PYCCL_KERNEL_MARK_EVERY-th
-     * launch gets an event after it (as an NCCL call does), and the seq of
-     * that event goes into a ring; the event PYCCL_KERNEL_MARKS marks back
-     * is waited for first.  With the GIL held. */
-    unsigned kernel_calls, nmarks;
-    uint64_t marks[PYCCL_KERNEL_MARKS];
     /* The failure: reason and code are written once, under mu, before
      * `failed` is published (release); readers load it with acquire. */
     int failed;
@@ -207,9 +194,6 @@ int wait_streams(pyccl_state *st, const char *op, pyccl_comm *c, double limit);
 /* The work a wait looked at is done: whether an abort() ended it. */
 int wait_end(pyccl_state *st, const char *op, pyccl_comm *c);
 int wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit, int interruptible);
-/* wait_work up to the event of seq `upto` (0: every event so far). */
-int wait_work_upto(pyccl_state *st, const char *op, struct pyccl_watch *w, uint64_t upto,
-                   double limit, int interruptible);
 
 #pragma GCC visibility pop
 

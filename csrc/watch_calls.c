@@ -22,22 +22,14 @@
 
 /* ---------------- waiting for the work ---------------- */
 
-/* Until the work enqueued on w so far finished (`upto` 0; else the work
- * up to the event of that seq), or `limit` seconds (the communicator's own
- * deadline still applies inside); `limit` 0: until the work made no progress
- * (no call of it finished) for the communicator's timeout, however long the
- * whole takes.  0; 1 when w failed (nothing raised: the caller raises it); -1
- * with an exception. */
+/* Until the work enqueued on w so far finished, or `limit` seconds (the
+ * communicator's own deadline still applies inside); `limit` 0: until the
+ * work made no progress (no call of it finished) for the communicator's
+ * timeout, however long the whole takes.  0; 1 when w failed (nothing
+ * raised: the caller raises it); -1 with an exception. */
 int
 wait_work(pyccl_state *st, const char *op, struct pyccl_watch *w, double limit,
           int interruptible)
-{
-    return wait_work_upto(st, op, w, 0, limit, interruptible);
-}
-
-int
-wait_work_upto(pyccl_state *st, const char *op, struct pyccl_watch *w, uint64_t upto,
-               double limit, int interruptible)
 {
     int status = 0; /* 1 failed, 2 limit passed, -1 interrupted */
     const char *head_op = op;
@@ -47,7 +39,7 @@ wait_work_upto(pyccl_state *st, const char *op, struct pyccl_watch *w, uint64_t 
     waiter wt;
     waiter_start(&wt, interruptible);
     pyccl_lock(w->mu, PYCCL_LOCK_COMM);
-    uint64_t target = upto != 0 ? upto : w->seq, retired = w->retired;
+    uint64_t target = w->seq, retired = w->retired;
     for (;;) {
         if (w->failed) {
             status = 1;

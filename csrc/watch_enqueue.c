@@ -244,37 +244,12 @@ pyccl_watch_kernels(pyccl_comm *c, int *word)
 int
 pyccl_watch_launched(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t s)
 {
-    struct pyccl_watch *w = c->watch;
-    __atomic_store_n(&w->kernel_op, op, __ATOMIC_RELAXED);
+    /* how far the host runs ahead of the kernels is bounded for every
+     * communicator (ar.c's marks): only the stream and the failure here */
+    __atomic_store_n(&c->watch->kernel_op, op, __ATOMIC_RELAXED);
     if (note_stream(c, s) < 0) {
         return -1;
     }
-    if (++w->kernel_calls % PYCCL_KERNEL_MARK_EVERY != 0 || w->timeout <= 0) {
-        return pyccl_watch_check(st, op, c);
-    }
-    /* a mark: an event after this launch, as after an NCCL call (room made
-     * in the watch first; not while s is captured), then the mark
-     * PYCCL_KERNEL_MARKS back waited for (GIL released, interruptible,
-     * the watch's deadline applying) */
-    const pyccl_task launched = {.coll = PYCCL_LAUNCHED, .comm = c->comm, .stream = s};
-    const uint64_t before = __atomic_load_n(&w->seq, __ATOMIC_RELAXED);
-    if (pyccl_enqueue(st, op, &launched, 1, ncclSum, NULL, NULL, &c, 1) < 0) {
-        return -1;
-    }
-    const uint64_t now = __atomic_load_n(&w->seq, __ATOMIC_RELAXED);
-    if (now == before) {
-        return 0; /* captured: nothing recorded, nothing to wait for */
-    }
-    uint64_t *slot = &w->marks[w->nmarks++ % PYCCL_KERNEL_MARKS];
-    const uint64_t back = *slot;
-    *slot = now;
-    if (back == 0) {
-        return 0;
-    }
-    if (wait_work_upto(st, op, w, back, 0.0, 1) < 0) {
-        return -1;
-    }
-    watch_kernels_look(w); /* a kernel ahead may have ended by giving up */
     return pyccl_watch_check(st, op, c);
 }
 

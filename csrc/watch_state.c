@@ -67,10 +67,12 @@ mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason, int a
     Py_BEGIN_ALLOW_THREADS
     ncclComm_t comm = c->comm;
     c->comm = NULL;
+    /* the record before NCCL's abort (which takes a while): a call of
+     * another thread that looks meanwhile raises it, not "destroyed" */
+    __atomic_store_n(&c->watch, w, __ATOMIC_RELEASE);
     if (comm != NULL && a->loaded) {
         a->ncclCommAbort(comm);
     }
-    c->watch = w;
     pyccl_unlock(&c->mu);
     Py_END_ALLOW_THREADS
     return 0;
@@ -219,6 +221,28 @@ pyccl_comm_leave(pyccl_comm *c)
 
 /* ---------------- waiting with the GIL released ---------------- */
 
+int
+pyccl_wait_mark(const volatile unsigned long long *done, unsigned long long mark,
+                const volatile int *stop, int *waiters)
+{
+    if (*done >= mark || *stop != 0) {
+        return 0;
+    }
+    __atomic_add_fetch(waiters, 1, __ATOMIC_ACQ_REL);
+    waiter wt;
+    waiter_start(&wt, 1);
+    int rc = 0;
+    while (*done < mark && *stop == 0) {
+        if (waiter_pause(&wt) < 0) {
+            rc = -1;
+            break;
+        }
+    }
+    /* the words are not read again: their owner may free them now */
+    __atomic_sub_fetch(waiters, 1, __ATOMIC_ACQ_REL);
+    waiter_finish(&wt);
+    return rc;
+}
 
 void
 waiter_start(waiter *wt, int interruptible)

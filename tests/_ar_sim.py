@@ -36,10 +36,11 @@ class Params(ctypes.Structure):
         ("timeout_ns", ctypes.c_ulonglong), ("magic", ctypes.c_uint), ("aligned", ctypes.c_int),
         ("ll_slot", ctypes.c_ulonglong), ("rank", ctypes.c_int), ("nranks", ctypes.c_int),
         ("skew_ns", ctypes.c_uint), ("stride", ctypes.c_ulonglong),
+        ("done", ctypes.c_void_p), ("mark", ctypes.c_ulonglong),
     ]
 
 
-assert ctypes.sizeof(Params) == 152, ctypes.sizeof(Params)  # what ar.c passes by value
+assert ctypes.sizeof(Params) == 168, ctypes.sizeof(Params)  # what ar.c passes by value
 
 
 class LaunchAttr(ctypes.Structure):

@@ -91,6 +91,50 @@ def killed_peer_own(rank, uid, timeout):
     killed_peer(rank, uid, timeout, "oneshot")
 
 
+def killed_peer_untimed_own(rank, uid, timeout):
+    """A communicator without a timeout, pyccl's own kernels in a loop on a thread; the parent
+    SIGKILLs rank 1.  Rank 0's kernel then waits for ever (no timeout, as NCCL's would), the
+    loop's thread waits a bounded number of launches ahead with the GIL released (not in a full
+    launch queue holding it), so this thread runs on and its abort() ends the loop's call."""
+    import threading
+    comm = pyccl.Communicator(2, uid, rank)
+    warm_up(comm, "oneshot")
+    t = torch.arange(1 << 14, dtype=torch.float32, device=f"cuda:{comm.device}")
+    state = {"i": 0}
+
+    def loop():
+        torch.cuda.set_device(comm.device)
+        try:
+            while True:
+                comm.all_reduce(t, algo="oneshot")
+                state["i"] += 1
+                if state["i"] == 300:
+                    event("looping")
+        except BaseException as e:  # noqa: BLE001 (reported)
+            state["err"] = e
+
+    th = threading.Thread(target=loop, daemon=True)
+    th.start()
+    while state["i"] < 300 and "err" not in state:
+        time.sleep(0.01)
+    # the parent kills rank 1 now: the count stops moving, and this thread keeps running
+    last, since = state["i"], time.time()
+    while time.time() - since < 3.0 and "err" not in state:
+        time.sleep(0.01)
+        if state["i"] != last:
+            last, since = state["i"], time.time()
+    event("stuck", iters=state["i"], err=repr(state.get("err")))
+    t0 = time.time()
+    comm.abort()
+    th.join(30)
+    e = state.get("err")
+    event("raised", alive=th.is_alive(), iters=state["i"], after_abort=time.time() - t0,
+          **(failure(e) if e is not None else {}))
+    comm.destroy()
+    recover(rank, timeout)
+    event("done")
+
+
 # absent_peer's cases: (name, algo of rank 0's call, warmed up by both ranks)
 ABSENT_CASES = (("unconnected-own", None, False), ("unconnected-nccl", "nccl", False),
                 ("connected-own", None, True), ("connected-nccl", "nccl", True))

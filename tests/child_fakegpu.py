@@ -1498,8 +1498,8 @@ def own_kernel_stuck_timed():
 
 
 def own_kernel_timed_unevented():
-    """A communicator with a 2 s timeout.  Its own-kernel calls record no CUDA event but every
-    16th (their waits on peers are bounded by the timeout) and give their sums; wait() still covers them
+    """A communicator with a 2 s timeout.  Its own-kernel calls record no CUDA event (their
+    waits on peers are bounded by the timeout) and give their sums; wait() still covers them
     (an event of its own on their stream).  Then, FAKE_CASE "gave_up": a kernel stuck on a
     dead peer gives up at the timeout, and the watchdog fails the communicator by itself, no
     call of this process looking (get_async_error() only reads its verdict), and the next
@@ -1542,36 +1542,82 @@ def own_kernel_timed_unevented():
     return out
 
 
+def _own_loop(c, res):
+    """1000 all_reduces on c (the rank's device made this thread's); the first exception, with
+    the number of the call that raised it, goes into res["err"]."""
+    n = 0
+    assert fake.cudaSetDevice(int(os.environ["FAKE_RANK"])) == 0  # the device is per thread
+    try:
+        for n in range(1, 1001):
+            c.all_reduce(Array([1.0, 2.0]))
+    except BaseException as e:  # noqa: BLE001 (reported)
+        res["err"] = [n, type(e).__name__, str(e)]
+
+
+def _own_loop_beside(c, res, seconds=1.0):
+    """_own_loop on a new thread while this one ticks every 10 ms for `seconds` (the ticks say
+    whether it ran meanwhile): (the thread, when it started, ticks)."""
+    t = threading.Thread(target=_own_loop, args=(c, res))
+    t0 = time.monotonic()
+    t.start()
+    ticks = 0
+    while time.monotonic() - t0 < seconds:
+        ticks += 1
+        time.sleep(0.01)
+    return t, t0, ticks
+
+
 def own_kernel_timed_lead():
     """A communicator with a 2 s timeout whose own kernels wait for a dead peer, called in a
-    loop on another thread: the host stops 16 x 16 launches ahead of the stuck kernel (an
-    event after every 16th, the one 16 back waited for), waiting with the GIL released (this
+    loop on another thread: the host stops 16 x 16 launches ahead of the stuck kernel (the
+    mark of every 16th launch, the one 16 back waited for), waiting with the GIL released (this
     thread runs meanwhile) until the kernel gave up at the timeout; then the call raises."""
     _bounded(25)
     c = _own_kernels_ready(timeout=2.0)
     put("peer_dead", 1)
     launches = get("launches")
     res = {}
-
-    def loop():
-        n = 0
-        assert fake.cudaSetDevice(int(os.environ["FAKE_RANK"])) == 0  # the device is per thread
-        try:
-            for n in range(1, 1001):
-                c.all_reduce(Array([1.0, 2.0]))
-        except Exception as e:  # noqa: BLE001 (reported)
-            res["err"] = [n, type(e).__name__, str(e)]
-
-    t = threading.Thread(target=loop)
-    t0 = time.monotonic()
-    t.start()
-    ticks = 0
-    while time.monotonic() - t0 < 1.0:
-        ticks += 1
-        time.sleep(0.01)
+    t, t0, ticks = _own_loop_beside(c, res)
     out = {"ahead": get("launches") - launches, "ticks": ticks}
     t.join(10)
     out["err"], out["dt"] = res.get("err"), time.monotonic() - t0
+    out["misuse"] = get("misuse")
+    return out
+
+
+def own_kernel_untimed_lead():
+    """A communicator without a timeout whose own kernels wait for a dead peer (as NCCL's
+    would, for ever): the host still stops 16 x 16 launches ahead of the stuck kernel (every
+    16th launch's kernel stores its mark in a host word as it ends; the mark 16 back is waited
+    for), the GIL released.  FAKE_CASE "abort": the loop runs on another thread, this one
+    runs meanwhile and calls abort(), which ends the wait: the waiting call raises that the
+    communicator was aborted (while NCCL's abort still runs).  "sigint": the loop runs on this thread, a SIGINT arrives while
+    it waits, and the call raises KeyboardInterrupt; the communicator can be aborted then."""
+    import signal
+    _bounded(25)
+    case = os.environ["FAKE_CASE"]
+    c = _own_kernels_ready(timeout=None)
+    put("peer_dead", 1)
+    launches = get("launches")
+    res = {}
+    if case == "abort":
+        t, _, ticks = _own_loop_beside(c, res)
+        out = {"ahead": get("launches") - launches, "ticks": ticks}
+        put("abort_delay", 0.3)   # NCCL's abort takes a while, the call ends at once meanwhile
+        t1 = time.monotonic()
+        dt, err = timed(c.abort)
+        t.join(10)
+        put("abort_delay", 0)
+        out["abort"] = [dt, _outcome(err)]
+        out["ended_after"] = time.monotonic() - t1
+    else:
+        timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        _own_loop(c, res)
+        out = {"ahead": get("launches") - launches}
+        dt, err = timed(c.abort)
+        out["abort"] = [dt, _outcome(err)]
+    out["err"] = res.get("err")
     out["misuse"] = get("misuse")
     return out
 

@@ -141,12 +141,12 @@ def test_a_stuck_own_kernel_is_watched_on_a_timed_communicator(peer_lib, tmp_pat
 
 def test_own_kernels_on_a_timed_communicator_record_no_event(peer_lib, tmp_path):
     # their waits on peers are bounded by the timeout: the watchdog reads the kernels' word
-    # and fails the communicator when one gave up, with no event (but every 16th call's, which
-    # bounds how far the host runs ahead) and no call looking
+    # and fails the communicator when one gave up, with no event (how far the host runs ahead
+    # is bounded by a word the kernels store) and no call looking
     for rank, res in enumerate(run_ranks(peer_lib, "own_kernel_timed_unevented", tmp_path, "gave_up")):
-        assert res["records"] == 1, res   # the 16th call's (the set-up's call was the first)
+        assert res["records"] == 0, res
         assert res["sums"] == [[2.0 * i + 3.0, -4.5] for i in range(20)], res
-        assert res["wait_records"] == 2, res   # and wait()'s own, on the stream the calls used
+        assert res["wait_records"] == 1, res   # wait()'s own, on the stream the calls used
         msg = (f"all_reduce: rank {rank} of 2 timed out after 2.0 s waiting for its peers in "
                "pyccl's all-reduce kernel; the communicator was aborted")
         dt, kind, text = res["async"]
@@ -157,9 +157,9 @@ def test_own_kernels_on_a_timed_communicator_record_no_event(peer_lib, tmp_path)
 
 
 def test_the_host_stays_a_bounded_number_of_own_kernels_ahead(peer_lib, tmp_path):
-    # with no event per call, every 16th launch's event bounds how far the host runs ahead of
-    # a kernel stuck on a dead peer (16 x 16 launches, as 256 pending events bound NCCL
-    # calls), the GIL released while it waits
+    # with no event, the mark every 16th launch's kernel stores as it ends bounds how far the
+    # host runs ahead of a kernel stuck on a dead peer (16 x 16 launches, as 256 pending
+    # events bound NCCL calls), the GIL released while it waits
     for rank, res in enumerate(run_ranks(peer_lib, "own_kernel_timed_lead", tmp_path)):
         # the set-up's call was the first: the 17th mark is the loop's 271st call
         assert res["ahead"] == 16 * 17 - 1, res
@@ -169,6 +169,25 @@ def test_the_host_stays_a_bounded_number_of_own_kernels_ahead(peer_lib, tmp_path
         assert text == (f"all_reduce: rank {rank} of 2 timed out after 2.0 s waiting for its peers in "
                         "pyccl's all-reduce kernel; the communicator was aborted"), res
         assert 2.0 <= res["dt"] < 2.0 + 1.5, res
+        assert res["misuse"] == 0, res
+
+
+@pytest.mark.parametrize("case", ["abort", "sigint"])
+def test_without_timeout_the_host_stays_as_far_ahead_and_abort_or_ctrl_c_ends_its_wait(peer_lib, tmp_path, case):
+    # a dead peer and no timeout: the kernels wait for ever, as NCCL's would, but the host
+    # does not run on into a full launch queue (where a launch blocks holding the GIL, so
+    # that neither abort() from another thread nor Ctrl-C could end it): it waits 16 x 16
+    # launches ahead, the GIL released
+    for rank, res in enumerate(run_ranks(peer_lib, "own_kernel_untimed_lead", tmp_path, case)):
+        assert res["ahead"] == 16 * 17 - 1, res
+        assert res["abort"][1] is None and res["abort"][0] < 2.0, res
+        if case == "abort":
+            assert res["ticks"] >= 50, res   # this thread ran while the loop's call waited
+            assert res["err"] == [16 * 17 - 1, "RuntimeError",
+                                  f"all_reduce: the communicator (rank {rank} of 2) has been aborted"], res
+            assert res["ended_after"] < 2.0, res
+        else:
+            assert res["err"] == [16 * 17 - 1, "KeyboardInterrupt", ""], res
         assert res["misuse"] == 0, res
 
 

@@ -683,6 +683,17 @@ template <typename T, int OP> __device__ void oneshot_ll(const pyccl_ar_params &
     end(p, epoch);
 }
 
+// A marked launch (ar.c marks every PYCCL_AR_LEAD_EVERY-th) tells the host how far its kernels
+// got: block 0 stores the mark to the host-mapped word as it leaves, by whichever path (done,
+// gave up, stopped).  The kernels of a communicator run one after another, so every launch
+// before it has ended too.
+__device__ __forceinline__ void tell_done(const pyccl_ar_params &p)
+{
+    if (p.mark != 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+        *(volatile unsigned long long *)p.done = p.mark;
+    }
+}
+
 } // namespace
 
 // extern "C" entry points pyccl_ar_<variant>_<type>_<op>: variant 0 one-shot LL,
@@ -692,6 +703,7 @@ template <typename T, int OP> __device__ void oneshot_ll(const pyccl_ar_params &
         pyccl_ar_##variant##_##tname##_##opname(const __grid_constant__ pyccl_ar_params p)     \
     {                                                                                          \
         body<T, OP>(p);                                                                        \
+        tell_done(p);                                                                          \
     }
 #define PYCCL_AR_OPS(variant, body, bound, tname, T)                                          \
     PYCCL_AR_KERNEL(variant, body, bound, tname, T, sum, OP_SUM)                               \
@@ -713,6 +725,7 @@ PYCCL_AR_KERNELS(i32, int32_t)
         pyccl_rs_##tname##_##opname(const __grid_constant__ pyccl_ar_params p)                 \
     {                                                                                          \
         staged<ScatterBody<T, OP>>(p);                                                         \
+        tell_done(p);                                                                          \
     }
 #define PYCCL_RS_KERNELS(tname, T)                                                            \
     PYCCL_RS_KERNEL(tname, T, sum, OP_SUM)                                                     \
@@ -726,14 +739,17 @@ PYCCL_RS_KERNELS(i32, int32_t)
 extern "C" __global__ void __launch_bounds__(512) pyccl_ag_16(const __grid_constant__ pyccl_ar_params p)
 {
     staged<GatherBody<uint4>>(p);
+    tell_done(p);
 }
 extern "C" __global__ void __launch_bounds__(512) pyccl_ag_4(const __grid_constant__ pyccl_ar_params p)
 {
     staged<GatherBody<unsigned int>>(p);
+    tell_done(p);
 }
 extern "C" __global__ void __launch_bounds__(512) pyccl_ag_1(const __grid_constant__ pyccl_ar_params p)
 {
     staged<GatherBody<unsigned char>>(p);
+    tell_done(p);
 }
 
 // Nothing, with the kernels' parameter block: the launch floor the benchmark prints beside the

@@ -72,6 +72,8 @@ typedef struct {
     unsigned int skew_ns;           /* testing only: block b starts b * skew_ns late */
     unsigned long long stride;      /* all_gather: bytes between the ranks' parts of out;
                                      * reduce_scatter: of in (nbytes unless chunked) */
+    unsigned long long *done;       /* host-mapped word: the last mark a kernel ended with */
+    unsigned long long mark;        /* nonzero: block 0 stores it to *done as it ends */
 } pyccl_ar_params;
 
 #ifdef __cplusplus
@@ -104,7 +106,9 @@ static_assert(offsetof(pyccl_ar_params, nranks) == 132, "ar_abi.h: pyccl_ar_para
 static_assert(offsetof(pyccl_ar_params, skew_ns) == 136,
               "ar_abi.h: pyccl_ar_params.skew_ns moved");
 static_assert(offsetof(pyccl_ar_params, stride) == 144, "ar_abi.h: pyccl_ar_params.stride moved");
-static_assert(sizeof(pyccl_ar_params) == 152, "ar_abi.h: pyccl_ar_params changed size");
+static_assert(offsetof(pyccl_ar_params, done) == 152, "ar_abi.h: pyccl_ar_params.done moved");
+static_assert(offsetof(pyccl_ar_params, mark) == 160, "ar_abi.h: pyccl_ar_params.mark moved");
+static_assert(sizeof(pyccl_ar_params) == 168, "ar_abi.h: pyccl_ar_params changed size");
 static_assert(PYCCL_AR_ALIGNOF(pyccl_ar_params) == 8, "ar_abi.h: pyccl_ar_params changed alignment");
 
 /* The copy kernel's parameter (all_reduce_coalesced's pack and unpack): up to
