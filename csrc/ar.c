@@ -328,7 +328,7 @@ launch_prm(pyccl_state *st, pyccl_ar *f, const char *op, pyccl_ar_params *prm, i
     if (pyccl_device_enter(a, f->device, &prev) != cudaSuccess) {
         bad_device = 1;
     } else {
-        if (f->launched && s != f->last_stream) {
+        if (f->launches > 0 && s != f->last_stream) {
             /* The kernels rely on each rank's calls running one after the
              * other: a call on another stream waits for the previous one
              * (outside graph capture, where the graph's edges order them). */
@@ -344,7 +344,6 @@ launch_prm(pyccl_state *st, pyccl_ar *f, const char *op, pyccl_ar_params *prm, i
             a->cudaGetLastError();
         }
         f->last_stream = s;
-        f->launched = 1;
         if (++f->launches % PYCCL_AR_LEAD_EVERY == 0) {
             /* a mark (not in a capture: a replay would store a stale one) */
             enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
@@ -580,7 +579,6 @@ pyccl_ar_all_reduce(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_algo a
         int variant = algo == PYCCL_ALGO_TWOSHOT ? 2 : n <= f->ll_max ? 0 : 1;
         int k = variant * K_NTYPES * K_NOPS + kt * K_NOPS + ko;
         if (launch(st, f, op, t, o, off, n, variant, k, s) < 0) {
-            f->lead_back = 0;
             return -1;
         }
     }
@@ -639,7 +637,6 @@ pyccl_ar_gather_scatter(pyccl_state *st, pyccl_comm *c, const char *op, pyccl_al
             k = K_AG + ((m & 15u) == 0 ? 0 : (m & 3u) == 0 ? 1 : 2);
         }
         if (launch_prm(st, f, op, &prm, 0, k, rs ? "reduce_scatter" : "all_gather", s) < 0) {
-            f->lead_back = 0;
             return -1;
         }
     }

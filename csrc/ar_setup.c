@@ -142,7 +142,7 @@ static void
 wait_launched(const pyccl_api *a, pyccl_ar *f)
 {
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    if (!f->launched || f->order == NULL ||
+    if (f->launches == 0 || f->order == NULL ||
         a->cudaStreamIsCapturing(f->last_stream, &cs) != cudaSuccess ||
         cs != cudaStreamCaptureStatusNone || /* a record would join the capture */
         a->cudaEventRecord(f->order, f->last_stream) != cudaSuccess) {
@@ -494,18 +494,20 @@ pyccl_ar_release(pyccl_state *st, pyccl_comm *c, int collective)
         }
         Py_END_ALLOW_THREADS
     }
-    /* with the GIL: from here on no other thread reaches f */
+    /* with the GIL: from here on no other thread reaches f (a wait for a
+     * mark begins with it held, so none begins after this) */
+    const int waited_on = __atomic_load_n(&f->waiters, __ATOMIC_ACQUIRE) > 0;
+    if (waited_on) {
+        /* a call of another thread waits for a mark, reading f: abort() set
+         * the stop word that ends it; set here should anything else release
+         * f under such a wait */
+        pyccl_ar_stop(c);
+    }
     c->ar = NULL;
     ar_live_remove(f);
-    if (__atomic_load_n(&f->waiters, __ATOMIC_ACQUIRE) > 0) {
-        /* a call of another thread waits for a mark, reading f (abort():
-         * its stop word ends the wait; set again here should anything else
-         * release f under such a wait) */
+    if (waited_on) {
         if (st->exiting) {
             return; /* at exit, a daemon thread's call: f is left to it */
-        }
-        if (f->host_err != NULL) {
-            *(volatile int *)f->host_err = 2;
         }
         Py_BEGIN_ALLOW_THREADS
         while (__atomic_load_n(&f->waiters, __ATOMIC_ACQUIRE) > 0) {

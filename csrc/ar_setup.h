@@ -73,7 +73,6 @@ typedef struct pyccl_ar {
     int blocks, threads;
     int pdl;                            /* launch with programmatic stream serialization */
     cudaStream_t last_stream;           /* the stream of the previous launch */
-    int launched;
     cudaEvent_t order;                  /* orders a launch after the previous one on another stream */
     int rank, nranks, device;
     double timeout;                     /* seconds a wait may take; 0 = forever */

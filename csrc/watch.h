@@ -174,8 +174,6 @@ int watch_overdue(const struct pyccl_watch *w, double now);
  * timeout, in its own wait), and w is failed now with the timeout's message,
  * as watch_overdue's caller fails it; else 0. */
 int watch_kernels_gave_up(struct pyccl_watch *w);
-/* The same, w->mu taken here (the GIL let go while waiting for it). */
-int watch_kernels_look(struct pyccl_watch *w);
 pyccl_state * watch_state_of(PyObject *self);
 /* Add w to the watchdog's list, starting its thread on first use; -1 with
  * RuntimeError when it cannot start. */

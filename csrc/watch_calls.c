@@ -104,15 +104,6 @@ static int wait_stream_list(pyccl_state *st, const char *op, pyccl_comm *c,
                             cudaStream_t *from, int n, double limit);
 
 int
-watch_kernels_look(struct pyccl_watch *w)
-{
-    lock_watch(w);
-    int r = watch_kernels_gave_up(w);
-    pyccl_unlock(w->mu);
-    return r;
-}
-
-int
 pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
                  double limit)
 {
@@ -123,7 +114,9 @@ pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
          * the timeout at the latest; then whether one of them gave up */
         rc = wait_stream_list(st, op, c, c->streams, c->nstreams, limit);
         if (rc == 0) {
-            watch_kernels_look(w);
+            lock_watch(w);
+            watch_kernels_gave_up(w);
+            pyccl_unlock(w->mu);
         }
     }
     return rc < 0 ? rc : wait_end(st, op, c);

@@ -7,10 +7,11 @@
  * replays are not watched; inside pyccl.group() when the outermost group
  * ends), but for pyccl's own kernels: their waits on peers give up after the
  * timeout by themselves, and the watchdog reads the word a kernel that gave
- * up sets (watch_kernels_gave_up).  When an unfinished event's work has had the timeout to run (from
- * its record, or from when the event ahead of it on its stream was seen
- * finished if that came later), or NCCL reports an asynchronous error, the watchdog marks the communicator
- * failed and ends its handle (ncclCommRevoke where NCCL has it, so that
+ * up sets (watch_kernels_gave_up).  When an unfinished event's work has had
+ * the timeout to run (from its record, or from when the event ahead of it
+ * on its stream was seen finished if that came later), or NCCL reports an
+ * asynchronous error, the watchdog marks the communicator failed and ends
+ * its handle (ncclCommRevoke where NCCL has it, so that
  * shrink() can use it, else ncclCommAbort); either makes stuck NCCL kernels
  * return, so the stream and a host blocked on it move on.  The next call, or
  * comm.wait(), raises the failure.  The handle is NCCL non-blocking by
