@@ -344,7 +344,7 @@ launch_prm(pyccl_state *st, pyccl_ar *f, const char *op, pyccl_ar_params *prm, i
             a->cudaGetLastError();
         }
         f->last_stream = s;
-        if (++f->launches % PYCCL_AR_LEAD_EVERY == 0) {
+        if (++f->launches % PYCCL_LEAD_EVERY == 0) {
             /* a mark (not in a capture: a replay would store a stale one) */
             enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
             if (a->cudaStreamIsCapturing(s, &cs) != cudaSuccess) {
@@ -377,8 +377,8 @@ launch_prm(pyccl_state *st, pyccl_ar *f, const char *op, pyccl_ar_params *prm, i
     }
     pyccl_device_leave(a, f->device, prev);
     if (!bad_device && r == 0 && prm->mark != 0) {
-        /* the call waits for the mark PYCCL_AR_LEAD_MARKS back (wait_for_marks) */
-        unsigned long long *slot = &f->lead[f->nlead++ % PYCCL_AR_LEAD_MARKS];
+        /* the call waits for the mark PYCCL_LEAD_MARKS back (wait_for_marks) */
+        unsigned long long *slot = &f->lead[f->nlead++ % PYCCL_LEAD_MARKS];
         f->lead_back = *slot > f->lead_back ? *slot : f->lead_back;
         *slot = prm->mark;
     }
@@ -391,7 +391,7 @@ launch_prm(pyccl_state *st, pyccl_ar *f, const char *op, pyccl_ar_params *prm, i
     return 0;
 }
 
-/* After a call's launches: where one carried a mark, the mark PYCCL_AR_LEAD_MARKS
+/* After a call's launches: where one carried a mark, the mark PYCCL_LEAD_MARKS
  * back must have ended (ar_setup.h), waited for with the GIL released; a
  * kernel that gave up meanwhile fails the call as it would the next one, and
  * abort() or a failure of c (their stop word) end the wait for the call's

@@ -20,15 +20,12 @@
 
 enum { AR_UNTRIED = 0, AR_READY = 1, AR_OFF = -1 };
 
-/* How far the host may run ahead of its own kernels (a kernel stuck on a
- * dead peer would otherwise let it fill the launch queue, where a launch
- * blocks holding the GIL): every PYCCL_AR_LEAD_EVERY-th launch carries a mark,
- * which its kernel stores to a host-mapped word as it ends, and a call waits
- * (GIL released, interruptible) for the mark PYCCL_AR_LEAD_MARKS back to have
- * ended: at most PYCCL_AR_LEAD_EVERY x PYCCL_AR_LEAD_MARKS launches ahead, with or
- * without a timeout, and no CUDA call for it but a capture check per mark. */
-#define PYCCL_AR_LEAD_EVERY 16
-#define PYCCL_AR_LEAD_MARKS 16
+/* How far the host may run ahead of its own kernels (pyccl.h's
+ * PYCCL_LEAD_EVERY, PYCCL_LEAD_MARKS): every PYCCL_LEAD_EVERY-th launch carries
+ * a mark, which its kernel stores to a host-mapped word as it ends, and a
+ * call waits (GIL released, interruptible) for the mark PYCCL_LEAD_MARKS back
+ * to have ended, with or without a timeout; no CUDA call for it but a capture
+ * check per mark. */
 
 /* the release handshake's shared-memory page of a rank (ar_region.c) */
 #define PYCCL_AR_MARKS_NAME 40
@@ -63,7 +60,7 @@ typedef struct pyccl_ar {
     int *host_err;                      /* pinned, device-visible */
     unsigned long long *done;           /* in host_err's allocation: the last mark that ended */
     unsigned long long launches;        /* kernels launched (eagerly or captured) */
-    unsigned long long lead[PYCCL_AR_LEAD_MARKS]; /* the last marks launched, a ring */
+    unsigned long long lead[PYCCL_LEAD_MARKS]; /* the last marks launched, a ring */
     unsigned nlead;
     unsigned long long lead_back;       /* the mark the call in hand waits for (0: none) */
     int waiters;                        /* threads waiting for a mark, GIL released (atomic) */

@@ -125,6 +125,9 @@ destroy_comm(pyccl_state *st, pyccl_comm *c, int may_raise)
      * barrier can be had, and only the exported region is kept) */
     pyccl_release_registrations(st, c, st->exiting || !st->api.loaded);
     pyccl_ar_release(st, c, c->comm != NULL && may_raise);
+    if (!st->exiting) {
+        pyccl_lead_free(&st->api, c);
+    }
     ncclComm_t comm = c->comm;
     void *scratch = c->scratch;
     ncclResult_t r = ncclSuccess;
@@ -339,6 +342,9 @@ comm_dealloc(PyObject *self)
         }
         PyErr_SetRaisedException(exc);
         Py_CLEAR(c->name);
+    }
+    if (st != NULL && !st->exiting) {
+        pyccl_lead_free(&st->api, c);
     }
     PyMem_Free(c->streams);
     pthread_mutex_destroy(&c->mu);

@@ -226,6 +226,20 @@ enum {
     PYCCL_LIFE_DESTROYING,
     PYCCL_LIFE_GONE,
 };
+/* How far the host may run ahead of the GPU work of a communicator whose peer
+ * died unseen (its kernels, NCCL's or pyccl's, then wait for ever; without a
+ * bound the host fills the CUDA launch queue, and a launch blocks there,
+ * holding the communicator's lock or the GIL, so that neither abort() from
+ * another thread nor Ctrl-C could end it): every PYCCL_LEAD_EVERY-th call (own
+ * kernels: launch) leaves a mark behind its work, and it waits, with the GIL
+ * and the locks released, for the mark PYCCL_LEAD_MARKS back to be reached:
+ * at most PYCCL_LEAD_EVERY x PYCCL_LEAD_MARKS calls ahead.  The own kernels'
+ * marks: ar_setup.h; NCCL's, on communicators without a timeout (those with
+ * one have an event per call, at most PYCCL_MAX_PENDING unfinished, timeouts.h):
+ * pyccl_comm's `lead`. */
+#define PYCCL_LEAD_EVERY 16
+#define PYCCL_LEAD_MARKS 16
+
 typedef struct {
     PyObject_HEAD
     ncclComm_t comm;     /* the one NCCL handle; NULL once destroyed, aborted or failed */
@@ -264,6 +278,16 @@ typedef struct {
     cudaStream_t last_stream;
     cudaStream_t *streams;   /* PyMem_Malloc'd */
     int nstreams;
+    /* Without a watch, NCCL's marks (watch_enqueue.c, under `mu`): the
+     * calls outside a group counted; every PYCCL_LEAD_EVERY-th records an
+     * event of `lead` (a ring of PYCCL_LEAD_MARKS + 1, made at the first
+     * mark, PyMem_RawMalloc'd) and waits for the one PYCCL_LEAD_MARKS back,
+     * counted in lead_waiters meanwhile (the events are freed only when none
+     * waits: pyccl_lead_free). */
+    unsigned long long ncalls;
+    cudaEvent_t *lead;
+    unsigned long long nlead;
+    int lead_waiters;
     struct pyccl_ar *ar; /* own all-reduce state (ar.c), NULL until first use */
     /* The communicator's one lock, with or without a watch (the watch's `mu`
      * points here), held around every NCCL call on its handle: NCCL

@@ -67,6 +67,11 @@ int pyccl_watch_check(pyccl_state *st, const char *op, pyccl_comm *c);
  * fails c when a kernel gave up; every failure of c sets it to 2 (the
  * kernels' stop word). */
 void pyccl_watch_kernels(pyccl_comm *c, int *word);
+/* Free c's NCCL marks (pyccl.h's `lead`), unless a call still waits for one
+ * (then its destroy() or deallocation does): at abort, destroy() and
+ * deallocation, when no other thread can record one (c's lock held, or no
+ * call in flight).  Any GIL state. */
+void pyccl_lead_free(const pyccl_api *a, pyccl_comm *c);
 /* A call `op` on c, which has a watch, launched pyccl's own kernels on s
  * (GIL held): no event follows them (their waits on peers are bounded by the
  * timeout, and the watchdog reads their word); s is noted for wait().  0, or

@@ -231,6 +231,101 @@ note_stream(pyccl_comm *c, cudaStream_t s)
     return 0;
 }
 
+/* ---------------- NCCL's marks without a watch (pyccl.h: PYCCL_LEAD_EVERY) ---------------- */
+
+/* After a call outside a group on c (no watch; c's lock held): every
+ * PYCCL_LEAD_EVERY-th records a mark, an event after the call's work on s
+ * (not while s is captured: the record would be a node of the graph), and
+ * returns the event of the mark PYCCL_LEAD_MARKS back for the call to wait
+ * for, this thread counted in c->lead_waiters (NULL: nothing to wait for).
+ * A mark that cannot be had (no event, a CUDA error) is left out. */
+static cudaEvent_t
+lead_mark(const pyccl_api *a, pyccl_comm *c, cudaStream_t s)
+{
+    if (++c->ncalls % PYCCL_LEAD_EVERY != 0) {
+        return NULL;
+    }
+    enum { RING = PYCCL_LEAD_MARKS + 1 };
+    cudaEvent_t back = NULL;
+    cudaError_t e = cudaSuccess;
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    /* the device made current for the handles that name the current
+     * device's stream (0, cudaStreamLegacy, cudaStreamPerThread) and to make
+     * the events */
+    int prev = -1;
+    const int enter = (uintptr_t)s <= 2 || c->lead == NULL;
+    if (enter && (e = pyccl_device_enter(a, c->device, &prev)) != cudaSuccess) {
+        a->cudaGetLastError();
+        return NULL;
+    }
+    if ((e = a->cudaStreamIsCapturing(s, &cs)) != cudaSuccess ||
+        cs != cudaStreamCaptureStatusNone) {
+        goto out; /* an error: another thread captures in global mode */
+    }
+    if (c->lead == NULL) {
+        cudaEvent_t *v = PyMem_RawCalloc(RING, sizeof *v);
+        int made = 0;
+        while (v != NULL && made < RING &&
+               (e = a->cudaEventCreateWithFlags(&v[made], cudaEventDisableTiming)) == cudaSuccess) {
+            made++;
+        }
+        if (made < RING) {
+            for (int i = 0; i < made; i++) {
+                a->cudaEventDestroy(v[i]);
+            }
+            PyMem_RawFree(v);
+            goto out;
+        }
+        c->lead = v;
+        c->nlead = 0;
+    }
+    if ((e = a->cudaEventRecord(c->lead[c->nlead % RING], s)) != cudaSuccess) {
+        goto out;
+    }
+    if (c->nlead >= PYCCL_LEAD_MARKS) {
+        back = c->lead[(c->nlead - PYCCL_LEAD_MARKS) % RING];
+        __atomic_add_fetch(&c->lead_waiters, 1, __ATOMIC_ACQ_REL);
+    }
+    c->nlead++;
+out:
+    if (e != cudaSuccess) {
+        a->cudaGetLastError();
+    }
+    if (enter) {
+        pyccl_device_leave(a, c->device, prev);
+    }
+    return back;
+}
+
+/* Wait (in wt: the GIL released, a signal looked at between pauses; no
+ * lock held) until the mark `ev` of c was reached, or abort() or a failure
+ * of c (its record) ended the handle, whose work then ends too.  0, or -1
+ * with the signal handler's exception. */
+static int
+lead_wait(const pyccl_api *a, waiter *wt, pyccl_comm *c, cudaEvent_t ev)
+{
+    int rc = 0;
+    for (;;) {
+        if (__atomic_load_n(&c->watch, __ATOMIC_ACQUIRE) != NULL) {
+            break;
+        }
+        cudaError_t e = a->cudaEventQuery(ev);
+        if (e != cudaErrorNotReady) {
+            if (e != cudaSuccess) {
+                a->cudaGetLastError(); /* the next call meets it */
+            }
+            break;
+        }
+        if (waiter_pause(wt) < 0) {
+            rc = -1;
+            break;
+        }
+    }
+    /* the events are not read again: pyccl_lead_free may free them now */
+    __atomic_sub_fetch(&c->lead_waiters, 1, __ATOMIC_ACQ_REL);
+    return rc;
+}
+
 void
 pyccl_watch_kernels(pyccl_comm *c, int *word)
 {
@@ -361,6 +456,7 @@ typedef struct {
     int polled;     /* 1: the deadline of ws[which] passed; -1: interrupted */
     int which;
     ncclResult_t r; /* the NCCL calls' (ncclInProgress polled to its end) */
+    int lead;       /* waiting for NCCL's mark without a watch: -1 interrupted */
     cudaError_t rec_err;
     char last[PYCCL_LAST_ERROR_SIZE];
 } timed_outcome;
@@ -370,7 +466,7 @@ static int
 all_well(const watch_set *g, const timed_outcome *o)
 {
     int ok = g->bad == NULL && !o->refused && o->got == 0 && o->polled == 0 &&
-             o->r == ncclSuccess && o->rec_err == cudaSuccess;
+             o->lead == 0 && o->r == ncclSuccess && o->rec_err == cudaSuccess;
     for (int j = 0; ok && j < g->n; j++) {
         ok = !failed_kind(g->ws[j]);
     }
@@ -417,7 +513,7 @@ raise_outcome(pyccl_state *st, const char *op, watch_set *g, const timed_outcome
     if (o->refused) {
         return pyccl_raise_mixed_group(st, op);
     }
-    if (o->got < 0 || o->polled < 0) {
+    if (o->got < 0 || o->polled < 0 || o->lead < 0) {
         return -1; /* the signal handler's exception */
     }
     if (o->r != ncclSuccess) {
@@ -533,6 +629,7 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize
     const pyccl_api *a = &st->api;
     int in_group = pyccl_group_depth() > 0;
     timed_outcome o = {.r = ncclSuccess, .rec_err = cudaSuccess};
+    cudaEvent_t lead = NULL;
     watch_set g;
     /* the communicators first, then this thread's open group (refused
      * before anything is enqueued: a group holds one kind, watched or not) */
@@ -568,6 +665,10 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize
             pyccl_comm *gone = plain_gone(&g, comms, ncomms);
             if (gone == NULL) {
                 o.r = pyccl_enqueue_calls(a, tasks, n, redop, premul, o.last, sizeof o.last);
+                if (o.r == ncclSuccess && !in_group && g.n == 0 && ncomms == 1) {
+                    /* one communicator without a watch (its methods) */
+                    lead = lead_mark(a, comms[0], tasks[n - 1].stream);
+                }
             }
             each_plain(&g, comms, ncomms, 0);
             for (int j = 0; j < g.n; j++) {
@@ -596,6 +697,12 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize
         }
         if (serialize != NULL) {
             PyThread_release_lock(serialize);
+        }
+        if (lead != NULL) {
+            o.lead = lead_wait(a, &wt, comms[0], lead);
+            if (o.lead == 0 && comms[0]->watch != NULL) {
+                g.bad = comms[0]; /* aborted or failed meanwhile: raised */
+            }
         }
         waiter_finish(&wt);
     }

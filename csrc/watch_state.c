@@ -73,9 +73,28 @@ mark_untimed(pyccl_state *st, pyccl_comm *c, int kind, const char *reason, int a
     if (comm != NULL && a->loaded) {
         a->ncclCommAbort(comm);
     }
+    pyccl_lead_free(a, c);
     pyccl_unlock(&c->mu);
     Py_END_ALLOW_THREADS
     return 0;
+}
+
+void
+pyccl_lead_free(const pyccl_api *a, pyccl_comm *c)
+{
+    if (c->lead == NULL || __atomic_load_n(&c->lead_waiters, __ATOMIC_ACQUIRE) > 0) {
+        return;
+    }
+    /* not in a fork's child (its copy names the parent's events), nor at
+     * exit: there they are left to the process's end */
+    if (a->loaded && c->pid == pyccl_pid() && !Py_IsFinalizing()) {
+        for (int i = 0; i < PYCCL_LEAD_MARKS + 1; i++) {
+            a->cudaEventDestroy(c->lead[i]);
+        }
+    }
+    PyMem_RawFree(c->lead);
+    c->lead = NULL;
+    c->nlead = 0;
 }
 
 void

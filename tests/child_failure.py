@@ -96,9 +96,22 @@ def killed_peer_untimed_own(rank, uid, timeout):
     SIGKILLs rank 1.  Rank 0's kernel then waits for ever (no timeout, as NCCL's would), the
     loop's thread waits a bounded number of launches ahead with the GIL released (not in a full
     launch queue holding it), so this thread runs on and its abort() ends the loop's call."""
+    untimed_loop_then_abort(rank, uid, timeout, "oneshot")
+
+
+def stopped_peer_untimed_nccl(rank, uid, timeout):
+    """The same on NCCL's kernels: the parent SIGSTOPs rank 1, so NCCL's sockets stay open and
+    nothing tells rank 0 (as with a peer dead across NVLink between two GPUs); rank 0's NCCL
+    kernel waits for ever, the loop's thread waits a bounded number of calls ahead without the
+    communicator's lock (not inside NCCL's launch behind a full queue, holding it), so abort()
+    from this thread takes the lock and ends the loop's call."""
+    untimed_loop_then_abort(rank, uid, timeout, "nccl")
+
+
+def untimed_loop_then_abort(rank, uid, timeout, algo):
     import threading
     comm = pyccl.Communicator(2, uid, rank)
-    warm_up(comm, "oneshot")
+    warm_up(comm, algo)
     t = torch.arange(1 << 14, dtype=torch.float32, device=f"cuda:{comm.device}")
     state = {"i": 0}
 
@@ -106,18 +119,19 @@ def killed_peer_untimed_own(rank, uid, timeout):
         torch.cuda.set_device(comm.device)
         try:
             while True:
-                comm.all_reduce(t, algo="oneshot")
+                comm.all_reduce(t, algo=algo)
                 state["i"] += 1
                 if state["i"] == 300:
                     event("looping")
         except BaseException as e:  # noqa: BLE001 (reported)
+            state["ended"] = time.time()
             state["err"] = e
 
     th = threading.Thread(target=loop, daemon=True)
     th.start()
     while state["i"] < 300 and "err" not in state:
         time.sleep(0.01)
-    # the parent kills rank 1 now: the count stops moving, and this thread keeps running
+    # the parent kills or stops rank 1 now: the count stops moving, and this thread keeps running
     last, since = state["i"], time.time()
     while time.time() - since < 3.0 and "err" not in state:
         time.sleep(0.01)
@@ -126,9 +140,11 @@ def killed_peer_untimed_own(rank, uid, timeout):
     event("stuck", iters=state["i"], err=repr(state.get("err")))
     t0 = time.time()
     comm.abort()
+    took = time.time() - t0
     th.join(30)
     e = state.get("err")
-    event("raised", alive=th.is_alive(), iters=state["i"], after_abort=time.time() - t0,
+    event("raised", alive=th.is_alive(), iters=state["i"], abort_took=took,
+          after_abort=state["ended"] - t0 if "ended" in state else None,
           **(failure(e) if e is not None else {}))
     comm.destroy()
     recover(rank, timeout)

@@ -1542,22 +1542,22 @@ def own_kernel_timed_unevented():
     return out
 
 
-def _own_loop(c, res):
+def _own_loop(c, res, algo=None):
     """1000 all_reduces on c (the rank's device made this thread's); the first exception, with
     the number of the call that raised it, goes into res["err"]."""
     n = 0
-    assert fake.cudaSetDevice(int(os.environ["FAKE_RANK"])) == 0  # the device is per thread
+    assert fake.cudaSetDevice(int(os.environ.get("FAKE_RANK", "0"))) == 0  # the device is per thread
     try:
         for n in range(1, 1001):
-            c.all_reduce(Array([1.0, 2.0]))
+            c.all_reduce(Array([1.0, 2.0]), algo=algo)
     except BaseException as e:  # noqa: BLE001 (reported)
         res["err"] = [n, type(e).__name__, str(e)]
 
 
-def _own_loop_beside(c, res, seconds=1.0):
+def _own_loop_beside(c, res, seconds=1.0, algo=None):
     """_own_loop on a new thread while this one ticks every 10 ms for `seconds` (the ticks say
     whether it ran meanwhile): (the thread, when it started, ticks)."""
-    t = threading.Thread(target=_own_loop, args=(c, res))
+    t = threading.Thread(target=_own_loop, args=(c, res, algo))
     t0 = time.monotonic()
     t.start()
     ticks = 0
@@ -1565,6 +1565,35 @@ def _own_loop_beside(c, res, seconds=1.0):
         ticks += 1
         time.sleep(0.01)
     return t, t0, ticks
+
+
+def _stuck_loop_ended(c, case, counter, algo=None):
+    """The peer just died: _own_loop on c until its call waits, then (case "abort") abort()
+    from this thread while the loop runs on another, NCCL's abort taking 0.3 s (the call must
+    end at once meanwhile), or ("sigint") the loop on this thread, a SIGINT 1 s in, then
+    abort().  How far the stand-in's `counter` went meanwhile (ahead), this thread's ticks,
+    abort()'s time and outcome, how soon after abort() began the loop's call ended, and the
+    loop's error."""
+    import signal
+    before, res = get(counter), {}
+    if case == "abort":
+        t, _, ticks = _own_loop_beside(c, res, algo=algo)
+        out = {"ahead": get(counter) - before, "ticks": ticks}
+        put("abort_delay", 0.3)
+        t1 = time.monotonic()
+        dt, err = timed(c.abort)
+        t.join(10)
+        put("abort_delay", 0)
+        out["ended_after"] = time.monotonic() - t1
+    else:
+        timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        _own_loop(c, res, algo=algo)
+        out = {"ahead": get(counter) - before}
+        dt, err = timed(c.abort)
+    out["abort"] = [dt, _outcome(err)]
+    out["err"] = res.get("err")
+    return out
 
 
 def own_kernel_timed_lead():
@@ -1593,32 +1622,48 @@ def own_kernel_untimed_lead():
     runs meanwhile and calls abort(), which ends the wait: the waiting call raises that the
     communicator was aborted (while NCCL's abort still runs).  "sigint": the loop runs on this thread, a SIGINT arrives while
     it waits, and the call raises KeyboardInterrupt; the communicator can be aborted then."""
-    import signal
     _bounded(25)
-    case = os.environ["FAKE_CASE"]
     c = _own_kernels_ready(timeout=None)
     put("peer_dead", 1)
-    launches = get("launches")
-    res = {}
-    if case == "abort":
-        t, _, ticks = _own_loop_beside(c, res)
-        out = {"ahead": get("launches") - launches, "ticks": ticks}
-        put("abort_delay", 0.3)   # NCCL's abort takes a while, the call ends at once meanwhile
-        t1 = time.monotonic()
-        dt, err = timed(c.abort)
-        t.join(10)
-        put("abort_delay", 0)
-        out["abort"] = [dt, _outcome(err)]
-        out["ended_after"] = time.monotonic() - t1
-    else:
-        timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
-        timer.start()
-        _own_loop(c, res)
-        out = {"ahead": get("launches") - launches}
-        dt, err = timed(c.abort)
-        out["abort"] = [dt, _outcome(err)]
-    out["err"] = res.get("err")
+    out = _stuck_loop_ended(c, os.environ["FAKE_CASE"], "launches")
     out["misuse"] = get("misuse")
+    return out
+
+
+def nccl_untimed_lead():
+    """NCCL's calls on a communicator without a timeout.  Healthy: every 16th call records one
+    event (none while the stream is captured), and destroy() leaves none.  A peer dead unseen
+    (NCCL's kernel waits for ever; the launch queue here is 1024 calls deep, and a launch
+    behind a full one blocks, holding the communicator's lock): the host stops 16 x 16 calls
+    ahead of the stuck one, waiting for the mark 16 back without the lock or the GIL, so that
+    this thread runs meanwhile and its abort() ends that call, which raises that the
+    communicator was aborted.  Then on another communicator, a SIGINT ends the same wait with
+    KeyboardInterrupt."""
+    _bounded(40)
+    put("launch_block", 1024)
+    out = {}
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0)
+    recs, live = get("event_records"), get("events_live")
+    for _ in range(64):
+        c.all_reduce(Array([1.0]), algo="nccl")
+    out["healthy"] = [get("event_records") - recs, get("events_live") - live]
+    put("capturing", 1)
+    for _ in range(32):
+        c.all_reduce(Array([1.0]), algo="nccl")
+    put("capturing", 0)
+    out["captured"] = get("event_records") - recs
+    c.destroy()
+    out["after_destroy"] = get("events_live")
+    for case in ("abort", "sigint"):
+        c = pyccl.Communicator(2, pyccl.unique_id(), 0)
+        for _ in range(5):
+            c.all_reduce(Array([1.0]), algo="nccl")
+        put("peer_dead", 1)
+        out[case] = _stuck_loop_ended(c, case, "ops", "nccl")
+        c.destroy()
+        put("peer_dead", 0)
+    out["events_live"] = get("events_live")
+    clean()
     return out
 
 

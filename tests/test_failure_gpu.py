@@ -147,26 +147,33 @@ def test_peer_killed_mid_loop(algo):
         r1.kill()
 
 
-def test_peer_killed_without_timeout_abort_ends_a_loop_of_own_kernels():
-    """SIGKILL rank 1 while rank 0 loops over pyccl's own kernels on a communicator without a
-    timeout, on a thread: rank 0's kernel waits for ever (there is no timeout), but the loop's
-    call waits at most 256 launches ahead with the GIL released, so the main thread runs on and
-    its abort() ends that call, which raises that the communicator was aborted."""
-    r0, r1 = pair("killed_peer_untimed_own")
+@pytest.mark.parametrize("case", ["own-killed", "nccl-stopped"])
+def test_peer_lost_without_timeout_abort_ends_a_loop(case):
+    """Rank 0 loops all_reduce on a thread, on a communicator without a timeout, and loses its
+    peer: own kernels with rank 1 SIGKILLed, NCCL's with rank 1 SIGSTOPped (its sockets stay
+    open, so NCCL sees nothing, as across NVLink between two GPUs).  Rank 0's kernel waits for
+    ever (there is no timeout), but the loop's call waits at most 256 launches (own kernels) or
+    256 calls (NCCL) ahead with the GIL and the communicator's lock released, so the main thread
+    runs on and its abort() ends that call, which raises that the communicator was aborted."""
+    r0, r1 = pair({"own-killed": "killed_peer_untimed_own",
+                   "nccl-stopped": "stopped_peer_untimed_nccl"}[case])
     try:
         r0.expect("looping", 180)
         r1.expect("looping", 60)
         time.sleep(1.0)
-        r1.p.send_signal(signal.SIGKILL)
+        r1.p.send_signal(signal.SIGKILL if case == "own-killed" else signal.SIGSTOP)
         stuck = r0.expect("stuck", 60)   # the main thread ran while the loop's call waited
         assert stuck["err"] == "None", stuck
         ev = r0.expect("raised", 60)
         print(f"\nrank 0's loop stopped after {stuck['iters']} all_reduces; abort() ended its "
-              f"call in {ev['after_abort']:.2f} s: {ev.get('type')}: {ev.get('msg')}")
+              f"call in {ev['after_abort']:.2f} s: {ev.get('type')}: {ev.get('msg')}; abort() "
+              f"returned after {ev['abort_took']:.2f} s")
         assert not ev["alive"] and ev["iters"] == stuck["iters"], ev
         assert (ev["type"], ev["msg"]) == ("RuntimeError", "all_reduce: the communicator (rank 0 of 2) "
                                                            "has been aborted"), ev
-        assert ev["after_abort"] < 5.0, ev
+        # the call ends as abort() begins; NCCL's abort itself, with a stopped peer, takes longer
+        assert ev["after_abort"] < 5.0 and ev["abort_took"] < 45.0, ev
+        r1.kill()
         r0.expect("recovered", 120)
         r0.expect("done", 30)
         assert r0.exit_code(60) == 0, r0.output()

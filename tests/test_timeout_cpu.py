@@ -305,6 +305,26 @@ def test_fake_survivors_shrink_a_failed_communicator(tmp_path):
     assert res["wait_s"] < 0.3 + 1.0, res
 
 
+def test_untimed_nccl_calls_stay_256_ahead_of_a_dead_peer_and_abort_or_ctrl_c_ends_the_wait(fakegpu):
+    # a peer dead unseen and no timeout: NCCL's kernel waits for ever; the host must not run
+    # on into a full launch queue, where a launch blocks holding the communicator's lock (which
+    # abort() from another thread then waits for): at the 16th mark after the stuck call (a
+    # mark every 16 calls, the one 16 back waited for) it waits without the lock and the GIL
+    res, _ = run_fake(fakegpu, "nccl_untimed_lead")
+    # 64 calls, 4 marks, in a ring of 17 events made at the first one, kept while it lives
+    assert res["healthy"] == [4, 17] and res["captured"] == 4, res
+    assert res["after_destroy"] == 0 and res["events_live"] == 0, res
+    # 5 calls before the peer died: the call that waits is the 17th mark, call 272
+    ahead = 16 * 17 - 5
+    ab, si = res["abort"], res["sigint"]
+    assert ab["ahead"] == ahead and si["ahead"] == ahead, res
+    assert ab["ticks"] >= 50, res   # this thread ran while the loop's call waited
+    assert ab["abort"][1] is None and ab["abort"][0] < 2.0 and ab["ended_after"] < 2.0, res
+    assert ab["err"] == [ahead, "RuntimeError", "all_reduce: the communicator (rank 0 of 2) has been aborted"], res
+    assert si["err"] == [ahead, "KeyboardInterrupt", ""], res
+    assert si["abort"][1] is None and si["abort"][0] < 2.0, res
+
+
 def test_watch_costs_times_what_a_timed_call_adds_in_c_and_names_bad_arguments(fakegpu):
     # pyccl.bench --host-breakdown's rows of what a timeout adds per call, without ctypes: each
     # measured `calls` times back to back, the event recorded and queried that many times

@@ -101,7 +101,7 @@ FAULTS = [
          edits=[("        return;\n    }\n    watch_kernels_gave_up(w);\n", "        return;\n    }\n")],
          tests=["tests/test_own_lifecycle_cpu.py", "-k", "record_no_event"]),
     dict(name="no marks among the own kernels' launches", tier="cpu", file="csrc/ar.c",
-         edits=[("        if (++f->launches % PYCCL_AR_LEAD_EVERY == 0) {\n",
+         edits=[("        if (++f->launches % PYCCL_LEAD_EVERY == 0) {\n",
                  "        if (++f->launches == 0) {\n")],
          tests=["tests/test_own_lifecycle_cpu.py", "-k", "bounded_number or without_timeout"]),
     dict(name="a mark of the own kernels not waited for", tier="cpu", file="csrc/ar.c",
@@ -113,6 +113,22 @@ FAULTS = [
                  "    if (comm != NULL && a->loaded) {\n        a->ncclCommAbort(comm);\n    }\n"
                  "    __atomic_store_n(&c->watch, w, __ATOMIC_RELEASE);\n")],
          tests=["tests/test_own_lifecycle_cpu.py", "-k", "without_timeout"]),
+    dict(name="no marks among NCCL's calls without a timeout", tier="cpu", file="csrc/watch_enqueue.c",
+         edits=[("    if (++c->ncalls % PYCCL_LEAD_EVERY != 0) {\n", "    if (++c->ncalls != 0) {\n")],
+         tests=["tests/test_timeout_cpu.py", "-k", "untimed_nccl_calls"]),
+    dict(name="NCCL's mark waited for holding the communicator's lock", tier="cpu",
+         file="csrc/watch_enqueue.c",
+         edits=[("                    lead = lead_mark(a, comms[0], tasks[n - 1].stream);\n",
+                 "                    lead = lead_mark(a, comms[0], tasks[n - 1].stream);\n"
+                 "                    if (lead != NULL) {\n"
+                 "                        o.lead = lead_wait(a, &wt, comms[0], lead);\n"
+                 "                        lead = NULL;\n"
+                 "                    }\n")],
+         tests=["tests/test_timeout_cpu.py", "-k", "untimed_nccl_calls"]),
+    dict(name="NCCL's marks kept after destroy()", tier="cpu", file="csrc/watch_state.c",
+         edits=[("    if (c->lead == NULL || __atomic_load_n(&c->lead_waiters, __ATOMIC_ACQUIRE) > 0) {\n",
+                 "    if (c->lead != NULL || __atomic_load_n(&c->lead_waiters, __ATOMIC_ACQUIRE) > 0) {\n")],
+         tests=["tests/test_timeout_cpu.py", "-k", "untimed_nccl_calls"]),
     dict(name="a failed watch leaves its own kernels waiting", tier="cpu", file="csrc/watch_fail.c",
          edits=[("        *w->kernel_word = 2;\n", "")],
          tests=["tests/test_own_lifecycle_cpu.py", "-k", "stops_its_waiting"]),

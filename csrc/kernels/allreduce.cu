@@ -683,7 +683,7 @@ template <typename T, int OP> __device__ void oneshot_ll(const pyccl_ar_params &
     end(p, epoch);
 }
 
-// A marked launch (ar.c marks every PYCCL_AR_LEAD_EVERY-th) tells the host how far its kernels
+// A marked launch (ar.c marks every PYCCL_LEAD_EVERY-th) tells the host how far its kernels
 // got: block 0 stores the mark to the host-mapped word as it leaves, by whichever path (done,
 // gave up, stopped).  The kernels of a communicator run one after another, so every launch
 // before it has ended too.

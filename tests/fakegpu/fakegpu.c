@@ -53,6 +53,7 @@ typedef struct {
     uintptr_t handle;
     double done_at;        /* when the work enqueued so far is finished */
     struct fcomm *blocker; /* work waits for a peer of this comm */
+    int behind;            /* NCCL calls enqueued since its work got stuck */
     int kwait;             /* work waits behind own kernel kwaits[kwait - 1] */
 } fstream;
 
@@ -572,7 +573,9 @@ run_op(struct fcomm *c, uintptr_t s, const void *send, void *recv, size_t n,
     if (peer_dead) {
         if (f->blocker == NULL || STOPPED(f->blocker)) {
             f->blocker = c; /* stuck until c is aborted */
+            f->behind = 0;
         }
+        f->behind++;
         c->work_until = INFINITY;
         return;
     }
@@ -622,9 +625,11 @@ coll(struct fcomm *c, cudaStream_t s, const void *send, void *recv, size_t n,
     }
     else {
         /* a launch queue full behind stuck work blocks the launch itself
-         * until that work ends */
+         * until that work ends: `launch_block` calls deep (1: the first
+         * call after the stuck one blocks) */
         fstream *f = stream_of(s);
-        while (launch_block && f->blocker != NULL && !STOPPED(f->blocker)) {
+        while (launch_block && f->blocker != NULL && !STOPPED(f->blocker) &&
+               f->behind >= launch_block) {
             pthread_mutex_unlock(&mu);
             usleep(1000);
             pthread_mutex_lock(&mu);
