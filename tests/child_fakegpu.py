@@ -1632,7 +1632,7 @@ def own_kernel_untimed_lead():
 
 def nccl_untimed_lead():
     """NCCL's calls on a communicator without a timeout.  Healthy: every 16th call records one
-    event (none while the stream is captured), and destroy() leaves none.  A peer dead unseen
+    event (none while the stream is captured), and destroy() or garbage collection leaves none.  A peer dead unseen
     (NCCL's kernel waits for ever; the launch queue here is 1024 calls deep, and a launch
     behind a full one blocks, holding the communicator's lock): the host stops 16 x 16 calls
     ahead of the stuck one, waiting for the mark 16 back without the lock or the GIL, so that
@@ -1660,8 +1660,17 @@ def nccl_untimed_lead():
             c.all_reduce(Array([1.0]), algo="nccl")
         put("peer_dead", 1)
         out[case] = _stuck_loop_ended(c, case, "ops", "nccl")
+        out[case]["live_after_abort"] = get("events_live")
         c.destroy()
         put("peer_dead", 0)
+    # collected without destroy(): its ring goes with it
+    import gc
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0)
+    for _ in range(16):
+        c.all_reduce(Array([1.0]), algo="nccl")
+    out["before_gc"] = get("events_live")
+    del c
+    gc.collect()
     out["events_live"] = get("events_live")
     clean()
     return out

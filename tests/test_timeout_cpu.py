@@ -323,6 +323,10 @@ def test_untimed_nccl_calls_stay_256_ahead_of_a_dead_peer_and_abort_or_ctrl_c_en
     assert ab["err"] == [ahead, "RuntimeError", "all_reduce: the communicator (rank 0 of 2) has been aborted"], res
     assert si["err"] == [ahead, "KeyboardInterrupt", ""], res
     assert si["abort"][1] is None and si["abort"][0] < 2.0, res
+    # abort() frees the ring when no call waits on it (after Ctrl-C none does); destroy() or
+    # garbage collection (its first mark made one) otherwise
+    assert si["live_after_abort"] == 0 and ab["live_after_abort"] in (0, 17), res
+    assert res["before_gc"] == 17 and res["events_live"] == 0, res
 
 
 def test_watch_costs_times_what_a_timed_call_adds_in_c_and_names_bad_arguments(fakegpu):
