@@ -264,6 +264,16 @@ pyccl_group_note_work(pyccl_comm *c, cudaStream_t s, const char *op)
 }
 
 int
+pyccl_group_others(const pyccl_comm *c)
+{
+    int mine = 0;
+    for (Py_ssize_t i = 0; i < group_n && !mine; i++) {
+        mine = group_v[i].counted && group_v[i].comm == (PyObject *)c;
+    }
+    return __atomic_load_n(&c->in_group, __ATOMIC_ACQUIRE) > mine;
+}
+
+int
 pyccl_group_join(pyccl_comm *const *comms, Py_ssize_t ncomms, int timed)
 {
     if (group_depth == 0) {

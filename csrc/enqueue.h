@@ -36,6 +36,14 @@ int pyccl_group_depth(void);
  * queued, so on some ranks and transports and not on others): the caller
  * raises pyccl_raise_mixed_group; -1 with MemoryError. */
 int pyccl_group_join(pyccl_comm *const *comms, Py_ssize_t ncomms, int timed);
+/* Whether c is in a pyccl.group() another thread has open (or one whose
+ * thread ended with it open, until the door's next look fails c): NCCL
+ * takes a communicator's calls from one thread's group at a time, and that
+ * group's end works on c without c's lock.  Read under c's lock, after this
+ * thread's call joined its own group: a group of another thread that takes
+ * c later waits for the lock to enqueue into it, and ends after that.  Any
+ * GIL state. */
+int pyccl_group_others(const pyccl_comm *c);
 /* What this thread's open pyccl.group() used: each communicator once
  * (`counted`: in c->in_group until the group's end), and the work on a
  * watched communicator once per stream (`work`: op the first call's name),

@@ -186,6 +186,17 @@ pyccl_raise_abort_in_group(const pyccl_comm *c)
 }
 
 int
+pyccl_raise_other_group(const char *op, const pyccl_comm *c)
+{
+    PyErr_Format(PyExc_RuntimeError,
+                 "%s: the communicator (rank %d of %d) is in a pyccl.group() open on another "
+                 "thread (NCCL takes a communicator's calls from one thread's group at a "
+                 "time); end that group first",
+                 op, c->rank, c->size);
+    return -1;
+}
+
+int
 pyccl_comm_usable(const pyccl_comm *c, pid_t me)
 {
     /* destroy() begun (call.c) counts as done for every other caller */

@@ -60,6 +60,9 @@ int pyccl_comm_usable(const pyccl_comm *c, pid_t me);
 /* abort() refused: c holds work of a pyccl.group() that has not ended
  * (RuntimeError, "... end the group first"); always -1. */
 int pyccl_raise_abort_in_group(const pyccl_comm *c);
+/* RuntimeError: op's communicator c is in another thread's open
+ * pyccl.group() (pyccl_group_others). */
+int pyccl_raise_other_group(const char *op, const pyccl_comm *c);
 
 /* The exception instance for a failed communicator (kind PYCCL_FAIL_*):
  * the message is `reason`, prefixed with "<op>: " unless it names op. */

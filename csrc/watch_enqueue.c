@@ -457,6 +457,7 @@ typedef struct {
     int which;
     ncclResult_t r; /* the NCCL calls' (ncclInProgress polled to its end) */
     int lead;       /* waiting for NCCL's mark without a watch: -1 interrupted */
+    pyccl_comm *other; /* in another thread's open group: nothing enqueued */
     cudaError_t rec_err;
     char last[PYCCL_LAST_ERROR_SIZE];
 } timed_outcome;
@@ -465,7 +466,7 @@ typedef struct {
 static int
 all_well(const watch_set *g, const timed_outcome *o)
 {
-    int ok = g->bad == NULL && !o->refused && o->got == 0 && o->polled == 0 &&
+    int ok = g->bad == NULL && o->other == NULL && !o->refused && o->got == 0 && o->polled == 0 &&
              o->lead == 0 && o->r == ncclSuccess && o->rec_err == cudaSuccess;
     for (int j = 0; ok && j < g->n; j++) {
         ok = !failed_kind(g->ws[j]);
@@ -505,6 +506,9 @@ raise_outcome(pyccl_state *st, const char *op, watch_set *g, const timed_outcome
          * the locks for one that abort() ended meanwhile): raises */
         (void)pyccl_comm_alive(st, op, g->bad);
         return -1;
+    }
+    if (o->other != NULL) {
+        return pyccl_raise_other_group(op, o->other);
     }
     int failed = first_failed(g, o);
     if (failed >= 0) {
@@ -663,7 +667,10 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize
              * group, but only at its end) */
             each_plain(&g, comms, ncomms, 1);
             pyccl_comm *gone = plain_gone(&g, comms, ncomms);
-            if (gone == NULL) {
+            for (Py_ssize_t i = 0; gone == NULL && o.other == NULL && i < ncomms; i++) {
+                o.other = pyccl_group_others(comms[i]) ? comms[i] : NULL;
+            }
+            if (gone == NULL && o.other == NULL) {
                 o.r = pyccl_enqueue_calls(a, tasks, n, redop, premul, o.last, sizeof o.last);
                 if (o.r == ncclSuccess && !in_group && g.n == 0 && ncomms == 1) {
                     /* one communicator without a watch (its methods) */
@@ -674,7 +681,7 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize
             for (int j = 0; j < g.n; j++) {
                 call_end(ws[j], op);
             }
-            if (gone != NULL) {
+            if (gone != NULL || o.other != NULL) {
                 /* nothing enqueued: raised at the end as the door would */
                 g.bad = gone;
                 for (int j = 0; j < g.n; j++) {

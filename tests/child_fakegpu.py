@@ -1676,6 +1676,65 @@ def nccl_untimed_lead():
     return out
 
 
+def group_other_thread():
+    """A communicator in a pyccl.group() open on one thread, called from another (with and
+    without a timeout): NCCL takes a communicator's calls from one thread's group at a time
+    (the group's end works on it without any lock of pyccl's), so the other thread's call is
+    refused, nothing enqueued, and works once the group ended.  Then one thread loops groups
+    on it while another loops calls: never two threads inside it."""
+    _bounded(40)
+    out = {}
+    for timeout in (None, 5.0):
+        c = new(timeout=timeout)
+        a, b = Array([1.0]), Array([2.0])
+        opened, done = threading.Event(), threading.Event()
+
+        def in_group():
+            with pyccl.group():
+                c.all_reduce(a)
+                opened.set()
+                done.wait(10)
+
+        t = threading.Thread(target=in_group)
+        t.start()
+        opened.wait(10)
+        ops = get("ops")
+        err = timed(lambda: c.all_reduce(b))[1]
+        key = "untimed" if timeout is None else "timed"
+        out[key] = {"refused": _outcome(err), "ops": get("ops") - ops}
+        done.set()
+        t.join(10)
+        err = timed(lambda: c.all_reduce(b))[1]
+        out[key]["after"] = [_outcome(err), a.tolist(), b.tolist()]
+        refused, errs = [0], []
+
+        def groups():
+            for _ in range(150):
+                with pyccl.group():
+                    c.all_reduce(a)
+
+        def calls():
+            for _ in range(150):
+                try:
+                    c.all_reduce(b)
+                except RuntimeError as e:
+                    refused[0] += 1
+                    if "open on another thread" not in str(e):
+                        errs.append(str(e))
+
+        ts = [threading.Thread(target=groups), threading.Thread(target=calls)]
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join(30)
+        out[key]["race"] = {"concurrent": get("concurrent"), "other_errors": errs,
+                            "alive": any(th.is_alive() for th in ts)}
+        put("concurrent", 0)
+        c.destroy()
+    clean()
+    return out
+
+
 class _EndsOnRead(Array):
     """An Array whose __cuda_array_interface__, the first time it is read, calls `end`
     (the communicator's destroy or abort): user code that runs while pyccl reads the

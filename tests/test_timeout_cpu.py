@@ -329,6 +329,22 @@ def test_untimed_nccl_calls_stay_256_ahead_of_a_dead_peer_and_abort_or_ctrl_c_en
     assert res["before_gc"] == 17 and res["events_live"] == 0, res
 
 
+def test_a_communicator_in_another_threads_open_group_refuses_the_call(fakegpu):
+    # NCCL takes a communicator's calls from one thread's group at a time, and the group's end
+    # works on it without pyccl's lock: a call from another thread meanwhile is refused
+    # (nothing enqueued), and works once the group ended; groups on one thread against calls
+    # on another never put two threads inside the communicator
+    res, _ = run_fake(fakegpu, "group_other_thread")
+    for key, rank in (("untimed", 0), ("timed", 0)):
+        r = res[key]
+        assert r["refused"] == ["RuntimeError", f"all_reduce: the communicator (rank {rank} of 2) is in a "
+                                "pyccl.group() open on another thread (NCCL takes a communicator's calls "
+                                "from one thread's group at a time); end that group first"], res
+        assert r["ops"] == 0, res
+        assert r["after"] == [None, [2.0], [4.0]], res
+        assert r["race"] == {"concurrent": 0, "other_errors": [], "alive": False}, res
+
+
 def test_watch_costs_times_what_a_timed_call_adds_in_c_and_names_bad_arguments(fakegpu):
     # pyccl.bench --host-breakdown's rows of what a timeout adds per call, without ctypes: each
     # measured `calls` times back to back, the event recorded and queried that many times

@@ -824,6 +824,27 @@ ncclGroupEnd(void)
         }
         blocking = c->blocking;
     }
+    /* NCCL works on each communicator of the group here: another thread
+     * inside one of them meanwhile is two threads in one communicator */
+    struct fcomm *in[256];
+    int nin = 0;
+    for (int i = 0; i < n && r != ncclInvalidArgument; i++) {
+        struct fcomm *c = group_ops[i].c;
+        int seen = c->aborted || c->destroyed;
+        for (int k = 0; k < nin && !seen; k++) {
+            seen = in[k] == c;
+        }
+        if (!seen) {
+            concurrent += c->in_call > 0;
+            c->in_call++;
+            in[nin++] = c;
+        }
+    }
+    if (nin > 0) {
+        pthread_mutex_unlock(&mu);
+        usleep(30);
+        pthread_mutex_lock(&mu);
+    }
     for (int i = 0; i < n && r != ncclInvalidArgument; i++) {
         struct fcomm *c = group_ops[i].c;
         if (c->aborted || c->destroyed) {
@@ -838,6 +859,9 @@ ncclGroupEnd(void)
             c->ready_at = connect_hang ? INFINITY : now() + connect_delay;
             r = ncclInProgress;
         }
+    }
+    for (int k = 0; k < nin; k++) {
+        in[k]->in_call--;
     }
     group_nops = 0;
     pthread_mutex_unlock(&mu);
