@@ -166,8 +166,10 @@ int pyccl_watch_wait(pyccl_state *st, const char *op, pyccl_comm *c,
  * `may_raise`.  Leaves c->comm and c->watch NULL. */
 int pyccl_watch_destroy(pyccl_state *st, const char *op, pyccl_comm *c,
                         int may_raise);
-/* Hold c's lock around a short NCCL call that is no collective (premul_sum
- * ops); no-op without a watch.  Enter: -1 raising c's failure. */
+/* Take c's lock, with or without a watch, around an NCCL call that is no
+ * collective (split, shrink, registration).  -1, the lock not held, raising
+ * c's failure, or RuntimeError when another thread's open pyccl.group()
+ * holds c (pyccl_group_others). */
 int pyccl_comm_enter(pyccl_state *st, const char *op, pyccl_comm *c);
 void pyccl_comm_leave(pyccl_comm *c);
 /* Communicator.wait(timeout=None), .get_async_error() */

@@ -188,6 +188,10 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
     waiter wt;
     waiter_start(&wt, 1);
     got = acquire_all(&wt, &w, 1, 0, &which);
+    if (got == 0 && pyccl_group_others(c)) {
+        pyccl_unlock(w->mu); /* NCCL would work on c beside that group */
+        got = 2;
+    }
     if (got == 0) {
         double deadline = pyccl_now_s() + w->timeout;
         /* NULL config: the child is non-blocking like its parent */
@@ -224,6 +228,10 @@ pyccl_watch_split(pyccl_state *st, pyccl_comm *c, int color, int key,
         }
     }
     waiter_finish(&wt);
+    if (got == 2) {
+        PyMem_RawFree(slot);
+        return pyccl_raise_other_group("split", c);
+    }
     if (got < 0 || polled < 0) {
         return -1; /* leaks the slot: NCCL may still write it */
     }

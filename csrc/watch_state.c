@@ -224,6 +224,12 @@ pyccl_comm_enter(pyccl_state *st, const char *op, pyccl_comm *c)
     pyccl_comm_lock(c);
     struct pyccl_watch *w = c->watch;
     if (w == NULL ? c->comm != NULL : !failed_kind(w)) {
+        if (pyccl_group_others(c)) {
+            /* as a collective's enqueue: NCCL would work on c beside that
+             * group (its end holds no lock of ours) */
+            pyccl_unlock(&c->mu);
+            return pyccl_raise_other_group(op, c);
+        }
         return 0;
     }
     /* abort(), a failure or destroy() ended the handle while this thread

@@ -1698,10 +1698,11 @@ def group_other_thread():
         t = threading.Thread(target=in_group)
         t.start()
         opened.wait(10)
-        ops = get("ops")
+        ops, splits = get("ops"), get("splits")
         err = timed(lambda: c.all_reduce(b))[1]
         key = "untimed" if timeout is None else "timed"
-        out[key] = {"refused": _outcome(err), "ops": get("ops") - ops}
+        out[key] = {"refused": _outcome(err), "ops": get("ops") - ops,
+                    "split": _outcome(timed(lambda: c.split(0))[1]), "splits": get("splits") - splits}
         done.set()
         t.join(10)
         err = timed(lambda: c.all_reduce(b))[1]

@@ -341,6 +341,10 @@ def test_a_communicator_in_another_threads_open_group_refuses_the_call(fakegpu):
                                 "pyccl.group() open on another thread (NCCL takes a communicator's calls "
                                 "from one thread's group at a time); end that group first"], res
         assert r["ops"] == 0, res
+        assert r["split"] == ["RuntimeError", f"split: the communicator (rank {rank} of 2) is in a "
+                              "pyccl.group() open on another thread (NCCL takes a communicator's calls "
+                              "from one thread's group at a time); end that group first"], res
+        assert r["splits"] == 0, res
         assert r["after"] == [None, [2.0], [4.0]], res
         assert r["race"] == {"concurrent": 0, "other_errors": [], "alive": False}, res
 
