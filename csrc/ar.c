@@ -346,12 +346,7 @@ launch_prm(pyccl_state *st, pyccl_ar *f, const char *op, pyccl_ar_params *prm, i
         f->last_stream = s;
         if (++f->launches % PYCCL_LEAD_EVERY == 0) {
             /* a mark (not in a capture: a replay would store a stale one) */
-            enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-            if (a->cudaStreamIsCapturing(s, &cs) != cudaSuccess) {
-                a->cudaGetLastError();
-                cs = cudaStreamCaptureStatusActive; /* another thread captures in global mode */
-            }
-            prm->mark = cs == cudaStreamCaptureStatusNone ? f->launches : 0;
+            prm->mark = pyccl_stream_captured(a, s) ? 0 : f->launches;
         }
         unsigned threads = (unsigned)f->threads;
         if (variant == 0) {

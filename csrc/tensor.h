@@ -18,6 +18,21 @@ extern const pyccl_dtype_info pyccl_dtype_table[PYCCL_NDTYPES];
  * `device` is current.  pyccl_device_leave goes back (also after a failure). */
 cudaError_t pyccl_device_enter(const pyccl_api *a, int device, int *prev);
 void pyccl_device_leave(const pyccl_api *a, int device, int prev);
+/* Whether work put on s now would become part of a CUDA graph being
+ * captured: 1 when s is captured, or when CUDA cannot say (another thread
+ * captures in global mode; its error cleared), else 0.  What may not go into
+ * a graph (an event the host reads, a mark whose replays would be stale)
+ * is left out then.  s of the current device for the handles 0, 1, 2. */
+static inline int
+pyccl_stream_captured(const pyccl_api *a, cudaStream_t s)
+{
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (a->cudaStreamIsCapturing(s, &cs) != cudaSuccess) {
+        a->cudaGetLastError();
+        return 1;
+    }
+    return cs != cudaStreamCaptureStatusNone;
+}
 /* st with torch looked up; NULL with RuntimeError once the interpreter tears
  * the module down. */
 pyccl_state *pyccl_state_ready(pyccl_state *st);

@@ -248,7 +248,6 @@ lead_mark(const pyccl_api *a, pyccl_comm *c, cudaStream_t s)
     enum { RING = PYCCL_LEAD_MARKS + 1 };
     cudaEvent_t back = NULL;
     cudaError_t e = cudaSuccess;
-    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     /* the device made current for the handles that name the current
      * device's stream (0, cudaStreamLegacy, cudaStreamPerThread) and to make
      * the events */
@@ -258,9 +257,8 @@ lead_mark(const pyccl_api *a, pyccl_comm *c, cudaStream_t s)
         a->cudaGetLastError();
         return NULL;
     }
-    if ((e = a->cudaStreamIsCapturing(s, &cs)) != cudaSuccess ||
-        cs != cudaStreamCaptureStatusNone) {
-        goto out; /* an error: another thread captures in global mode */
+    if (pyccl_stream_captured(a, s)) {
+        goto out;
     }
     if (c->lead == NULL) {
         cudaEvent_t *v = PyMem_RawCalloc(RING, sizeof *v);

@@ -235,14 +235,7 @@ watch_record(struct pyccl_watch *w, cudaStream_t s, const char *op)
     if (enter) {
         pyccl_device_enter(a, w->device, &prev);
     }
-    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    if (a->cudaStreamIsCapturing(s, &cs) != cudaSuccess) {
-        /* Another thread captures in global mode: treat as capturing. */
-        a->cudaGetLastError();
-        e = cudaSuccess;
-        goto out;
-    }
-    if (cs != cudaStreamCaptureStatusNone) {
+    if (pyccl_stream_captured(a, s)) {
         e = cudaSuccess;
         goto out;
     }

@@ -59,7 +59,7 @@ FAULTS = [
                  "    else if (0) {\n        pyccl_device_leave(a, device, prev);\n")],
          tests=["tests/test_timeout_cpu.py", "-k", "watch_costs"]),
     dict(name="record the watch's event on a stream being captured", tier="cpu", file="csrc/watchdog.c",
-         edits=[("    if (cs != cudaStreamCaptureStatusNone) {\n        e = cudaSuccess;\n        goto out;\n    }\n",
+         edits=[("    if (pyccl_stream_captured(a, s)) {\n        e = cudaSuccess;\n        goto out;\n    }\n",
                  "    if (0) {\n        e = cudaSuccess;\n        goto out;\n    }\n")],
          tests=["tests/test_timeout_cpu.py", "-k", "graph_capture"]),
     dict(name="pack every coalesced tensor at offset 0", tier="cpu", file="csrc/ar.c",
