@@ -267,6 +267,7 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
         ran = 1;
         f->deadline = f->timeout > 0 ? pyccl_now_s() + f->timeout : 0;
         f->gone = 0;
+        f->other = 0;
         f->sent = 0;
         f->last[0] = '\0';
         if (pyccl_device_enter(a, f->device, &prev) != cudaSuccess) {
@@ -278,10 +279,18 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
             r = ar_setup(a, f, c, s);
         }
         pyccl_device_leave(a, f->device, prev);
+        if (f->other && !f->sent) {
+            /* refused before anything was sent (all dropped): a later call
+             * sets the kernels up */
+            __atomic_store_n(&f->state, AR_UNTRIED, __ATOMIC_RELEASE);
+        }
     }
     pyccl_unlock(&f->setup_mu);
     Py_END_ALLOW_THREADS
     c->setups--;
+    if (ran && f->other && !f->sent) {
+        return pyccl_raise_other_group(op, c);
+    }
     if (ran && (f->gone || r != ncclSuccess)) {
         return turn_off(st, c, f, op, f->gone, r, " (setting up pyccl's all-reduce kernels)", s);
     }

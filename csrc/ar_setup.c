@@ -105,9 +105,10 @@ held_call(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, int gather, const void
     ncclResult_t r = pyccl_comm_held_call(a, c, &t, ncclMin, f->deadline, f->last,
                                           sizeof f->last, &gone);
     /* a peer may have what this rank sent once the call was made */
-    f->sent |= gone != PYCCL_HELD_GONE;
+    f->sent |= gone == PYCCL_HELD_MADE || gone == PYCCL_HELD_CLAIMED;
     if (gone != PYCCL_HELD_MADE) {
         f->gone = 1;
+        f->other |= gone == PYCCL_HELD_OTHER;
         return ncclInvalidUsage;
     }
     if (r == ncclSuccess) {
@@ -326,7 +327,8 @@ probe(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, int *flag, uint32_t magic,
 
 /* Collective.  Called without the GIL, current device = the comm's, f's
  * setup_mu held.  Returns the NCCL result of the exchange (a failure there
- * is the caller's error; f->gone: the communicator was aborted meanwhile);
+ * is the caller's error; f->gone: the communicator was aborted meanwhile,
+ * or f->other: another thread's open pyccl.group() holds it);
  * f->state says whether the kernels are usable. */
 ncclResult_t
 ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
@@ -443,8 +445,11 @@ out:
     free(all);
     if (r != ncclSuccess) {
         ok = 0;
-        AR_WHY(f, f->gone ? "the communicator was aborted during the set-up"
-                    : "the set-up exchange failed");
+        AR_WHY(f, f->other ? "a pyccl.group() open on another thread took the communicator during "
+                             "the set-up (NCCL takes a communicator's calls from one thread's group "
+                             "at a time)"
+                  : f->gone ? "the communicator was aborted during the set-up"
+                            : "the set-up exchange failed");
     }
     /* after the exchange every peer is past what it did before this set-up
      * (a release of an earlier communicator, say): what it closed goes now */

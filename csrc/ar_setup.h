@@ -77,6 +77,7 @@ typedef struct pyccl_ar {
     unsigned skew_ns;                   /* PYCCL_AR_DEBUG_SKEW_NS (testing) */
     double deadline;                    /* the set-up's (monotonic s); 0: none */
     int gone;                           /* the set-up found the communicator aborted */
+    int other;                          /* ... or in another thread's open pyccl.group() */
     int sent;                           /* the set-up enqueued its exchange */
     char last[512];                     /* ncclGetLastError after a failed set-up call */
     pthread_mutex_t setup_mu;           /* one set-up at a time on a communicator */

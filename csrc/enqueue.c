@@ -263,6 +263,18 @@ pyccl_group_note_work(pyccl_comm *c, cudaStream_t s, const char *op)
     return 0;
 }
 
+void
+pyccl_group_note_calls(pyccl_comm *c, cudaStream_t s, unsigned k)
+{
+    for (Py_ssize_t i = 0; i < group_n; i++) {
+        if (group_v[i].counted && group_v[i].comm == (PyObject *)c) {
+            group_v[i].calls += k;
+            group_v[i].stream = s;
+            return;
+        }
+    }
+}
+
 int
 pyccl_group_others(const pyccl_comm *c)
 {
@@ -304,12 +316,21 @@ pyccl_group_take(Py_ssize_t *n)
 }
 
 void
-pyccl_group_release(pyccl_group_entry *v, Py_ssize_t n, int leave)
+pyccl_group_leave(pyccl_group_entry *v, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; leave && i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         if (v[i].counted) {
             in_group_add((pyccl_comm *)v[i].comm, -1);
+            v[i].counted = 0;
         }
+    }
+}
+
+void
+pyccl_group_release(pyccl_group_entry *v, Py_ssize_t n, int leave)
+{
+    if (leave) {
+        pyccl_group_leave(v, n);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_DECREF(v[i].comm);

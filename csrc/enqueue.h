@@ -45,19 +45,26 @@ int pyccl_group_join(pyccl_comm *const *comms, Py_ssize_t ncomms, int timed);
  * GIL state. */
 int pyccl_group_others(const pyccl_comm *c);
 /* What this thread's open pyccl.group() used: each communicator once
- * (`counted`: in c->in_group until the group's end), and the work on a
- * watched communicator once per stream (`work`: op the first call's name),
- * each entry with a reference to its Communicator. */
+ * (`counted`: in c->in_group until the group's end; on one without a watch,
+ * `calls` NCCL calls, the last on `stream`, for NCCL's marks at the group's
+ * end, whose wait `lead` then is), and the work on a watched communicator
+ * once per stream (`work`: op the first call's name), each entry with a
+ * reference to its Communicator. */
 typedef struct {
     PyObject *comm;
     cudaStream_t stream;
     const char *op;
     int counted, work;
+    unsigned calls;
+    cudaEvent_t lead;
 } pyccl_group_entry;
 /* c is used inside this thread's open pyccl.group() (NCCL takes it up at
  * the group's end): counted in c->in_group once until the group's end.
  * -1 with MemoryError. */
 int pyccl_group_note(pyccl_comm *c);
+/* k NCCL calls on c (noted already, without a watch) went inside the
+ * group, the last to stream s: counted for NCCL's marks at its end. */
+void pyccl_group_note_calls(pyccl_comm *c, cudaStream_t s, unsigned k);
 /* Work of c (noted already) went to stream s inside the group: remembered
  * for the group's end (the timeouts layer records its event then).  -1
  * with MemoryError. */
@@ -65,8 +72,11 @@ int pyccl_group_note_work(pyccl_comm *c, cudaStream_t s, const char *op);
 /* The outermost pyccl.group() of this thread ended: its list, taken out of
  * the thread (*n entries), for pyccl_group_release once settled. */
 pyccl_group_entry *pyccl_group_take(Py_ssize_t *n);
-/* Free a taken list: with `leave`, its communicators leave the group
- * (c->in_group) first. */
+/* With the GIL: a taken list's communicators leave the group
+ * (c->in_group), their entries kept (with their references). */
+void pyccl_group_leave(pyccl_group_entry *v, Py_ssize_t n);
+/* Free a taken list: with `leave`, its communicators still counted leave
+ * the group (c->in_group) first. */
 void pyccl_group_release(pyccl_group_entry *v, Py_ssize_t n, int leave);
 /* With the GIL: the communicators of pyccl.group()s whose thread ended
  * before the group did (their queued work never runs) leave those groups,

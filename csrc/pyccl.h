@@ -279,9 +279,9 @@ typedef struct {
     cudaStream_t *streams;   /* PyMem_Malloc'd */
     int nstreams;
     /* Without a watch, NCCL's marks (watch_enqueue.c, under `mu`): the
-     * calls outside a group counted; every PYCCL_LEAD_EVERY-th records an
-     * event of `lead` (a ring of PYCCL_LEAD_MARKS + 1, made at the first
-     * mark, PyMem_RawMalloc'd) and waits for the one PYCCL_LEAD_MARKS back,
+     * calls counted (a pyccl.group()'s at its end); every PYCCL_LEAD_EVERY-th
+     * records an event of `lead` (a ring of PYCCL_LEAD_MARKS + 1, made at the
+     * first mark, PyMem_RawMalloc'd) and waits for the one PYCCL_LEAD_MARKS back,
      * counted in lead_waiters meanwhile (the events are freed only when none
      * waits: pyccl_lead_free). */
     unsigned long long ncalls;

@@ -50,11 +50,13 @@ int pyccl_comm_failed(const pyccl_comm *c);
  * there), so neither frees the handle under it; the wait for its kernel is
  * the caller's, outside that lock, where an abort can end it.  NCCL's result
  * (its last error in last[last_size]; ncclInProgress once `deadline`, 0 for
- * none, passed), or ncclInvalidUsage when c was gone: *gone says when. */
+ * none, passed), or ncclInvalidUsage when c was gone or is in another
+ * thread's open group: *gone says which. */
 enum {
     PYCCL_HELD_MADE = 0, /* the call was made; its result returned */
     PYCCL_HELD_GONE,     /* aborted, failed or destroyed before: nothing sent */
     PYCCL_HELD_CLAIMED,  /* stuck past the timeout: the watchdog aborted the handle under it */
+    PYCCL_HELD_OTHER,    /* in a pyccl.group() open on another thread: nothing sent */
 };
 ncclResult_t pyccl_comm_held_call(const pyccl_api *a, pyccl_comm *c, pyccl_task *t, int redop,
                                   double deadline, char *last, size_t last_size, int *gone);
@@ -131,8 +133,9 @@ int pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_s
                   pyccl_comm *const *comms, Py_ssize_t ncomms);
 /* The outermost pyccl.group() of this thread ended with NCCL result r,
  * `used` what it used (pyccl_group_take): poll and track the work of its
- * watched communicators.  -1 with an exception. */
-int pyccl_watch_group_end(pyccl_state *st, ncclResult_t r, const pyccl_group_entry *used,
+ * watched communicators; on the others NCCL's marks, as after a call outside
+ * a group (they leave the group before its wait).  -1 with an exception. */
+int pyccl_watch_group_end(pyccl_state *st, ncclResult_t r, pyccl_group_entry *used,
                           Py_ssize_t n);
 /* split() of a communicator with a watch (outside any group): the child's
  * non-blocking handle (NULL when not a member), rank and size; the caller

@@ -291,10 +291,11 @@ wait_stream_list(pyccl_state *st, const char *op, pyccl_comm *c, cudaStream_t *f
  * ar.c): take the lock that abort() and the watchdog take before they
  * touch the handle (c's own without a timeout, the watch's with one) and
  * give the handle.  NULL, with nothing held, once the communicator was
- * aborted, failed or destroyed.  The lock is held for one NCCL call and
+ * aborted, failed or destroyed, or while a pyccl.group() open on another
+ * thread holds it (*other).  The lock is held for one NCCL call and
  * its completion poll, never across a wait on peers. */
 static pthread_mutex_t *
-hold(pyccl_comm *c, ncclComm_t *comm)
+hold(pyccl_comm *c, ncclComm_t *comm, int *other)
 {
     *comm = NULL;
     pyccl_lock(&c->mu, PYCCL_LOCK_COMM);
@@ -304,14 +305,21 @@ hold(pyccl_comm *c, ncclComm_t *comm)
             pyccl_unlock(&c->mu);
             return NULL;
         }
-        *comm = c->comm;
-        return &c->mu;
     }
-    if (w->timeout <= 0 || failed_kind(w) || *w->comm == NULL || w->closing) {
+    else if (w->timeout <= 0 || failed_kind(w) || *w->comm == NULL || w->closing) {
         /* aborted, failed or being destroyed (a record without a timeout:
          * an aborted communicator's) */
         pyccl_unlock(&c->mu);
         return NULL;
+    }
+    if ((*other = pyccl_group_others(c))) {
+        /* as a call's enqueue: NCCL would work on c beside that group */
+        pyccl_unlock(&c->mu);
+        return NULL;
+    }
+    if (w == NULL) {
+        *comm = c->comm;
+        return &c->mu;
     }
     *comm = *w->comm;
     /* one call in NCCL, as an enqueue is: the watchdog claims it and aborts
@@ -324,9 +332,10 @@ ncclResult_t
 pyccl_comm_held_call(const pyccl_api *a, pyccl_comm *c, pyccl_task *t, int redop,
                      double deadline, char *last, size_t last_size, int *gone)
 {
-    pthread_mutex_t *held = hold(c, &t->comm);
+    int other = 0;
+    pthread_mutex_t *held = hold(c, &t->comm, &other);
     if (held == NULL) {
-        *gone = PYCCL_HELD_GONE;
+        *gone = other ? PYCCL_HELD_OTHER : PYCCL_HELD_GONE;
         return ncclInvalidUsage;
     }
     *gone = PYCCL_HELD_MADE;

@@ -2,8 +2,8 @@
  * the group joined, back-pressure, the NCCL calls, their completion, an
  * event, and what went wrong raised at one place), with or without a
  * timeout: a communicator's watch, where it has one, is a field looked at
- * on the way; and the end of a group holding calls on watched
- * communicators.  An own kernel's launch is one of its rows
+ * on the way; and the end of a group (its watched communicators' work
+ * tracked, NCCL's marks on the others).  An own kernel's launch is one of its rows
  * (PYCCL_LAUNCHED).  A group left open by a thread that ended is handed
  * over at the thread's end and failed by the door's reap. */
 #include "timeouts.h"
@@ -233,16 +233,19 @@ note_stream(pyccl_comm *c, cudaStream_t s)
 
 /* ---------------- NCCL's marks without a watch (pyccl.h: PYCCL_LEAD_EVERY) ---------------- */
 
-/* After a call outside a group on c (no watch; c's lock held): every
- * PYCCL_LEAD_EVERY-th records a mark, an event after the call's work on s
- * (not while s is captured: the record would be a node of the graph), and
- * returns the event of the mark PYCCL_LEAD_MARKS back for the call to wait
+/* After k NCCL calls on c (no watch; c's lock held), one call outside a
+ * group or a pyccl.group()'s calls at its end: when the count passes a
+ * multiple of PYCCL_LEAD_EVERY, records a mark, an event after their work on
+ * s (not while s is captured: the record would be a node of the graph), and
+ * returns the event of the mark PYCCL_LEAD_MARKS back for the caller to wait
  * for, this thread counted in c->lead_waiters (NULL: nothing to wait for).
  * A mark that cannot be had (no event, a CUDA error) is left out. */
 static cudaEvent_t
-lead_mark(const pyccl_api *a, pyccl_comm *c, cudaStream_t s)
+lead_mark(const pyccl_api *a, pyccl_comm *c, cudaStream_t s, unsigned k)
 {
-    if (++c->ncalls % PYCCL_LEAD_EVERY != 0) {
+    const unsigned long long before = c->ncalls;
+    c->ncalls += k;
+    if (before / PYCCL_LEAD_EVERY == c->ncalls / PYCCL_LEAD_EVERY) {
         return NULL;
     }
     enum { RING = PYCCL_LEAD_MARKS + 1 };
@@ -526,22 +529,6 @@ raise_outcome(pyccl_state *st, const char *op, watch_set *g, const timed_outcome
     return -1;
 }
 
-/* Inside pyccl.group(): remember each watched communicator's streams for
- * the group's end (which the watch then covers).  -1 with MemoryError. */
-static int
-add_to_group(const char *op, watch_set *g)
-{
-    for (int j = 0; j < g->n; j++) {
-        for (Py_ssize_t i = 0; i < g->nrows; i++) {
-            if (g->rows[i].j == j &&
-                pyccl_group_note_work(g->owners[j], g->rows[i].stream, op) < 0) {
-                return -1;
-            }
-        }
-    }
-    return 0;
-}
-
 /* Whether c had a watch at the enqueue's first look (watch_set_fill): the
  * watched ones are locked by acquire_all, the others by each_plain, whatever
  * became of c->watch since (abort() gives a communicator without a timeout
@@ -552,6 +539,43 @@ watched_at_fill(const watch_set *g, const pyccl_comm *c)
     for (int j = 0; j < g->n; j++) {
         if (g->owners[j] == c) {
             return 1;
+        }
+    }
+    return 0;
+}
+
+/* Inside pyccl.group(): remember each watched communicator's streams for
+ * the group's end (which the watch then covers), and count the NCCL calls
+ * on each other one (its marks, made at the group's end).  -1 with
+ * MemoryError. */
+static int
+add_to_group(const char *op, watch_set *g, const pyccl_task *tasks, Py_ssize_t n,
+             pyccl_comm *const *comms, Py_ssize_t ncomms)
+{
+    for (int j = 0; j < g->n; j++) {
+        for (Py_ssize_t i = 0; i < g->nrows; i++) {
+            if (g->rows[i].j == j &&
+                pyccl_group_note_work(g->owners[j], g->rows[i].stream, op) < 0) {
+                return -1;
+            }
+        }
+    }
+    for (Py_ssize_t i = 0; i < ncomms; i++) {
+        pyccl_comm *c = comms[i];
+        int seen = watched_at_fill(g, c);
+        for (Py_ssize_t k = 0; k < i && !seen; k++) {
+            seen = comms[k] == c;
+        }
+        unsigned calls = 0;
+        cudaStream_t s = NULL;
+        for (Py_ssize_t t = 0; !seen && t < n; t++) {
+            if (tasks[t].coll != PYCCL_LAUNCHED && tasks[t].comm == c->comm) {
+                calls++;
+                s = tasks[t].stream;
+            }
+        }
+        if (calls > 0) {
+            pyccl_group_note_calls(c, s, calls);
         }
     }
     return 0;
@@ -672,7 +696,7 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize
                 o.r = pyccl_enqueue_calls(a, tasks, n, redop, premul, o.last, sizeof o.last);
                 if (o.r == ncclSuccess && !in_group && g.n == 0 && ncomms == 1) {
                     /* one communicator without a watch (its methods) */
-                    lead = lead_mark(a, comms[0], tasks[n - 1].stream);
+                    lead = lead_mark(a, comms[0], tasks[n - 1].stream, 1);
                 }
             }
             each_plain(&g, comms, ncomms, 0);
@@ -711,7 +735,7 @@ pyccl_enqueue(pyccl_state *st, const char *op, const pyccl_task *tasks, Py_ssize
         }
         waiter_finish(&wt);
     }
-    int rc = all_well(&g, &o) ? (in_group ? add_to_group(op, &g) : 0)
+    int rc = all_well(&g, &o) ? (in_group ? add_to_group(op, &g, tasks, n, comms, ncomms) : 0)
                               : raise_outcome(st, op, &g, &o);
     watch_set_free(&g);
     return rc;
@@ -725,9 +749,10 @@ work_watch(const pyccl_group_entry *e)
     return e->work ? ((pyccl_comm *)e->comm)->watch : NULL;
 }
 
-int
-pyccl_watch_group_end(pyccl_state *st, ncclResult_t r, const pyccl_group_entry *g,
-                      Py_ssize_t n)
+/* The group's end on its watched communicators: poll and track their
+ * work.  -1 with an exception. */
+static int
+watched_group_end(pyccl_state *st, ncclResult_t r, const pyccl_group_entry *g, Py_ssize_t n)
 {
     int interrupted = 0, any = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -803,4 +828,75 @@ pyccl_watch_group_end(pyccl_state *st, ncclResult_t r, const pyccl_group_entry *
         rc = -1;
     }
     return rc;
+}
+
+/* The group's end on its communicators without a watch, after NCCL took it
+ * (r ncclSuccess): NCCL's marks (each one's calls in the group counted, the
+ * mark after the work on its last call's stream), each under its lock; then
+ * they leave the group (abort() refuses a communicator counted in one) and
+ * the marks PYCCL_LEAD_MARKS back are waited for without locks or the GIL,
+ * as after a call outside a group.  -1 with an exception (an abort() or a
+ * failure that ended a mark's wait, or the signal handler's). */
+static int
+plain_group_end(pyccl_state *st, pyccl_group_entry *g, Py_ssize_t n)
+{
+    const pyccl_api *a = &st->api;
+    int any = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        any |= g[i].counted && g[i].calls > 0;
+    }
+    if (!any) {
+        return 0;
+    }
+    waiter wt;
+    int waits = 0;
+    waiter_start(&wt, 1);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        pyccl_comm *c = (pyccl_comm *)g[i].comm;
+        if (g[i].counted && g[i].calls > 0) {
+            pyccl_lock(&c->mu, PYCCL_LOCK_COMM);
+            if (c->watch == NULL && c->comm != NULL) {
+                g[i].lead = lead_mark(a, c, g[i].stream, g[i].calls);
+                waits |= g[i].lead != NULL;
+            }
+            pyccl_unlock(&c->mu);
+        }
+    }
+    waiter_finish(&wt);
+    if (!waits) {
+        return 0;
+    }
+    pyccl_group_leave(g, n);
+    pyccl_comm *bad = NULL;
+    int rc = 0;
+    waiter_start(&wt, 1);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        pyccl_comm *c = (pyccl_comm *)g[i].comm;
+        if (g[i].lead == NULL) {
+            continue;
+        }
+        if (rc == 0 && bad == NULL) {
+            rc = lead_wait(a, &wt, c, g[i].lead);
+            bad = rc == 0 && c->watch != NULL ? c : NULL;
+        }
+        else {
+            __atomic_sub_fetch(&c->lead_waiters, 1, __ATOMIC_ACQ_REL); /* not waited for */
+        }
+        g[i].lead = NULL;
+    }
+    waiter_finish(&wt);
+    if (bad != NULL) {
+        (void)pyccl_comm_alive(st, "group end", bad); /* aborted or failed meanwhile */
+        rc = -1;
+    }
+    return rc; /* -1: KeyboardInterrupt is set */
+}
+
+int
+pyccl_watch_group_end(pyccl_state *st, ncclResult_t r, pyccl_group_entry *g, Py_ssize_t n)
+{
+    if (watched_group_end(st, r, g, n) < 0) {
+        return -1;
+    }
+    return r == ncclSuccess ? plain_group_end(st, g, n) : 0;
 }

@@ -559,6 +559,13 @@ pyccl_watch_shrink(pyccl_state *st, pyccl_comm *c, int *exclude, int n,
             return -1;
         }
     }
+    if (pyccl_group_others(c)) {
+        /* as a call's enqueue: NCCL would work on c beside that group */
+        pyccl_unlock(w->mu);
+        waiter_finish(&wt);
+        PyMem_RawFree(slot);
+        return pyccl_raise_other_group("shrink", c);
+    }
     failed = failed_kind(w) != 0;
     /* a failed communicator: its revoked handle (none once aborted) */
     ncclComm_t parent = failed ? w->revoked : *w->comm;

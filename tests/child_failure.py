@@ -108,7 +108,15 @@ def stopped_peer_untimed_nccl(rank, uid, timeout):
     untimed_loop_then_abort(rank, uid, timeout, "nccl")
 
 
-def untimed_loop_then_abort(rank, uid, timeout, algo):
+def stopped_peer_untimed_nccl_group(rank, uid, timeout):
+    """The same with a loop of pyccl.group()s of two NCCL all_reduces, which NCCL launches at
+    the group's end, outside the communicator's lock, while the group holds the communicator
+    (abort() refuses one in a group): the group's end waits for the mark 16 back after the
+    communicator left the group, so abort() from this thread ends that wait."""
+    untimed_loop_then_abort(rank, uid, timeout, "nccl", group=2)
+
+
+def untimed_loop_then_abort(rank, uid, timeout, algo, group=0):
     import threading
     comm = pyccl.Communicator(2, uid, rank)
     warm_up(comm, algo)
@@ -119,7 +127,12 @@ def untimed_loop_then_abort(rank, uid, timeout, algo):
         torch.cuda.set_device(comm.device)
         try:
             while True:
-                comm.all_reduce(t, algo=algo)
+                if group:
+                    with pyccl.group():
+                        for _ in range(group):
+                            comm.all_reduce(t, algo=algo)
+                else:
+                    comm.all_reduce(t, algo=algo)
                 state["i"] += 1
                 if state["i"] == 300:
                     event("looping")

@@ -1542,22 +1542,28 @@ def own_kernel_timed_unevented():
     return out
 
 
-def _own_loop(c, res, algo=None):
-    """1000 all_reduces on c (the rank's device made this thread's); the first exception, with
-    the number of the call that raised it, goes into res["err"]."""
+def _own_loop(c, res, algo=None, group=0):
+    """1000 all_reduces on c (the rank's device made this thread's), or with `group` 1000
+    pyccl.group()s of that many; the first exception, with the number of the call (or group)
+    that raised it, goes into res["err"]."""
     n = 0
     assert fake.cudaSetDevice(int(os.environ.get("FAKE_RANK", "0"))) == 0  # the device is per thread
     try:
         for n in range(1, 1001):
-            c.all_reduce(Array([1.0, 2.0]), algo=algo)
+            if group:
+                with pyccl.group():
+                    for _ in range(group):
+                        c.all_reduce(Array([1.0, 2.0]), algo=algo)
+            else:
+                c.all_reduce(Array([1.0, 2.0]), algo=algo)
     except BaseException as e:  # noqa: BLE001 (reported)
         res["err"] = [n, type(e).__name__, str(e)]
 
 
-def _own_loop_beside(c, res, seconds=1.0, algo=None):
+def _own_loop_beside(c, res, seconds=1.0, algo=None, group=0):
     """_own_loop on a new thread while this one ticks every 10 ms for `seconds` (the ticks say
     whether it ran meanwhile): (the thread, when it started, ticks)."""
-    t = threading.Thread(target=_own_loop, args=(c, res, algo))
+    t = threading.Thread(target=_own_loop, args=(c, res, algo, group))
     t0 = time.monotonic()
     t.start()
     ticks = 0
@@ -1567,7 +1573,7 @@ def _own_loop_beside(c, res, seconds=1.0, algo=None):
     return t, t0, ticks
 
 
-def _stuck_loop_ended(c, case, counter, algo=None):
+def _stuck_loop_ended(c, case, counter, algo=None, group=0):
     """The peer just died: _own_loop on c until its call waits, then (case "abort") abort()
     from this thread while the loop runs on another, NCCL's abort taking 0.3 s (the call must
     end at once meanwhile), or ("sigint") the loop on this thread, a SIGINT 1 s in, then
@@ -1577,7 +1583,7 @@ def _stuck_loop_ended(c, case, counter, algo=None):
     import signal
     before, res = get(counter), {}
     if case == "abort":
-        t, _, ticks = _own_loop_beside(c, res, algo=algo)
+        t, _, ticks = _own_loop_beside(c, res, algo=algo, group=group)
         out = {"ahead": get(counter) - before, "ticks": ticks}
         put("abort_delay", 0.3)
         t1 = time.monotonic()
@@ -1586,9 +1592,12 @@ def _stuck_loop_ended(c, case, counter, algo=None):
         put("abort_delay", 0)
         out["ended_after"] = time.monotonic() - t1
     else:
+        # Ctrl-C's handler, also where this process was started with SIGINT ignored (a
+        # background job of a shell without job control)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
         timer.start()
-        _own_loop(c, res, algo=algo)
+        _own_loop(c, res, algo=algo, group=group)
         out = {"ahead": get(counter) - before}
         dt, err = timed(c.abort)
     out["abort"] = [dt, _outcome(err)]
@@ -1630,6 +1639,44 @@ def own_kernel_untimed_lead():
     return out
 
 
+def _nccl_marks(out, group, healthy, captured):
+    """NCCL's marks on a communicator without a timeout, the stand-in's launch queue 1024 calls
+    deep: `healthy` steps (an all_reduce, or with `group` a pyccl.group() of that many), then
+    `captured` steps while the stream is captured, then destroy(); then on a fresh
+    communicator for each of abort() and SIGINT, 5 calls and a peer dead unseen:
+    _stuck_loop_ended.  Into out."""
+    def step(c):
+        if group:
+            with pyccl.group():
+                for _ in range(group):
+                    c.all_reduce(Array([1.0]), algo="nccl")
+        else:
+            c.all_reduce(Array([1.0]), algo="nccl")
+
+    put("launch_block", 1024)
+    c = pyccl.Communicator(2, pyccl.unique_id(), 0)
+    recs, live = get("event_records"), get("events_live")
+    for _ in range(healthy):
+        step(c)
+    out["healthy"] = [get("event_records") - recs, get("events_live") - live]
+    put("capturing", 1)
+    for _ in range(captured):
+        step(c)
+    put("capturing", 0)
+    out["captured"] = get("event_records") - recs
+    c.destroy()
+    out["after_destroy"] = get("events_live")
+    for case in ("abort", "sigint"):
+        c = pyccl.Communicator(2, pyccl.unique_id(), 0)
+        for _ in range(5):
+            c.all_reduce(Array([1.0]), algo="nccl")
+        put("peer_dead", 1)
+        out[case] = _stuck_loop_ended(c, case, "ops", "nccl", group=group)
+        out[case]["live_after_abort"] = get("events_live")
+        c.destroy()
+        put("peer_dead", 0)
+
+
 def nccl_untimed_lead():
     """NCCL's calls on a communicator without a timeout.  Healthy: every 16th call records one
     event (none while the stream is captured), and destroy() or garbage collection leaves none.  A peer dead unseen
@@ -1640,29 +1687,8 @@ def nccl_untimed_lead():
     communicator was aborted.  Then on another communicator, a SIGINT ends the same wait with
     KeyboardInterrupt."""
     _bounded(40)
-    put("launch_block", 1024)
     out = {}
-    c = pyccl.Communicator(2, pyccl.unique_id(), 0)
-    recs, live = get("event_records"), get("events_live")
-    for _ in range(64):
-        c.all_reduce(Array([1.0]), algo="nccl")
-    out["healthy"] = [get("event_records") - recs, get("events_live") - live]
-    put("capturing", 1)
-    for _ in range(32):
-        c.all_reduce(Array([1.0]), algo="nccl")
-    put("capturing", 0)
-    out["captured"] = get("event_records") - recs
-    c.destroy()
-    out["after_destroy"] = get("events_live")
-    for case in ("abort", "sigint"):
-        c = pyccl.Communicator(2, pyccl.unique_id(), 0)
-        for _ in range(5):
-            c.all_reduce(Array([1.0]), algo="nccl")
-        put("peer_dead", 1)
-        out[case] = _stuck_loop_ended(c, case, "ops", "nccl")
-        out[case]["live_after_abort"] = get("events_live")
-        c.destroy()
-        put("peer_dead", 0)
+    _nccl_marks(out, 0, 64, 32)
     # collected without destroy(): its ring goes with it
     import gc
     c = pyccl.Communicator(2, pyccl.unique_id(), 0)
@@ -1676,11 +1702,27 @@ def nccl_untimed_lead():
     return out
 
 
+def nccl_untimed_group_lead():
+    """The same with a loop of pyccl.group()s of 3 NCCL all_reduces (whose launch is the
+    group's end, outside the communicator's lock, the communicator counted in the group, where
+    abort() refuses it): the group's calls are counted and its end records the mark when the
+    count passes a multiple of 16, then leaves the group and waits for the mark 16 back, so the
+    host stops 256 calls and at most one group ahead of the stuck one, and abort() from this
+    thread ends the wait (the group's end raises that the communicator was aborted), as SIGINT
+    does.  Healthy: 30 groups (90 calls) record 5 marks, none while captured."""
+    _bounded(40)
+    out = {}
+    _nccl_marks(out, 3, 30, 16)
+    out["misuse"] = get("misuse")
+    clean()
+    return out
+
+
 def group_other_thread():
     """A communicator in a pyccl.group() open on one thread, called from another (with and
     without a timeout): NCCL takes a communicator's calls from one thread's group at a time
     (the group's end works on it without any lock of pyccl's), so the other thread's call is
-    refused, nothing enqueued, and works once the group ended.  Then one thread loops groups
+    refused, nothing enqueued (split() and shrink() too), and works once the group ended.  Then one thread loops groups
     on it while another loops calls: never two threads inside it."""
     _bounded(40)
     out = {}
@@ -1698,11 +1740,13 @@ def group_other_thread():
         t = threading.Thread(target=in_group)
         t.start()
         opened.wait(10)
-        ops, splits = get("ops"), get("splits")
+        ops, splits, shrinks = get("ops"), get("splits"), get("shrinks")
         err = timed(lambda: c.all_reduce(b))[1]
         key = "untimed" if timeout is None else "timed"
         out[key] = {"refused": _outcome(err), "ops": get("ops") - ops,
-                    "split": _outcome(timed(lambda: c.split(0))[1]), "splits": get("splits") - splits}
+                    "split": _outcome(timed(lambda: c.split(0))[1]), "splits": get("splits") - splits,
+                    "shrink": _outcome(timed(lambda: c.shrink([1]))[1]),
+                    "shrinks": get("shrinks") - shrinks}
         done.set()
         t.join(10)
         err = timed(lambda: c.all_reduce(b))[1]
@@ -1792,6 +1836,47 @@ def own_setup_comm_gone_while_reading():
             left = [get(k) - b for k, b in zip(("mem_live", "ipc_live", "host_live"), before)]
             out[f"{what}, timeout={timeout}"] = [_outcome(err), left]
             c.destroy()
+    out["misuse"] = get("misuse")
+    return out
+
+
+def own_setup_other_group():
+    """The first all_reduce that would set the own kernels up, on a communicator that a
+    pyccl.group() open on another thread holds (with and without a timeout; both ranks alike):
+    refused before the set-up sent anything (its first NCCL call would go beside that group,
+    whose end works on the communicator without pyccl's lock), nothing of the kernels kept and
+    their state untouched; once the group ended the next call sets them up."""
+    _bounded(30)
+    rank = int(os.environ["FAKE_RANK"])
+    assert fake.cudaSetDevice(rank) == 0
+    out = {}
+    for timeout in (None, 5.0):
+        c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank, timeout=timeout)
+        b = Array([1.0 + rank])
+        opened, done = threading.Event(), threading.Event()
+
+        def in_group():
+            assert fake.cudaSetDevice(rank) == 0
+            with pyccl.group():
+                c.all_reduce(b, algo="nccl")
+                opened.set()
+                done.wait(10)
+
+        t = threading.Thread(target=in_group)
+        t.start()
+        opened.wait(10)
+        a = Array([1.0 + rank, 2.0, 3.0 * (rank + 1)])
+        before = [get(k) for k in ("mem_live", "ipc_live", "host_live", "ops", "launches")]
+        _, err = timed(lambda: c.all_reduce(a))
+        left = [get(k) - v for k, v in zip(("mem_live", "ipc_live", "host_live", "ops", "launches"), before)]
+        r = {"refused": _outcome(err), "left": left, "values": a.tolist(),
+             "state": c.all_reduce_info["state"]}
+        done.set()
+        t.join(10)
+        _, err = timed(lambda: c.all_reduce(a))
+        r["after"] = [_outcome(err), a.tolist(), c.all_reduce_info["state"]]
+        out[f"timeout={timeout}"] = r
+        c.destroy()
     out["misuse"] = get("misuse")
     return out
 

@@ -147,16 +147,18 @@ def test_peer_killed_mid_loop(algo):
         r1.kill()
 
 
-@pytest.mark.parametrize("case", ["own-killed", "nccl-stopped"])
+@pytest.mark.parametrize("case", ["own-killed", "nccl-stopped", "nccl-group-stopped"])
 def test_peer_lost_without_timeout_abort_ends_a_loop(case):
     """Rank 0 loops all_reduce on a thread, on a communicator without a timeout, and loses its
     peer: own kernels with rank 1 SIGKILLed, NCCL's with rank 1 SIGSTOPped (its sockets stay
-    open, so NCCL sees nothing, as across NVLink between two GPUs).  Rank 0's kernel waits for
-    ever (there is no timeout), but the loop's call waits at most 256 launches (own kernels) or
-    256 calls (NCCL) ahead with the GIL and the communicator's lock released, so the main thread
-    runs on and its abort() ends that call, which raises that the communicator was aborted."""
+    open, so NCCL sees nothing, as across NVLink between two GPUs), alone or two in each
+    pyccl.group().  Rank 0's kernel waits for ever (there is no timeout), but the loop's call
+    (or group's end) waits at most 256 launches (own kernels) or 256 calls (NCCL) ahead with
+    the GIL and the communicator's lock released, outside any group, so the main thread runs
+    on and its abort() ends that wait, which raises that the communicator was aborted."""
     r0, r1 = pair({"own-killed": "killed_peer_untimed_own",
-                   "nccl-stopped": "stopped_peer_untimed_nccl"}[case])
+                   "nccl-stopped": "stopped_peer_untimed_nccl",
+                   "nccl-group-stopped": "stopped_peer_untimed_nccl_group"}[case])
     try:
         r0.expect("looping", 180)
         r1.expect("looping", 60)
@@ -165,11 +167,13 @@ def test_peer_lost_without_timeout_abort_ends_a_loop(case):
         stuck = r0.expect("stuck", 60)   # the main thread ran while the loop's call waited
         assert stuck["err"] == "None", stuck
         ev = r0.expect("raised", 60)
-        print(f"\nrank 0's loop stopped after {stuck['iters']} all_reduces; abort() ended its "
+        unit = "groups of 2 all_reduces" if "group" in case else "all_reduces"
+        print(f"\nrank 0's loop stopped after {stuck['iters']} {unit}; abort() ended its "
               f"call in {ev['after_abort']:.2f} s: {ev.get('type')}: {ev.get('msg')}; abort() "
               f"returned after {ev['abort_took']:.2f} s")
         assert not ev["alive"] and ev["iters"] == stuck["iters"], ev
-        assert (ev["type"], ev["msg"]) == ("RuntimeError", "all_reduce: the communicator (rank 0 of 2) "
+        op = "group end" if "group" in case else "all_reduce"
+        assert (ev["type"], ev["msg"]) == ("RuntimeError", f"{op}: the communicator (rank 0 of 2) "
                                                            "has been aborted"), ev
         # the call ends as abort() begins; NCCL's abort itself, with a stopped peer, takes longer
         assert ev["after_abort"] < 5.0 and ev["abort_took"] < 45.0, ev

@@ -218,6 +218,25 @@ def test_communicator_gone_while_reading_arguments_keeps_no_region(peer_lib, tmp
                        "misuse": 0}, res
 
 
+# 7b. The first all_reduce on a communicator that another thread's open pyccl.group() holds:
+# the set-up's NCCL calls would go beside that group (whose end holds no lock of pyccl's), so
+# the call is refused before anything is sent, and the kernels are set up by a later call.
+
+def test_own_kernel_setup_on_a_communicator_in_another_threads_group_is_refused(peer_lib, tmp_path):
+    for rank, res in enumerate(run_ranks(peer_lib, "own_setup_other_group", tmp_path)):
+        for timeout in ("None", "5.0"):
+            r = res[f"timeout={timeout}"]
+            assert r["refused"] == ["RuntimeError", f"all_reduce: the communicator (rank {rank} of 2) is "
+                                    "in a pyccl.group() open on another thread (NCCL takes a "
+                                    "communicator's calls from one thread's group at a time); end that "
+                                    "group first"], res
+            # [device bytes, peer mappings, host words, NCCL ops, kernel launches] of the refusal
+            assert r["left"] == [0, 0, 0, 0, 0], res
+            assert r["values"] == [1.0 + rank, 2.0, 3.0 * (rank + 1)] and r["state"] == "not set up", res
+            assert r["after"] == [None, [3.0, 4.0, 9.0], "ready"], res
+        assert res["misuse"] == 0, res
+
+
 # 7c. PYCCL_AR_TIMEOUT is checked, not read with atof(); a value that cannot be used, on every
 # rank or on one alone, turns the own kernels off for all (NCCL's all_reduce, the reason in
 # all_reduce_info) instead of one rank raising while its peer waits in the set-up; blank is unset.

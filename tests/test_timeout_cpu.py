@@ -329,6 +329,45 @@ def test_untimed_nccl_calls_stay_256_ahead_of_a_dead_peer_and_abort_or_ctrl_c_en
     assert res["before_gc"] == 17 and res["events_live"] == 0, res
 
 
+def _groups_until_the_wait(calls_before, per_group, every=16, marks=16):
+    """A model of NCCL's marks without a watch: `calls_before` calls went well, then the peer
+    dies and groups of `per_group` calls follow; a group's end records a mark when the count of
+    calls passes a multiple of `every` and waits for the mark `marks` back, which never comes
+    once it was recorded after the dead peer's first call.  The groups made, the one that waits
+    included, and the calls in them."""
+    ncalls, nmarks = calls_before, calls_before // every
+    first_stuck = nmarks    # the first mark recorded after the peer died
+    groups = 0
+    while True:
+        groups += 1
+        before, ncalls = ncalls, ncalls + per_group
+        if before // every != ncalls // every:
+            nmarks += 1
+            if nmarks - 1 - marks >= first_stuck:
+                return groups, groups * per_group
+
+
+def test_untimed_nccl_groups_stay_256_calls_ahead_of_a_dead_peer_and_abort_or_ctrl_c_ends_the_wait(fakegpu):
+    # the same for a loop of pyccl.group()s: their launch is the group's end (NCCL's
+    # ncclGroupEnd, without the communicator's lock, the communicator counted in the group,
+    # where abort() refuses it); before the marks, the loop blocked in a launch behind the
+    # stand-in's 1024-deep queue and abort() was refused while the group held the communicator
+    res, _ = run_fake(fakegpu, "nccl_untimed_group_lead")
+    # 30 groups of 3 calls: 90 calls pass 16, 32, 48, 64 and 80; none while captured
+    assert res["healthy"] == [5, 17] and res["captured"] == 5 and res["after_destroy"] == 0, res
+    groups, calls = _groups_until_the_wait(5, 3)
+    assert 16 * 16 <= calls <= 16 * 17 + 3, (groups, calls)
+    ab, si = res["abort"], res["sigint"]
+    assert ab["ahead"] == calls and si["ahead"] == calls, (res, groups, calls)
+    assert ab["ticks"] >= 50, res
+    assert ab["abort"][1] is None and ab["abort"][0] < 2.0 and ab["ended_after"] < 2.0, res
+    assert ab["err"] == [groups, "RuntimeError", "group end: the communicator (rank 0 of 2) has been aborted"], res
+    assert si["err"] == [groups, "KeyboardInterrupt", ""], res
+    assert si["abort"][1] is None and si["abort"][0] < 2.0, res
+    assert si["live_after_abort"] == 0 and ab["live_after_abort"] in (0, 17), res
+    assert res["misuse"] == 0, res
+
+
 def test_a_communicator_in_another_threads_open_group_refuses_the_call(fakegpu):
     # NCCL takes a communicator's calls from one thread's group at a time, and the group's end
     # works on it without pyccl's lock: a call from another thread meanwhile is refused
@@ -345,6 +384,10 @@ def test_a_communicator_in_another_threads_open_group_refuses_the_call(fakegpu):
                               "pyccl.group() open on another thread (NCCL takes a communicator's calls "
                               "from one thread's group at a time); end that group first"], res
         assert r["splits"] == 0, res
+        assert r["shrink"] == ["RuntimeError", f"shrink: the communicator (rank {rank} of 2) is in a "
+                               "pyccl.group() open on another thread (NCCL takes a communicator's calls "
+                               "from one thread's group at a time); end that group first"], res
+        assert r["shrinks"] == 0, res
         assert r["after"] == [None, [2.0], [4.0]], res
         assert r["race"] == {"concurrent": 0, "other_errors": [], "alive": False}, res
 

@@ -847,6 +847,14 @@ ncclGroupEnd(void)
     }
     for (int i = 0; i < n && r != ncclInvalidArgument; i++) {
         struct fcomm *c = group_ops[i].c;
+        /* the group's launch blocks behind a full queue as a call's does */
+        fstream *f = stream_of((cudaStream_t)group_ops[i].s);
+        while (launch_block && f->blocker != NULL && !STOPPED(f->blocker) &&
+               f->behind >= launch_block) {
+            pthread_mutex_unlock(&mu);
+            usleep(1000);
+            pthread_mutex_lock(&mu);
+        }
         if (c->aborted || c->destroyed) {
             misuse++;
             continue;
