@@ -1551,9 +1551,10 @@ def _own_loop(c, res, algo=None, group=0):
     try:
         for n in range(1, 1001):
             if group:
+                bufs = [Array([1.0, 2.0]) for _ in range(group)]  # alive until the group's end runs
                 with pyccl.group():
-                    for _ in range(group):
-                        c.all_reduce(Array([1.0, 2.0]), algo=algo)
+                    for b in bufs:
+                        c.all_reduce(b, algo=algo)
             else:
                 c.all_reduce(Array([1.0, 2.0]), algo=algo)
     except BaseException as e:  # noqa: BLE001 (reported)
@@ -1647,9 +1648,10 @@ def _nccl_marks(out, group, healthy, captured):
     _stuck_loop_ended.  Into out."""
     def step(c):
         if group:
+            bufs = [Array([1.0]) for _ in range(group)]  # alive until the group's end runs
             with pyccl.group():
-                for _ in range(group):
-                    c.all_reduce(Array([1.0]), algo="nccl")
+                for b in bufs:
+                    c.all_reduce(b, algo="nccl")
         else:
             c.all_reduce(Array([1.0]), algo="nccl")
 
