@@ -254,7 +254,7 @@ static int
 set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t s)
 {
     const pyccl_api *a = &st->api;
-    int prev, ran = 0;
+    int prev, ran = 0, gone = 0, refused = 0;
     ncclResult_t r = ncclSuccess;
     /* inside the caller's call (begun, so destroy() refuses meanwhile);
      * abort() does not wait for a set-up: it holds the lock per NCCL call */
@@ -279,7 +279,11 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
             r = ar_setup(a, f, c, s);
         }
         pyccl_device_leave(a, f->device, prev);
-        if (f->other && !f->sent) {
+        /* read here: once the lock is let go, another thread's set-up may
+         * begin (after a refusal) and rewrite them */
+        gone = f->gone;
+        refused = f->other && !f->sent;
+        if (refused) {
             /* refused before anything was sent (all dropped): a later call
              * sets the kernels up */
             __atomic_store_n(&f->state, AR_UNTRIED, __ATOMIC_RELEASE);
@@ -288,11 +292,11 @@ set_up(pyccl_state *st, pyccl_comm *c, pyccl_ar *f, const char *op, cudaStream_t
     pyccl_unlock(&f->setup_mu);
     Py_END_ALLOW_THREADS
     c->setups--;
-    if (ran && f->other && !f->sent) {
+    if (refused) {
         return pyccl_raise_other_group(op, c);
     }
-    if (ran && (f->gone || r != ncclSuccess)) {
-        return turn_off(st, c, f, op, f->gone, r, " (setting up pyccl's all-reduce kernels)", s);
+    if (ran && (gone || r != ncclSuccess)) {
+        return turn_off(st, c, f, op, gone, r, " (setting up pyccl's all-reduce kernels)", s);
     }
     if (f->state != AR_READY) {
         log_once(f);
