@@ -192,12 +192,17 @@ def test_peer_never_arrives():
     connect) and on one whose peer stays away (a kernel waiting on the GPU),
     raises within the bound each time (~35 s)."""
     r0, r1 = pair("absent_peer")
-    generic = f"rank 0 of 2 timed out after {TIMEOUT} s waiting for its peers; the communicator was aborted"
+    aborted = "; the communicator was aborted"
+    waiting = f"rank 0 of 2 timed out after {TIMEOUT} s waiting for its peers"
     expected = {
         # the first qualifying call sets pyccl's kernels up, with every rank
-        "unconnected-own": f"all_reduce: rank 0 of 2 timed out after {TIMEOUT} s waiting for its peers "
-                           "(setting up pyccl's all-reduce kernels); the communicator was aborted",
+        "unconnected-own": f"all_reduce: {waiting} (setting up pyccl's all-reduce kernels){aborted}",
     }
+    # raised by the call, or by wait() for the call that failed; a kernel that gave up
+    # waiting says so (the watchdog reads the kernels' word: no event per own-kernel call)
+    later = {"unconnected-nccl": waiting + aborted,
+             "connected-own": f"{waiting} in pyccl's all-reduce kernel{aborted}",
+             "connected-nccl": waiting + aborted}
     try:
         r0.expect("ready", 180)
         r1.expect("ready", 60)
@@ -209,9 +214,9 @@ def test_peer_never_arrives():
             want = expected.get(case)
             if want is not None:
                 assert ev["msg"] == want, ev
-            else:   # raised by the call, or by wait() for the call that failed
+            else:
                 prefix = "wait: all_reduce: " if ev["where"] == "wait" else "all_reduce: "
-                assert ev["msg"] == prefix + generic, ev
+                assert ev["msg"] == prefix + later[case], ev
             bounded(ev, low=TIMEOUT - 0.5)
         r0.expect("recovered", 120)
         r0.expect("done", 30)
