@@ -12,7 +12,8 @@ sets it from nvidia-smi).  With it:
   session at once with the error, instead of the GPU tier skipping as if this
   were a CPU machine;
 - every skip is a failure, except a test that needs more GPUs than N (a 1-GPU
-  machine expects 1 and still skips the 2-GPU tests).  A missing tool (cupy,
+  machine expects 1 and still skips the 2-GPU tests), one of the no-GPU path
+  only, and one of what a machine with fewer GPUs than N says.  A missing tool (cupy,
   mpi4py, mpirun, compute-sanitizer, pyccl built without nvcc) is a failure.
 Without it, a CUDA initialisation error still shows in every "needs N GPUs"
 skip reason.
@@ -75,6 +76,8 @@ def ranks_share_gpus(world):
 
 
 _NEEDS = re.compile(r"needs (\d+) CUDA GPU")
+# a test of what a machine with too few GPUs says (a tool's refusal), on one with enough
+_FEWER = re.compile(r"checks a machine with fewer than (\d+) GPUs")
 
 
 def is_gpu_test(item):
@@ -93,6 +96,9 @@ def pytest_collection_modifyitems(config, items):
 def _skip_allowed(reason, expect):
     m = _NEEDS.search(reason)
     if m and int(m.group(1)) > expect:
+        return True
+    m = _FEWER.search(reason)
+    if m and int(m.group(1)) <= expect:
         return True
     return "this machine has a GPU" in reason  # a test of the no-GPU path only
 

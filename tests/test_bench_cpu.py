@@ -1463,7 +1463,8 @@ def test_peers_bench_symm_table_prints_the_launch_floor_above_the_eager_columns(
     assert not any(x.startswith("launch floor") for x in pb.symm_table(rows[1:], 2))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs or more")
+@pytest.mark.skipif(torch.cuda.device_count() >= 2,
+                    reason="checks a machine with fewer than 2 GPUs; this machine has 2 or more")
 @pytest.mark.parametrize("what", ["symm", "ddp", "fsdp"])
 def test_peers_bench_and_sweep_need_two_gpus(what, tmp_path):
     root = pathlib.Path(__file__).resolve().parent.parent

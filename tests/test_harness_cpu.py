@@ -189,6 +189,17 @@ def test_with_expect_gpus_a_missing_tool_fails(tmp_path):
             "skipped (Skipped: mpirun is not installed); on this machine that is a failure" in r.stdout), r.stdout
 
 
+def test_which_skips_expect_gpus_allows():
+    from _gpu_tier import _skip_allowed
+    fewer = "checks a machine with fewer than 2 GPUs; this machine has 2 or more"
+    no_gpu = "checks the no-GPU message; this machine has a GPU"
+    needs = "needs 2 CUDA GPUs (memory on a second GPU), this machine has 1"
+    # (reason, PYCCL_EXPECT_GPUS): allowed?
+    cases = {(fewer, 1): False, (fewer, 2): True, (fewer, 8): True, (no_gpu, 1): True,
+             (needs, 1): True, (needs, 2): False, ("mpirun is not installed", 4): False}
+    assert {k: _skip_allowed(*k) for k in cases} == cases
+
+
 _SAME_REASONS = '''
 import pytest
 
