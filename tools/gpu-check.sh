@@ -51,7 +51,8 @@ if [ "${1:-}" = "--part" ]; then
               tests/test_ar_sim_gpu.py "$@" ;;
     6) set -- tests/test_registered_cpu.py tests/test_api_cpu.py tests/test_nccl_cpu.py \
               tests/test_share_gpus_cpu.py tests/test_distributed_cpu.py tests/test_ops_cpu.py \
-              tests/test_selection_cpu.py "$@" ;;
+              tests/test_selection_cpu.py \
+              tests/test_bench_cpu.py::test_peers_bench_and_sweep_need_two_gpus "$@" ;;
     *) echo "gpu-check: --part takes 1 to 6, got '$part'"; exit 2 ;;
   esac
 fi
