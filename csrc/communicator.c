@@ -661,8 +661,9 @@ static PyMethodDef comm_methods[] = {
      "pyccl.Registration. Not during CUDA graph capture."},
     {"destroy", comm_destroy, METH_NOARGS,
      "destroy($self, /)\n--\n\nFree the NCCL communicator now (idempotent). Using it "
-     "afterwards raises RuntimeError. With a timeout: waits at most that long "
-     "for the outstanding work, then aborts and raises NcclTimeoutError. "
+     "afterwards raises RuntimeError. With a timeout: waits for the outstanding "
+     "work while each call's work finishes within it, then finalizes (at most "
+     "the timeout); past either it aborts and raises NcclTimeoutError. "
      "Collective (every rank calls it) once all_reduce set up pyccl's own "
      "kernels (its first call of a supported dtype and op, any size): their "
      "peer memory is freed after a barrier."},
@@ -670,8 +671,9 @@ static PyMethodDef comm_methods[] = {
      "abort($self, /)\n--\n\nAbort the NCCL communicator now (ncclCommAbort): its "
      "kernels stop waiting for peers and return, results unfinished; every "
      "later call raises RuntimeError. Idempotent; for the emergency (another "
-     "thread may call it while this one waits on the GPU). Without a timeout "
-     "it refuses while another thread is inside a call on it."},
+     "thread may call it while this one waits on the GPU). It waits for a "
+     "thread inside an NCCL call on it (Ctrl-C ends that wait), and raises "
+     "RuntimeError while a pyccl.group() that has not ended holds work of it."},
     {"wait", (PyCFunction)(void (*)(void))comm_wait,
      METH_FASTCALL | METH_KEYWORDS,
      "wait($self, /, timeout=None)\n--\n\nBlock (GIL released; Ctrl-C "
@@ -741,7 +743,8 @@ static PyGetSetDef comm_getset[] = {
      NULL},
     {"blocking", comm_get_blocking, NULL,
      "NCCL's mode of the handle: True (blocking; a timeout watches the GPU "
-     "work of every call, at the cost of an event) or False (non-blocking: "
+     "work of every NCCL call, at the cost of an event; pyccl's own kernels "
+     "bound their own waits) or False (non-blocking: "
      "every host-side NCCL call is bounded by the timeout too, at NCCL's "
      "cost of a thread per launch).",
      NULL},

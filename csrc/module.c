@@ -281,8 +281,9 @@ module_exec(PyObject *m)
     }
     st->NcclTimeoutError = PyErr_NewExceptionWithDoc(
         "pyccl.NcclTimeoutError",
-        "A communicator created with timeout= gave up waiting for its peers "
-        "(or comm.wait() for its work). Unless the message says otherwise the "
+        "A communicator created with timeout= (or pyccl's own kernels under "
+        "PYCCL_AR_TIMEOUT) gave up waiting for its peers (or comm.wait() for "
+        "its work). Unless the message says otherwise the "
         "communicator was aborted: make a new one. An NcclError (code is "
         "ncclInProgress) and a TimeoutError; .timeout is the limit in seconds.",
         bases, NULL);

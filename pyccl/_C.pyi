@@ -43,7 +43,7 @@ class NcclError(RuntimeError):
     last_error: str
 
 class NcclTimeoutError(NcclError, TimeoutError):
-    """A communicator created with timeout= gave up waiting for its peers."""
+    """A communicator created with timeout= (or pyccl's own kernels under PYCCL_AR_TIMEOUT) gave up waiting for its peers."""
 
     timeout: float
 
