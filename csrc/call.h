@@ -22,7 +22,7 @@
  *               only ends the own kernels' waits that destroy() may be in;
  *   gone        the handle is freed (destroyed, or its failure was raised).
  * Failed and aborted communicators are the watch's record (watchdog.c) or,
- * without a timeout, a watch made for the record (watch_life.c). */
+ * without a timeout, a watch made for the record (mark_untimed, watch_state.c). */
 #ifndef PYCCL_CALL_H
 #define PYCCL_CALL_H
 

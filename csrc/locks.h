@@ -11,18 +11,19 @@
  * with both locks named when it is broken, or when a lock is taken twice.
  *
  *   class                 the lock                     guards
- *   PYCCL_LOCK_SETUP      ar.h `setup_mu`              one own-kernel set-up of a communicator
- *   PYCCL_LOCK_KERNELS    ar_setup.c `load_mu`         loading the kernels per device
+ *   PYCCL_LOCK_SETUP      ar_setup.h `setup_mu`        one own-kernel set-up of a communicator
+ *   PYCCL_LOCK_KERNELS    ar_load.c `load_mu`          loading the kernels per device
  *   PYCCL_LOCK_COMM       pyccl_comm `mu` (a watch's   every NCCL call on the handle, the watch's
  *                         `mu` points to it)           events and failure record
  *   PYCCL_LOCK_WATCHDOG   the watchdog's `mu`          the list of watches, the thread's tick
- *   PYCCL_LOCK_REGIONS    ar_setup.c `live_mu`,        the communicators exit releases; regions
+ *   PYCCL_LOCK_REGIONS    ar_region.c `live_mu`,       the communicators exit releases; regions
  *                         `parked_mu`                  peers may still map (never nested)
  *   PYCCL_LOCK_LOST       enqueue.c `lost_mu`          the groups of threads that ended with
  *                                                      them open
  *
- * The clique locks (clique.c's clique_lock, clique_call_lock: Python locks taken
- * with the GIL) come before all of these.  A thread holding a set-up's or a
+ * The clique locks (clique.c's clique_lock, clique_call_lock: PyThread locks
+ * waited for with the GIL released; clique_call_lock held without it inside
+ * pyccl_enqueue) come before all of these.  A thread holding a set-up's or a
  * communicator's lock may take the GIL (to raise, to run a signal handler),
  * so no thread waits for one of those with the GIL held: it waits with the
  * GIL released (pyccl_lock_released), and the debug build checks that too.
