@@ -2,7 +2,7 @@
 
 pyccl.init_from_env() reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT and exchanges the NCCL unique id through torchrun's TCPStore.
-Across nodes: torchrun --nnodes=2 --node_rank=K --master_addr=HOST ... (README).
+Across nodes: torchrun --nnodes=2 --node_rank=K --master_addr=HOST ... (docs/guides/communicator.md).
 More ranks than GPUs (developing on one GPU): PYCCL_SHARE_GPUS=1 torchrun --nproc_per_node=4 ...
 """
 

@@ -3,9 +3,9 @@ one-shot and two-shot kernels (torch.ops.symm_mem), and a DDP and an FSDP2 train
 backend "nccl" against backend "pyccl".  One process per GPU, every rank on a GPU of its own.
 
   python tools/peers_bench.py symm [-b 8] [-e 64M] [-f 4] [-n 100] [--dtype float,bfloat16]
-  python tools/peers_bench.py ddp [--steps 100] [--rounds 5] [--width 1024] [--layers 4] [--profile 15]
+  python tools/peers_bench.py ddp [--steps 100] [--rounds 5] [--width 1024] [--layers 4] [--profile ROWS]
   python tools/peers_bench.py fsdp [the options of ddp]
-  python tools/peers_bench.py timeout [-b 8] [-e 64M] [-f 8] [-n 200]
+  python tools/peers_bench.py timeout [-b 8] [-e 64M] [-f 4] [-n 100]
 
 symm: µs per call, CUDA events around -n back-to-back calls, median of 5 loops, maximum over
 ranks, eager and replayed from a CUDA graph; each size is checked first against the exact sum
