@@ -691,11 +691,13 @@ def two_comms_one_call():
 
 
 def threads_share_comm():
-    """Several threads enqueue on one timed communicator: no overlap in NCCL."""
+    """Several threads enqueue on one timed communicator: no overlap in NCCL, and every
+    call of every thread reaches it."""
     put("op_time", 0.0002)
     c = new(timeout=5)
     a = Array([1.0] * 8)
     errs = []
+    before = get("ops")
 
     def work():
         try:
@@ -710,6 +712,7 @@ def threads_share_comm():
     for t in ts:
         t.join(30)
     assert not errs, errs
+    assert get("ops") - before == 4 * 200, get("ops") - before
     c.destroy()
     clean()
     return get("ops")

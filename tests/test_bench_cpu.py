@@ -1317,10 +1317,19 @@ def test_registered_adds_the_window_system_and_its_ratios(monkeypatch, capsys, t
 
 def test_symm_driver_only_builds_all_reduce():
     from pyccl.bench import drivers
+    calls = []
+
+    class Comm:  # what the built call hands the communicator
+        def all_reduce(self, t, op, **kw):
+            calls.append((t, op, kw))
+
     d = drivers._PycclSymm.__new__(drivers._PycclSymm)
-    d.ok, d.comm, d.ops = True, None, {"sum": 0}
-    assert d.build("broadcast", "in-place", "sum", 0, [(None, None)]) is None
-    assert d.build("all_reduce", "in-place", "sum", 0, [(None, None)]) is not None
+    d.ok, d.comm, d.ops = True, Comm(), {"sum": 0, "max": 3}
+    assert d.build("broadcast", "in-place", "sum", 0, [("in", "out")]) is None
+    d.build("all_reduce", "in-place", "max", 0, [("in", "out")])()
+    d.build("all_reduce", "out-of-place", "sum", 0, [("in", "out")])()
+    # NCCL's kernels on the registered windows (algo="nccl"), in place or into the output
+    assert calls == [("in", 3, {"algo": "nccl"}), ("in", 0, {"out": "out", "algo": "nccl"})]
     d.ok = False
     assert d.build("all_reduce", "in-place", "sum", 0, [(None, None)]) is None
 

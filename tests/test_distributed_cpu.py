@@ -30,12 +30,14 @@ class StubComm:
     def __init__(self, log):
         self.log = log
         self.destroyed = False
+        self.in_place = []  # the memory the in-place collectives were given (data_ptr)
 
     def _rec(self, name, *args):
         self.log.append((name,) + args)
 
     def all_reduce(self, t, op=pyccl.SUM):
         self._rec("all_reduce", op)
+        self.in_place.append(t.data_ptr())
         if isinstance(op, pyccl.premul_sum):
             t.mul_(op.premul_scalar)
 
@@ -44,9 +46,11 @@ class StubComm:
 
     def broadcast(self, t, root):
         self._rec("broadcast", root)
+        self.in_place.append(t.data_ptr())
 
     def reduce(self, t, root, op):
         self._rec("reduce", root, op)
+        self.in_place.append(t.data_ptr())
 
     def all_gather(self, inp, out):
         self._rec("all_gather")
@@ -308,6 +312,7 @@ def test_every_op_through_dist(world):
         out.fill_(-1)
         return out
 
+    comm = dist.group.WORLD.communicator
     dist.all_reduce(x)
     assert log[-1] == ("all_reduce", pyccl.SUM)
     dist.all_reduce(x, op=ReduceOp.MAX)
@@ -316,6 +321,8 @@ def test_every_op_through_dist(world):
     assert log[-1] == ("broadcast", 0)
     dist.reduce(x, dst=0, op=ReduceOp.MIN)
     assert log[-1] == ("reduce", 0, pyccl.MIN)
+    # in place: the communicator got x's own memory each time (no copy, nothing to copy back)
+    assert comm.in_place == [x.data_ptr()] * 4
     outs = [fresh()]
     dist.all_gather(outs, x)
     assert torch.equal(outs[0], x)

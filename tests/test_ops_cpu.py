@@ -54,9 +54,9 @@ class SameInputComm:
         out.copy_(full.chunk(self.size)[RANK])
 
     def broadcast(self, t, root, out=None):
+        # the ranks' tensors differ here only: rank r holds this one + 7 r (a wrong root shows)
         self.log.append(("broadcast", root))
-        if out is not None:
-            out.copy_(t)
+        (t if out is None else out).copy_(t + 7 * root)
 
     def all_to_all_single(self, inp, out, in_splits=None, out_splits=None):
         self.log.append(("all_to_all_single", in_splits, out_splits))
@@ -101,7 +101,7 @@ def _want(comm, name, x, op="sum", root=0):
         "all_reduce": lambda: red[op],
         "all_gather": lambda: torch.cat([x] * s),
         "reduce_scatter": lambda: red[op].chunk(s)[RANK],
-        "broadcast": lambda: x,
+        "broadcast": lambda: x + 7 * root,
         "all_to_all_single": lambda: torch.cat([x.chunk(s)[RANK]] * s),
     }[name]()
 
@@ -142,9 +142,13 @@ def test_each_op_computes_its_collective(group, dtype):
                 assert torch.equal(ops.all_reduce(x, handle, other), _want(comm, "all_reduce", x, op)), other
                 assert comm.log[-1] == ("all_reduce", ops.REDUCE_OPS[op]), other
         assert torch.equal(ops.all_gather(x, handle), _want(comm, "all_gather", x))
-        assert torch.equal(ops.broadcast(x, handle, 0), x) and comm.log[-1] == ("broadcast", 0)
-        y = x.clone()
-        assert ops.broadcast_(y, handle, 0) is y and torch.equal(y, x)
+        for root in range(comm.size):
+            want = _want(comm, "broadcast", x, root=root)
+            assert torch.equal(ops.broadcast(x, handle, root), want) and comm.log[-1] == ("broadcast", root)
+            assert torch.equal(x, _x(dtype))  # the input is left alone
+            y = x.clone()
+            assert ops.broadcast_(y, handle, root) is y and torch.equal(y, want), root
+            assert comm.log[-1] == ("broadcast", root)
         assert torch.equal(ops.all_to_all_single(x, handle), _want(comm, "all_to_all_single", x))
     # a non-contiguous input is read as its values; the output is a new contiguous tensor
     xt = _x(dtype, 6, 6).t()

@@ -122,6 +122,7 @@ def test_init_from_env_shares_with_the_setting(gpus, monkeypatch):
     """init_from_env picks LOCAL_RANK % GPUs; with PYCCL_SHARE_GPUS=1 and more local ranks than
     GPUs it gives the identity too (before its communicator)."""
     seen = {}
+    gpus.n = 2  # local rank 3 of 4: GPU 1
 
     def fake_comm(world, uid, rank, device, timeout):
         seen.update(world=world, rank=rank, device=device, hostid=os.environ.get("NCCL_HOSTID"))
@@ -145,8 +146,8 @@ def test_init_from_env_shares_with_the_setting(gpus, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29999")
     with pytest.raises(RuntimeError, match="stop here"):
         pyccl.init_from_env()
-    assert seen == {"world": 4, "rank": 3, "device": 0, "hostid": None}  # not asked for
+    assert seen == {"world": 4, "rank": 3, "device": 1, "hostid": None}  # not asked for
     monkeypatch.setenv("PYCCL_SHARE_GPUS", "1")
     with pytest.raises(RuntimeError, match="stop here"):
         pyccl.init_from_env()
-    assert seen["device"] == 0 and seen["hostid"].endswith(":pyccl-layer-3"), seen
+    assert seen["device"] == 1 and seen["hostid"].endswith(":pyccl-layer-1"), seen  # 3 // 2

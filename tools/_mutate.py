@@ -246,6 +246,18 @@ FAULTS = [
         '            PyErr_Format(PyExc_TypeError, "expected Tensor at %zd (got %.200s)",\n',
         '            PyErr_Format(PyExc_ValueError, "expected Tensor at %zd (got %.200s)",\n')],
         tests=["tests/test_bad_input.py", "tests/test_nccl_cpu.py"]),
+    dict(name="the backend's all_reduce on a copy", tier="cpu", file="pyccl/distributed.py", edits=[(
+        "            self._comm.all_reduce(tensors[0], reduce_op(",
+        "            self._comm.all_reduce(tensors[0].clone(), reduce_op(")],
+        tests=["tests/test_distributed_cpu.py", "-k", "every_op"]),
+    dict(name="ops.broadcast_ on a copy", tier="cpu", file="pyccl/ops.py", edits=[(
+        '    communicator("broadcast_", group).broadcast(tensor, root)\n',
+        '    communicator("broadcast_", group).broadcast(tensor.clone(), root)\n')],
+        tests=["tests/test_ops_cpu.py", "-k", "each_op"]),
+    dict(name="ops.broadcast from root 0", tier="cpu", file="pyccl/ops.py", edits=[(
+        '    communicator("broadcast", group).broadcast(input.contiguous(), root, out=out)\n',
+        '    communicator("broadcast", group).broadcast(input.contiguous(), 0, out=out)\n')],
+        tests=["tests/test_ops_cpu.py", "-k", "each_op"]),
 ]
 
 
