@@ -321,6 +321,9 @@ def test_input_first_and_keywords(tmp_path_factory):
     and take both by name in any order (how code ported from torch.distributed says which is
     which); one rank copies input into output, so a swap would leave output zero."""
     got = _stand_in(tmp_path_factory, "keyword_order")
+    # all_to_all_single and scatter by name: NCCL sends from the input and receives into the output
+    assert got.pop("sent from, received into") == {"all_to_all_single output=, input=": ["input", "output"],
+                                                    "scatter tensor=, inputs=": ["input", "output"]}
     assert got == {label: [[1.0, 2.0], [1.0, 2.0]] for label in (
         "all_gather positional", "all_gather input=, output=", "all_gather output=, input=",
         "reduce_scatter output=, input=", "reduce_scatter output=, input=, op='sum'")}

@@ -246,6 +246,10 @@ FAULTS = [
         '            PyErr_Format(PyExc_TypeError, "expected Tensor at %zd (got %.200s)",\n',
         '            PyErr_Format(PyExc_ValueError, "expected Tensor at %zd (got %.200s)",\n')],
         tests=["tests/test_bad_input.py", "tests/test_nccl_cpu.py"]),
+    dict(name="all_to_all_single's keywords swapped", tier="cpu", file="csrc/comm_p2p.c", edits=[(
+        '    static const char *const names[] = {"input", "output", "input_splits",\n',
+        '    static const char *const names[] = {"output", "input", "input_splits",\n')],
+        tests=["tests/test_api_cpu.py", "-k", "input_first"]),
     dict(name="the backend's all_reduce on a copy", tier="cpu", file="pyccl/distributed.py", edits=[(
         "            self._comm.all_reduce(tensors[0], reduce_op(",
         "            self._comm.all_reduce(tensors[0].clone(), reduce_op(")],
