@@ -316,7 +316,9 @@ params(const pyccl_ar *f, pyccl_ar_params *prm, const char *in, char *out, size_
     prm->done = f->done;
     prm->nbytes = nbytes;
     prm->half_bytes = f->half_bytes;
-    prm->timeout_ns = (unsigned long long)(f->timeout * 1e9);
+    /* 0 is "for ever" to the kernels: a bound under 1 ns is 1 ns */
+    prm->timeout_ns = f->timeout > 0 && f->timeout * 1e9 < 1.0
+                          ? 1ULL : (unsigned long long)(f->timeout * 1e9);
     prm->rank = f->rank;
     prm->nranks = f->nranks;
     prm->aligned = (((uintptr_t)in | (uintptr_t)out) & 15u) == 0;

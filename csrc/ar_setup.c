@@ -51,13 +51,16 @@ typedef struct {
     uint64_t ll_max;
     uint64_t one_max, two_max; /* auto's thresholds: ranks that disagree would pick
                                   different kernels (or NCCL) for one call and hang */
+    double wait_s;             /* how long a kernel waits for its peers (f->timeout), 0 for
+                                  ever: a rank that waits for ever beside one that gives up
+                                  would be left waiting by it */
     int32_t pid;
     int32_t ok;
     int32_t blocks;
     int32_t threads;
     uint32_t magic;
     char marks[PYCCL_AR_MARKS_NAME]; /* its shared-memory page of "closed" marks, "" none */
-    char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 40 - 20 - PYCCL_AR_MARKS_NAME];
+    char pad[256 - sizeof(cudaIpcMemHandle_t) - 32 - 48 - 20 - PYCCL_AR_MARKS_NAME];
 } ar_record;
 _Static_assert(sizeof(ar_record) == 256, "ar_record: 256 bytes, the same on every rank");
 
@@ -245,6 +248,11 @@ check_record(pyccl_ar *f, const ar_record *all, const ar_record *mine, int p)
                all[p].blocks != all[0].blocks || all[p].threads != all[0].threads) {
         AR_WHY(f, "ranks disagree on PYCCL_AR_BUFFER_MB / PYCCL_AR_LL_MAX / PYCCL_AR_BLOCKS / "
             "PYCCL_AR_THREADS");
+    } else if ((all[p].wait_s > 0) != (all[0].wait_s > 0)) {
+        const ar_record *w = all[p].wait_s > 0 ? &all[p] : &all[0];
+        AR_WHY(f, "ranks disagree on whether a kernel's wait for its peers ends (rank %d: after "
+            "%g s, rank %d: never; PYCCL_AR_TIMEOUT, or timeout=, on some ranks only)",
+            (int)(w - all), w->wait_s, w == all ? p : 0);
     } else if (all[p].one_max != all[0].one_max || all[p].two_max != all[0].two_max) {
         AR_WHY(f, "ranks disagree on PYCCL_AR_ONESHOT_MAX / PYCCL_AR_TWOSHOT_MAX (rank %d: %llu / "
             "%llu bytes, rank 0: %llu / %llu)", p, (unsigned long long)all[p].one_max,
@@ -371,6 +379,7 @@ ar_setup(const pyccl_api *a, pyccl_ar *f, pyccl_comm *c, cudaStream_t s)
     mine.ll_max = f->ll_max;
     mine.one_max = f->one_max;
     mine.two_max = f->two_max;
+    mine.wait_s = f->timeout;
     mine.pid = (int32_t)getpid();
     mine.ok = ok;
     mine.blocks = f->blocks;

@@ -255,6 +255,27 @@ def test_bad_ar_timeout_turns_the_kernels_off_on_every_rank(peer_lib, tmp_path, 
         assert res["misuse"] == 0, res
 
 
+def test_ar_timeout_on_one_rank_only_turns_the_kernels_off_on_every_rank(peer_lib, tmp_path):
+    # a valid value on rank 0 alone: rank 0's kernels would give up on a late peer and abort,
+    # and rank 1's, waiting for ever, would be left waiting by it; the set-up finds the ranks
+    # disagree and every rank uses NCCL (no bound on either: nothing gives up)
+    why = ("ranks disagree on whether a kernel's wait for its peers ends (rank 0: after 0.5 s, "
+           "rank 1: never; PYCCL_AR_TIMEOUT, or timeout=, on some ranks only)")
+    (tmp_path / "one").mkdir()
+    (tmp_path / "every").mkdir()
+    for rank, res in enumerate(run_ranks(peer_lib, "own_bad_ar_timeout", tmp_path / "one", case="rank0",
+                                         PYCCL_AR_TIMEOUT="0.5")):
+        assert res["first"] is None and res["first_values"] == [3.0, 4.0, 9.0], res
+        assert (res["state"], res["reason"]) == ("off", why), res
+        assert res["nccl"] is None and res["values"] == [3.0, 4.0, 9.0], res
+        assert res["misuse"] == 0, res
+    # on every rank: agreed, the kernels set up with that bound
+    for res in run_ranks(peer_lib, "own_bad_ar_timeout", tmp_path / "every", case="both",
+                         PYCCL_AR_TIMEOUT="0.5"):
+        assert (res["state"], res["timeout"]) == ("ready", 0.5), res
+        assert res["first_values"] == [3.0, 4.0, 9.0] and res["misuse"] == 0, res
+
+
 def test_blank_ar_timeout_is_unset(peer_lib, tmp_path):
     for res in run_ranks(peer_lib, "own_bad_ar_timeout", tmp_path, PYCCL_AR_TIMEOUT=""):
         assert res["first"] is None and res["first_values"] == [3.0, 4.0, 9.0], res

@@ -250,6 +250,10 @@ FAULTS = [
         '    static const char *const names[] = {"input", "output", "input_splits",\n',
         '    static const char *const names[] = {"output", "input", "input_splits",\n')],
         tests=["tests/test_api_cpu.py", "-k", "input_first"]),
+    dict(name="ranks' kernels bounded and unbounded side by side", tier="cpu", file="csrc/ar_setup.c", edits=[(
+        "    } else if ((all[p].wait_s > 0) != (all[0].wait_s > 0)) {\n",
+        "    } else if (0) {\n")],
+        tests=["tests/test_own_lifecycle_cpu.py", "-k", "one_rank_only"]),
     dict(name="the backend's all_reduce on a copy", tier="cpu", file="pyccl/distributed.py", edits=[(
         "            self._comm.all_reduce(tensors[0], reduce_op(",
         "            self._comm.all_reduce(tensors[0].clone(), reduce_op(")],
