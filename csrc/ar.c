@@ -15,29 +15,40 @@
 #include "tensor.h"
 #include "errors.h"
 
+#include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 
+/* A whole number from lo to hi, or dflt where unset (blank is unset).  A
+ * value that is not one is not raised here (a setting of one rank would
+ * leave the others waiting in the set-up): it is kept in f->bad_setting (the
+ * first such), and the set-up turns the kernels off for all, saying why. */
 static long
-env_long(const char *name, long dflt, long lo, long hi)
+env_long(pyccl_ar *f, const char *name, long dflt, long lo, long hi)
 {
     const char *v = getenv(name);
     if (v == NULL || *v == '\0') {
         return dflt;
     }
     char *end;
+    errno = 0;
     long x = strtol(v, &end, 10);
-    if (*end != '\0' || x < lo || x > hi) {
+    if (end == v || *end != '\0' || errno == ERANGE || x < lo || x > hi) {
+        if (f->bad_setting[0] == '\0') {
+            snprintf(f->bad_setting, sizeof f->bad_setting,
+                     "%s must be a whole number from %ld to %ld, got '%.60s'", name, lo, hi, v);
+        }
         return dflt;
     }
     return x;
 }
 
 static size_t
-buffer_bytes(void)
+buffer_bytes(pyccl_ar *f)
 {
-    return (size_t)env_long("PYCCL_AR_BUFFER_MB", 16, 1, 4096) << 20;
+    return (size_t)env_long(f, "PYCCL_AR_BUFFER_MB", 16, 1, 4096) << 20;
 }
 
 /* Auto's thresholds by world size, in bytes: the one-shot kernel up to
@@ -73,17 +84,17 @@ static const struct {
 };
 
 static void
-thresholds(int nranks, size_t *one, size_t *two)
+thresholds(pyccl_ar *f, int nranks, size_t *one, size_t *two)
 {
-    size_t cap = buffer_bytes();
+    size_t cap = buffer_bytes(f);
     size_t k = 0;
     while (ar_thresholds[k].nranks != 0 && ar_thresholds[k].nranks != nranks) {
         k++;
     }
     size_t o = ar_thresholds[k].one == AR_BUFFER ? cap : ar_thresholds[k].one;
     size_t t = ar_thresholds[k].two == AR_BUFFER ? cap : ar_thresholds[k].two;
-    *one = (size_t)env_long("PYCCL_AR_ONESHOT_MAX", (long)(o < cap ? o : cap), 0, 1L << 40);
-    *two = (size_t)env_long("PYCCL_AR_TWOSHOT_MAX", (long)(t < cap ? t : cap), 0, 1L << 40);
+    *one = (size_t)env_long(f, "PYCCL_AR_ONESHOT_MAX", (long)(o < cap ? o : cap), 0, 1L << 40);
+    *two = (size_t)env_long(f, "PYCCL_AR_TWOSHOT_MAX", (long)(t < cap ? t : cap), 0, 1L << 40);
 }
 
 int
@@ -154,11 +165,11 @@ read_settings(pyccl_ar *f, const pyccl_comm *c, const char *op)
     f->rank = c->rank;
     f->nranks = c->size;
     f->device = c->device;
-    f->half_bytes = buffer_bytes();
-    thresholds(c->size > 0 ? c->size : 2, &f->one_max, &f->two_max);
-    f->ll_max = ((size_t)env_long("PYCCL_AR_LL_MAX", 256 << 10, 0, 1L << 24) + 15) & ~(size_t)15;
-    f->blocks = (int)env_long("PYCCL_AR_BLOCKS", 64, 1, PYCCL_AR_MAX_BLOCKS);
-    f->threads = (int)env_long("PYCCL_AR_THREADS", 512, 32, 512) & ~31;
+    f->half_bytes = buffer_bytes(f);
+    thresholds(f, c->size > 0 ? c->size : 2, &f->one_max, &f->two_max);
+    f->ll_max = ((size_t)env_long(f, "PYCCL_AR_LL_MAX", 256 << 10, 0, 1L << 24) + 15) & ~(size_t)15;
+    f->blocks = (int)env_long(f, "PYCCL_AR_BLOCKS", 64, 1, PYCCL_AR_MAX_BLOCKS);
+    f->threads = (int)env_long(f, "PYCCL_AR_THREADS", 512, 32, 512) & ~31;
     /* a wait on peers gives up after the communicator's timeout (or
      * PYCCL_AR_TIMEOUT seconds for one without).  With a timeout of the
      * communicator, that is what bounds a call of the kernels (no event
@@ -174,18 +185,20 @@ read_settings(pyccl_ar *f, const pyccl_comm *c, const char *op)
         if (end == to || *end != '\0' || !(v > 0.0) || !(v < 3.0e9)) {
             /* not raised here: a setting of one rank would leave the others
              * waiting in the set-up; the set-up turns the kernels off for all */
-            snprintf(f->bad_setting, sizeof f->bad_setting,
-                     "PYCCL_AR_TIMEOUT must be a finite number of seconds > 0, got '%.60s'", to);
+            if (f->bad_setting[0] == '\0') {
+                snprintf(f->bad_setting, sizeof f->bad_setting,
+                         "PYCCL_AR_TIMEOUT must be a finite number of seconds > 0, got '%.60s'", to);
+            }
         }
         else {
             f->timeout = v;
         }
     }
-    f->skew_ns = (unsigned)env_long("PYCCL_AR_DEBUG_SKEW_NS", 0, 0, 1000000);
+    f->skew_ns = (unsigned)env_long(f, "PYCCL_AR_DEBUG_SKEW_NS", 0, 0, 1000000);
     /* programmatic dependent launch: a rank-local choice (it changes when a
      * kernel is scheduled, not what it does), so ranks need not agree; the
      * set-up turns it off where the GPU or the driver lacks it */
-    f->pdl = (int)env_long("PYCCL_AR_PDL", 1, 0, 1);
+    f->pdl = (int)env_long(f, "PYCCL_AR_PDL", 1, 0, 1);
     return 0;
 }
 

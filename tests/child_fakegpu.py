@@ -1887,14 +1887,15 @@ def own_setup_other_group():
 
 
 def own_bad_ar_timeout():
-    """PYCCL_AR_TIMEOUT (set by the test, FAKE_CASE "rank0": on rank 0 only) on a communicator
-    without a timeout: what the first all_reduce that would use the own kernels does (its
-    values), what all_reduce_info says, then NCCL's all_reduce."""
+    """PYCCL_AR_TIMEOUT, or the setting FAKE_VAR names (set by the test; FAKE_CASE "rank0": on
+    rank 0 only), on a communicator without a timeout: what the first all_reduce that would
+    use the own kernels does (its values), what all_reduce_info says, then NCCL's all_reduce."""
     _bounded(30)
     rank = int(os.environ["FAKE_RANK"])
-    value = os.environ.pop("PYCCL_AR_TIMEOUT", None)
+    name = os.environ.get("FAKE_VAR", "PYCCL_AR_TIMEOUT")
+    value = os.environ.pop(name, None)
     if value is not None and (os.environ.get("FAKE_CASE") != "rank0" or rank == 0):
-        os.environ["PYCCL_AR_TIMEOUT"] = value
+        os.environ[name] = value
     assert fake.cudaSetDevice(rank) == 0
     c = pyccl.Communicator(2, pyccl.unique_id(), rank, device=rank)
     a = Array([1.0 + rank, 2.0, 3.0 * (rank + 1)])

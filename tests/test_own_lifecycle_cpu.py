@@ -276,6 +276,23 @@ def test_ar_timeout_on_one_rank_only_turns_the_kernels_off_on_every_rank(peer_li
         assert res["first_values"] == [3.0, 4.0, 9.0] and res["misuse"] == 0, res
 
 
+@pytest.mark.parametrize("name, value, lo, hi", [
+    ("PYCCL_AR_BUFFER_MB", "16MB", 1, 4096), ("PYCCL_AR_BLOCKS", "0", 1, 64),
+    ("PYCCL_AR_THREADS", "1e3", 32, 512), ("PYCCL_AR_LL_MAX", "-16", 0, 1 << 24),
+    ("PYCCL_AR_ONESHOT_MAX", "99999999999999999999", 0, 1 << 40), ("PYCCL_AR_PDL", "yes", 0, 1)])
+def test_a_bad_kernel_setting_on_one_rank_turns_the_kernels_off_on_every_rank(peer_lib, tmp_path, name, value,
+                                                                                lo, hi):
+    # not a whole number in its range (before: the default, silently): the rank with it
+    # names it, the peer names that rank, every rank uses NCCL
+    bad = f"{name} must be a whole number from {lo} to {hi}, got '{value}'"
+    for rank, res in enumerate(run_ranks(peer_lib, "own_bad_ar_timeout", tmp_path, case="rank0",
+                                         FAKE_VAR=name, **{name: value})):
+        assert res["first"] is None and res["first_values"] == [3.0, 4.0, 9.0], res
+        assert (res["state"], res["reason"]) == ("off", bad if rank == 0 else "rank 0 cannot use them"), res
+        assert res["nccl"] is None and res["values"] == [3.0, 4.0, 9.0], res
+        assert res["misuse"] == 0, res
+
+
 def test_blank_ar_timeout_is_unset(peer_lib, tmp_path):
     for res in run_ranks(peer_lib, "own_bad_ar_timeout", tmp_path, PYCCL_AR_TIMEOUT=""):
         assert res["first"] is None and res["first_values"] == [3.0, 4.0, 9.0], res

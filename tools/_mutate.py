@@ -254,6 +254,12 @@ FAULTS = [
         "    } else if ((all[p].wait_s > 0) != (all[0].wait_s > 0)) {\n",
         "    } else if (0) {\n")],
         tests=["tests/test_own_lifecycle_cpu.py", "-k", "one_rank_only"]),
+    dict(name="a bad kernel setting silently the default", tier="cpu", file="csrc/ar.c", edits=[(
+        "        if (f->bad_setting[0] == '\\0') {\n            snprintf(f->bad_setting, sizeof f->bad_setting,\n"
+        "                     \"%s must be a whole number",
+        "        if (0) {\n            snprintf(f->bad_setting, sizeof f->bad_setting,\n"
+        "                     \"%s must be a whole number")],
+        tests=["tests/test_own_lifecycle_cpu.py", "-k", "bad_kernel_setting"]),
     dict(name="the backend's all_reduce on a copy", tier="cpu", file="pyccl/distributed.py", edits=[(
         "            self._comm.all_reduce(tensors[0], reduce_op(",
         "            self._comm.all_reduce(tensors[0].clone(), reduce_op(")],
