@@ -130,7 +130,8 @@ algo_name(pyccl_algo a)
 static void
 log_once(pyccl_ar *f)
 {
-    if (f->logged || getenv("PYCCL_QUIET")) {
+    const char *quiet = getenv("PYCCL_QUIET"); /* blank and 0: unset */
+    if (f->logged || (quiet != NULL && *quiet != '\0' && strcmp(quiet, "0") != 0)) {
         return;
     }
     f->logged = 1;

@@ -17,6 +17,7 @@ import datetime
 import errno
 import itertools
 import os
+import re
 import socket
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -32,17 +33,24 @@ if TYPE_CHECKING:
 _generation = itertools.count()
 
 
+def _whole(value: str | None) -> int | None:
+    """A launcher's number: digits, maybe signed, maybe with spaces around; None otherwise
+    (int() would also take '1_0')."""
+    v = (value or "").strip()
+    return int(v) if re.fullmatch(r"[+-]?[0-9]+", v) else None
+
+
 def _env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
-    if value is None:
+    if not value:  # blank is unset
         if default is None:
             raise RuntimeError(f"init_from_env: environment variable {name} is not set "
                                "(launch with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
         return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"init_from_env: {name}={value!r} is not an integer") from None
+    x = _whole(value)
+    if x is None:
+        raise ValueError(f"init_from_env: {name}={value!r} is not an integer")
+    return x
 
 
 # The launchers' names for a process's rank and rank count on its host: torchrun, Open MPI,
@@ -64,11 +72,14 @@ def _share_identity(local_rank: int, gpus: int) -> None:
     ranks of different layers, which may share a GPU, look to NCCL like separate hosts (it
     refuses two ranks of one host on one GPU) and talk over its network transport.  Values
     the user set stay.  Read by NCCL when a communicator is made, so this must come first."""
-    os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}:pyccl-layer-{local_rank // gpus}")
-    # the ranks of one host find each other on the loopback interface
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    # pyccl's own kernels accept ranks on one GPU too (see ar_setup.c)
-    os.environ.setdefault("PYCCL_AR_SHARED_GPU", "1")
+    given = {"NCCL_HOSTID": f"{socket.gethostname()}:pyccl-layer-{local_rank // gpus}",
+             # the ranks of one host find each other on the loopback interface
+             "NCCL_SOCKET_IFNAME": "lo",
+             # pyccl's own kernels accept ranks on one GPU too (see ar_setup.c)
+             "PYCCL_AR_SHARED_GPU": "1"}
+    for name, value in given.items():
+        if not os.environ.get(name):  # blank is unset
+            os.environ[name] = value
 
 
 def place_rank(local_rank: int, local_world: int) -> int:
@@ -77,7 +88,7 @@ def place_rank(local_rank: int, local_world: int) -> int:
 
     Where ranks outnumber the GPUs, several share one: NCCL accepts that only when each
     looks like a host of its own, so this sets NCCL_HOSTID for the process (and
-    NCCL_SOCKET_IFNAME=lo, PYCCL_AR_SHARED_GPU=1, each unless already set).  It is correct
+    NCCL_SOCKET_IFNAME=lo, PYCCL_AR_SHARED_GPU=1, each unless already set to a value).  It is correct
     but slow (the ranks talk over sockets and the GPU time-slices them): for developing and
     testing multi-rank code on a machine with one GPU, not for speed.  Call it before this
     process makes its first NCCL communicator (pyccl's or torch's), e.g. first thing in an
@@ -97,14 +108,12 @@ def place_rank(local_rank: int, local_world: int) -> int:
 
 
 def _launcher_local_rank() -> tuple[int, int] | None:
-    """(local rank, local rank count) as the launcher set them, or None."""
+    """(local rank, local rank count) as the first launcher that set both as numbers (a rank
+    from 0 below the count) gives them, or None."""
     for rank_var, size_var in _LOCAL_VARS:
-        r, s = os.environ.get(rank_var), os.environ.get(size_var)
-        if r is not None and s is not None:
-            try:
-                return int(r), int(s)
-            except ValueError:
-                return None
+        r, s = _whole(os.environ.get(rank_var)), _whole(os.environ.get(size_var))
+        if r is not None and s is not None and 0 <= r < s:
+            return r, s
     return None
 
 
@@ -173,7 +182,7 @@ def init_from_env(
     `device`: an int, "cuda:N" or a torch.device (default: LOCAL_RANK modulo the GPU count).
     """
     seconds = _C._read_timeout("init_from_env", timeout)
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
     if missing:
         raise RuntimeError(f"init_from_env: environment variables {', '.join(missing)} are not set "
                            "(launch with torchrun, or set them yourself)")
@@ -185,6 +194,11 @@ def init_from_env(
     port = _env_int("MASTER_PORT")
     if not 0 <= rank < world:
         raise ValueError(f"init_from_env: RANK={rank} is out of range for WORLD_SIZE={world}")
+    if not 0 <= local_rank < local_world:
+        raise ValueError(f"init_from_env: LOCAL_RANK={local_rank} is out of range for "
+                         f"LOCAL_WORLD_SIZE={local_world}")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"init_from_env: MASTER_PORT={port} is not a port (1 to 65535)")
     index = _pick_device("init_from_env", local_rank, local_world, device)
     from torch.distributed import TCPStore
 

@@ -92,6 +92,24 @@ def test_init_from_env_bad_values(monkeypatch):
     monkeypatch.setenv("RANK", "zero")
     with pytest.raises(ValueError, match=r"^init_from_env: RANK='zero' is not an integer$"):
         pyccl.init_from_env()
+    monkeypatch.setenv("RANK", "1_0")  # int() would read 10
+    with pytest.raises(ValueError, match=r"^init_from_env: RANK='1_0' is not an integer$"):
+        pyccl.init_from_env()
+    monkeypatch.setenv("RANK", " 1 ")  # spaces around a number are taken
+    monkeypatch.setenv("LOCAL_RANK", "-1")
+    with pytest.raises(ValueError, match=r"^init_from_env: LOCAL_RANK=-1 is out of range for LOCAL_WORLD_SIZE=2$"):
+        pyccl.init_from_env()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match=r"^init_from_env: LOCAL_RANK=1 is out of range for LOCAL_WORLD_SIZE=1$"):
+        pyccl.init_from_env()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")  # blank is unset: WORLD_SIZE
+    monkeypatch.setenv("MASTER_PORT", "70000")
+    with pytest.raises(ValueError, match=r"^init_from_env: MASTER_PORT=70000 is not a port \(1 to 65535\)$"):
+        pyccl.init_from_env()
+    monkeypatch.setenv("MASTER_ADDR", "")  # blank is unset
+    with pytest.raises(RuntimeError, match=r"^init_from_env: environment variables MASTER_ADDR are not set"):
+        pyccl.init_from_env()
 
 
 def test_init_from_env_store_listens_on_master_addr_only():

@@ -55,6 +55,13 @@ def test_pyccl_quiet_still_silences_the_note(peer_lib, tmp_path):
         assert res["records"] == [] and "uses NCCL" not in err, (res, err)
 
 
+@pytest.mark.parametrize("value", ["", "0"])
+def test_pyccl_quiet_blank_or_0_is_unset(peer_lib, tmp_path, value):
+    for rank, (res, _) in enumerate(run_two_ranks(peer_lib, "note_through_logging", tmp_path, PYCCL_QUIET=value)):
+        assert res["records"] == [["pyccl", "WARNING", f"rank {rank} of 2 uses NCCL for all_reduce: "
+                                                       f"{res['reason']}"]], res
+
+
 def test_ranks_sharing_a_gpu_use_the_own_kernels_with_the_setting(peer_lib, tmp_path):
     # without it: shared_gpu_refused above; with it, no peer access is asked for the same device
     results = run_two_ranks(peer_lib, "shared_gpu_ready", tmp_path, PYCCL_AR_SHARED_GPU="1",

@@ -66,6 +66,15 @@ def test_values_the_user_set_stay(gpus, monkeypatch):
     assert [os.environ[k] for k in SET_BY_SHARING] == ["mine", "eth7", "0"]
 
 
+def test_blank_values_are_unset(gpus, monkeypatch):
+    # a blank NCCL_HOSTID would leave two ranks on one GPU looking like one host to NCCL
+    for k in SET_BY_SHARING:
+        monkeypatch.setenv(k, "")
+    assert pyccl.place_rank(1, 2) == 0
+    got = [os.environ[k] for k in SET_BY_SHARING]
+    assert got[0].endswith(":pyccl-layer-1") and got[1:] == ["lo", "1"], got
+
+
 @pytest.mark.parametrize("args,exc,msg", [
     ((2, 2), ValueError, "place_rank: local_rank=2 is out of range for local_world=2"),
     ((-1, 2), ValueError, "place_rank: local_rank=-1 is out of range for local_world=2"),
@@ -91,6 +100,11 @@ def test_no_gpu(gpus):
 
 @pytest.mark.parametrize("share,local,n,expect", [
     ("1", {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, 1, "layer-3"),
+    # a blank or malformed pair is passed over for the next launcher's
+    ("1", {"LOCAL_RANK": "", "LOCAL_WORLD_SIZE": "", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 2, "layer-1"),
+    ("1", {"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4(x2)", "SLURM_LOCALID": "2",
+           "SLURM_NTASKS_PER_NODE": "4"}, 1, "layer-2"),
     ("1", {"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 2, "layer-0"),
     ("1", {"OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 2, "layer-1"),
     ("1", {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2, None),   # a GPU each: nothing to do
