@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 
 def _nvidia_dirs() -> list[str]:
@@ -21,8 +22,19 @@ def _existing(paths: list[str | None]) -> list[str]:
     return [p for p in paths if p and os.path.isfile(p)]
 
 
+def _override(var: str) -> str | None:
+    """The library `var` names (blank is unset), or None with a warning where it names no file:
+    the search goes on without it rather than failing an import that may never need it."""
+    path = os.environ.get(var)
+    if path and not os.path.isfile(path):
+        warnings.warn(f"pyccl: {var}={path!r} is not a file; looking for the library elsewhere",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return path or None
+
+
 def nccl_candidates() -> list[str]:
-    paths: list[str | None] = [os.environ.get("PYCCL_NCCL_LIBRARY")]
+    paths: list[str | None] = [_override("PYCCL_NCCL_LIBRARY")]
     paths += [os.path.join(d, "nccl", "lib", "libnccl.so.2") for d in _nvidia_dirs()]
     for var in ("NCCL_HOME", "NCCL_ROOT"):
         root = os.environ.get(var)
@@ -32,7 +44,7 @@ def nccl_candidates() -> list[str]:
 
 
 def cudart_candidates() -> list[str]:
-    paths: list[str | None] = [os.environ.get("PYCCL_CUDART_LIBRARY")]
+    paths: list[str | None] = [_override("PYCCL_CUDART_LIBRARY")]
     for d in _nvidia_dirs():
         paths.append(os.path.join(d, "cu13", "lib", "libcudart.so.13"))
         paths.append(os.path.join(d, "cuda_runtime", "lib", "libcudart.so.12"))

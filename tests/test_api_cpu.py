@@ -72,6 +72,28 @@ def test_group_ends_even_when_the_body_raises():
         pyccl._C._nccl_group_end()
 
 
+@pytest.mark.parametrize("var, find", [("PYCCL_NCCL_LIBRARY", "nccl_candidates"),
+                                       ("PYCCL_CUDART_LIBRARY", "cudart_candidates")])
+def test_a_library_override_that_names_no_file_is_said(monkeypatch, tmp_path, var, find):
+    from pyccl import _libs
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"")
+    monkeypatch.setenv(var, str(lib))  # a file: the first candidate, nothing said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert getattr(_libs, find)()[0] == str(lib)
+    monkeypatch.setenv(var, str(tmp_path / "nowhere.so"))
+    with pytest.warns(RuntimeWarning) as said:
+        got = getattr(_libs, find)()
+    assert [str(w.message) for w in said] == [
+        f"pyccl: {var}={str(tmp_path / 'nowhere.so')!r} is not a file; looking for the library elsewhere"]
+    assert str(tmp_path / "nowhere.so") not in got
+    monkeypatch.setenv(var, "")  # blank: unset, nothing said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        getattr(_libs, find)()
+
+
 @pytest.mark.parametrize("missing", ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"])
 def test_init_from_env_missing_variables(monkeypatch, missing):
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}

@@ -101,7 +101,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _read_names():
     """PYCCL_* names that pyccl's code reads from the environment (C getenv and its helper, Python
     os.environ / os.getenv, setup.py)."""
-    pattern = re.compile(r'(?:getenv|env_long|environ\.get|environ\[)\(?\s*(?:f,\s*)?"(PYCCL_[A-Z0-9_]+)"')
+    pattern = re.compile(r'(?:getenv|env_long|environ\.get|environ\[|_override)\(?\s*(?:f,\s*)?"(PYCCL_[A-Z0-9_]+)"')
     files = glob.glob(os.path.join(_REPO, "csrc", "*.c")) + [os.path.join(_REPO, "setup.py")]
     files += glob.glob(os.path.join(_REPO, "pyccl", "**", "*.py"), recursive=True)
     names = set()
