@@ -170,8 +170,8 @@ class BuildExt(build_ext):
                 sys.exit(msg)
             print(msg, file=sys.stderr)
             return None
-        archs = os.environ.get("PYCCL_CUDA_ARCHS", DEFAULT_ARCHS).replace(",", ";").split(";")
-        archs = [a.strip() for a in archs if a.strip()]
+        archs = (os.environ.get("PYCCL_CUDA_ARCHS") or DEFAULT_ARCHS).replace(",", ";").split(";")
+        archs = [a.strip() for a in archs if a.strip()] or DEFAULT_ARCHS.split(";")  # blank: unset
         # Kept beside the checkout, named by its archs, so that `pip install -e .` (which
         # builds in a fresh temporary folder) and `build_ext --inplace` share one build, and
         # a change of PYCCL_CUDA_ARCHS never reuses a fatbin made for other GPUs.

@@ -16,6 +16,7 @@
 #include "errors.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -330,9 +331,13 @@ params(const pyccl_ar *f, pyccl_ar_params *prm, const char *in, char *out, size_
     prm->done = f->done;
     prm->nbytes = nbytes;
     prm->half_bytes = f->half_bytes;
-    /* 0 is "for ever" to the kernels: a bound under 1 ns is 1 ns */
-    prm->timeout_ns = f->timeout > 0 && f->timeout * 1e9 < 1.0
-                          ? 1ULL : (unsigned long long)(f->timeout * 1e9);
+    /* 0 is "for ever" to the kernels: a bound under 1 ns is 1 ns, and one
+     * past 64 bits of nanoseconds (a finite timeout= may be) the largest */
+    const double ns = f->timeout * 1e9;
+    prm->timeout_ns = f->timeout <= 0 ? 0ULL
+                      : ns < 1.0      ? 1ULL
+                      : ns >= 1.8e19  ? ULLONG_MAX
+                                      : (unsigned long long)ns;
     prm->rank = f->rank;
     prm->nranks = f->nranks;
     prm->aligned = (((uintptr_t)in | (uintptr_t)out) & 15u) == 0;

@@ -28,7 +28,7 @@ def _override(var: str) -> str | None:
     path = os.environ.get(var)
     if path and not os.path.isfile(path):
         warnings.warn(f"pyccl: {var}={path!r} is not a file; looking for the library elsewhere",
-                      RuntimeWarning, stacklevel=2)
+                      RuntimeWarning, stacklevel=3)
         return None
     return path or None
 

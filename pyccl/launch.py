@@ -194,7 +194,7 @@ def init_from_env(
     port = _env_int("MASTER_PORT")
     if not 0 <= rank < world:
         raise ValueError(f"init_from_env: RANK={rank} is out of range for WORLD_SIZE={world}")
-    if not 0 <= local_rank < local_world:
+    if os.environ.get("LOCAL_RANK") and not 0 <= local_rank < local_world:  # (its default: RANK)
         raise ValueError(f"init_from_env: LOCAL_RANK={local_rank} is out of range for "
                          f"LOCAL_WORLD_SIZE={local_world}")
     if not 1 <= port <= 65535:

@@ -141,7 +141,7 @@ def bounded_in_process(request):
         out = request.config.stash[fault_handler_stderr_fd_key]
     except (ImportError, KeyError):
         out = sys.__stderr__
-    faulthandler.dump_traceback_later(float(os.environ.get("PYCCL_TEST_LIMIT_S", "900")), exit=True,
+    faulthandler.dump_traceback_later(float(os.environ.get("PYCCL_TEST_LIMIT_S") or "900"), exit=True,
                                       file=out)
     try:
         yield

@@ -125,8 +125,13 @@ def test_init_from_env_bad_values(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     with pytest.raises(ValueError, match=r"^init_from_env: LOCAL_RANK=1 is out of range for LOCAL_WORLD_SIZE=1$"):
         pyccl.init_from_env()
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")  # blank is unset: WORLD_SIZE
     monkeypatch.setenv("MASTER_PORT", "70000")
+    # LOCAL_RANK unset: its default, RANK=1, is not held against LOCAL_WORLD_SIZE=1 (as before)
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(ValueError, match=r"^init_from_env: MASTER_PORT=70000 is not a port \(1 to 65535\)$"):
+        pyccl.init_from_env()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")  # blank is unset: WORLD_SIZE
     with pytest.raises(ValueError, match=r"^init_from_env: MASTER_PORT=70000 is not a port \(1 to 65535\)$"):
         pyccl.init_from_env()
     monkeypatch.setenv("MASTER_ADDR", "")  # blank is unset

@@ -26,8 +26,8 @@ import pytest
 from _fakes import build_fakegpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CALLS = int(os.environ.get("PYCCL_FUZZ_CALLS", "5000"))
-SEED = int(os.environ.get("PYCCL_FUZZ_SEED", "15"))
+CALLS = int(os.environ.get("PYCCL_FUZZ_CALLS") or "5000")
+SEED = int(os.environ.get("PYCCL_FUZZ_SEED") or "15")
 PER_BATCH = 500
 BATCHES = max(1, (CALLS + PER_BATCH - 1) // PER_BATCH)
 
