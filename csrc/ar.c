@@ -17,15 +17,30 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 
-/* A whole number from lo to hi, or dflt where unset (blank is unset).  A
- * value that is not one is not raised here (a setting of one rank would
- * leave the others waiting in the set-up): it is kept in f->bad_setting (the
- * first such), and the set-up turns the kernels off for all, saying why. */
+/* A setting the kernels cannot use is not raised where it is read (a
+ * setting of one rank would leave the others waiting in the set-up): the
+ * first such is kept in f->bad_setting, and the set-up turns the kernels off
+ * for all, saying why. */
+static void
+bad_setting(pyccl_ar *f, const char *fmt, ...)
+{
+    if (f->bad_setting[0] != '\0') {
+        return;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(f->bad_setting, sizeof f->bad_setting, fmt, ap);
+    va_end(ap);
+}
+
+/* A whole number from lo to hi, or dflt where unset (blank is unset); one
+ * that is not: bad_setting, and dflt. */
 static long
 env_long(pyccl_ar *f, const char *name, long dflt, long lo, long hi)
 {
@@ -37,10 +52,7 @@ env_long(pyccl_ar *f, const char *name, long dflt, long lo, long hi)
     errno = 0;
     long x = strtol(v, &end, 10);
     if (end == v || *end != '\0' || errno == ERANGE || x < lo || x > hi) {
-        if (f->bad_setting[0] == '\0') {
-            snprintf(f->bad_setting, sizeof f->bad_setting,
-                     "%s must be a whole number from %ld to %ld, got '%.60s'", name, lo, hi, v);
-        }
+        bad_setting(f, "%s must be a whole number from %ld to %ld, got '%.60s'", name, lo, hi, v);
         return dflt;
     }
     return x;
@@ -185,12 +197,7 @@ read_settings(pyccl_ar *f, const pyccl_comm *c, const char *op)
         double v = strtod(to, &end);
         /* the kernels count nanoseconds in 64 bits: up to a century */
         if (end == to || *end != '\0' || !(v > 0.0) || !(v < 3.0e9)) {
-            /* not raised here: a setting of one rank would leave the others
-             * waiting in the set-up; the set-up turns the kernels off for all */
-            if (f->bad_setting[0] == '\0') {
-                snprintf(f->bad_setting, sizeof f->bad_setting,
-                         "PYCCL_AR_TIMEOUT must be a finite number of seconds > 0, got '%.60s'", to);
-            }
+            bad_setting(f, "PYCCL_AR_TIMEOUT must be a finite number of seconds > 0, got '%.60s'", to);
         }
         else {
             f->timeout = v;

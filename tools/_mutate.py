@@ -255,10 +255,8 @@ FAULTS = [
         "    } else if (0) {\n")],
         tests=["tests/test_own_lifecycle_cpu.py", "-k", "one_rank_only"]),
     dict(name="a bad kernel setting silently the default", tier="cpu", file="csrc/ar.c", edits=[(
-        "        if (f->bad_setting[0] == '\\0') {\n            snprintf(f->bad_setting, sizeof f->bad_setting,\n"
-        "                     \"%s must be a whole number",
-        "        if (0) {\n            snprintf(f->bad_setting, sizeof f->bad_setting,\n"
-        "                     \"%s must be a whole number")],
+        "        bad_setting(f, \"%s must be a whole number from %ld to %ld, got '%.60s'\", name, lo, hi, v);\n",
+        "")],
         tests=["tests/test_own_lifecycle_cpu.py", "-k", "bad_kernel_setting"]),
     dict(name="the backend's all_reduce on a copy", tier="cpu", file="pyccl/distributed.py", edits=[(
         "            self._comm.all_reduce(tensors[0], reduce_op(",
